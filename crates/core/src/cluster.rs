@@ -1,0 +1,306 @@
+//! Cluster: what each device and link can do (FORMATS.md, "Cluster").
+
+use crate::error::{parse_toml, read_file, Error, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::path::Path;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterFile {
+    #[serde(default)]
+    pub defaults: Defaults,
+    #[serde(default)]
+    pub devices: Vec<DeviceSpec>,
+    #[serde(default)]
+    pub links: Vec<LinkSpec>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Defaults {
+    #[serde(default = "one")]
+    pub speed: f64,
+    pub memory: Option<u64>,
+    pub memory_microbatches: Option<u32>,
+    #[serde(default)]
+    pub latency: f64,
+    #[serde(default = "infinite")]
+    pub bandwidth: f64,
+    #[serde(default)]
+    pub overhead: f64,
+}
+
+fn one() -> f64 {
+    1.0
+}
+fn infinite() -> f64 {
+    f64::INFINITY
+}
+
+impl Default for Defaults {
+    fn default() -> Self {
+        Defaults { speed: 1.0, memory: None, memory_microbatches: None, latency: 0.0, bandwidth: f64::INFINITY, overhead: 0.0 }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceSpec {
+    pub name: String,
+    pub region: Option<String>,
+    pub speed: Option<f64>,
+    pub memory: Option<u64>,
+    pub memory_microbatches: Option<u32>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LinkSpec {
+    pub a: String,
+    pub b: String,
+    pub latency: Option<f64>,
+    pub bandwidth: Option<f64>,
+    pub overhead: Option<f64>,
+}
+
+/// A device with its defaults applied.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Device {
+    pub name: String,
+    pub region: String,
+    pub speed: f64,
+    pub memory: Option<u64>,
+    pub memory_microbatches: Option<u32>,
+}
+
+/// A directed point-to-point path between two devices.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Link {
+    pub latency: f64,
+    pub bandwidth: f64,
+    pub overhead: f64,
+}
+
+impl Link {
+    pub const FREE: Link = Link { latency: 0.0, bandwidth: f64::INFINITY, overhead: 0.0 };
+
+    /// `latency + bytes / bandwidth + overhead` (FORMATS.md).
+    pub fn transfer_time(&self, bytes: u64) -> f64 {
+        self.latency + bytes as f64 / self.bandwidth + self.overhead
+    }
+}
+
+/// A resolved cluster: devices in file order and a full link matrix.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Cluster {
+    pub devices: Vec<Device>,
+    links: Vec<Link>,
+}
+
+impl Cluster {
+    pub fn load(path: &Path) -> Result<Self> {
+        let text = read_file(path)?;
+        Self::parse(&path.display().to_string(), &text)
+    }
+
+    pub fn parse(file: &str, text: &str) -> Result<Self> {
+        let f: ClusterFile = parse_toml(file, text)?;
+        Self::resolve(file, &f)
+    }
+
+    /// `n` identical devices of speed 1 joined by free links: what uniform-cost runs assume.
+    pub fn uniform(n: usize) -> Self {
+        let devices = (0..n)
+            .map(|i| Device { name: format!("w{i}"), region: String::new(), speed: 1.0, memory: None, memory_microbatches: None })
+            .collect();
+        Cluster { devices, links: vec![Link::FREE; n * n] }
+    }
+
+    /// `n` identical devices sharing one link model between every pair.
+    pub fn homogeneous(n: usize, link: Link) -> Self {
+        let mut c = Self::uniform(n);
+        for i in 0..n {
+            for j in 0..n {
+                if i != j {
+                    c.links[i * n + j] = link;
+                }
+            }
+        }
+        c
+    }
+
+    pub fn resolve(file: &str, f: &ClusterFile) -> Result<Self> {
+        let d = &f.defaults;
+        check_num(file, "defaults.speed", d.speed, true)?;
+        check_num(file, "defaults.latency", d.latency, false)?;
+        check_num(file, "defaults.overhead", d.overhead, false)?;
+        check_bw(file, "defaults.bandwidth", d.bandwidth)?;
+        if f.devices.is_empty() {
+            return Err(Error::input(file, "no [[devices]]: a cluster needs at least one device"));
+        }
+        let mut seen: HashMap<&str, usize> = HashMap::new();
+        let mut devices = Vec::new();
+        for (i, s) in f.devices.iter().enumerate() {
+            if let Some(first) = seen.insert(s.name.as_str(), i) {
+                return Err(Error::input(file, format!("devices[{i}]: device \"{}\" is named twice (first at devices[{first}])", s.name)));
+            }
+            let speed = s.speed.unwrap_or(d.speed);
+            check_num(file, &format!("devices[{i}] (\"{}\").speed", s.name), speed, true)?;
+            devices.push(Device {
+                name: s.name.clone(),
+                region: s.region.clone().unwrap_or_else(|| s.name.clone()),
+                speed,
+                memory: s.memory.or(d.memory),
+                memory_microbatches: s.memory_microbatches.or(d.memory_microbatches),
+            });
+        }
+        let regions: std::collections::HashSet<&str> = devices.iter().map(|d| d.region.as_str()).collect();
+        let default_link = Link { latency: d.latency, bandwidth: d.bandwidth, overhead: d.overhead };
+        let n = devices.len();
+        let mut links = vec![default_link; n * n];
+        // Region-pair links first, then device-pair links, which are more specific.
+        for (k, l) in f.links.iter().enumerate() {
+            for end in [&l.a, &l.b] {
+                if !regions.contains(end.as_str()) && !seen.contains_key(end.as_str()) {
+                    return Err(Error::input(file, format!("links[{k}]: \"{end}\" is neither a device nor a region")));
+                }
+            }
+        }
+        let mut set_by: HashMap<(String, String), usize> = HashMap::new();
+        for device_pass in [false, true] {
+            for (k, l) in f.links.iter().enumerate() {
+                let is_dev = seen.contains_key(l.a.as_str()) && seen.contains_key(l.b.as_str());
+                if device_pass != is_dev {
+                    continue;
+                }
+                let key = if l.a <= l.b { (l.a.clone(), l.b.clone()) } else { (l.b.clone(), l.a.clone()) };
+                if let Some(first) = set_by.insert(key, k) {
+                    return Err(Error::input(file, format!("links[{k}]: link {}-{} is given twice (first at links[{first}])", l.a, l.b)));
+                }
+                let at = format!("links[{k}] ({}-{})", l.a, l.b);
+                let link = Link {
+                    latency: l.latency.unwrap_or(d.latency),
+                    bandwidth: l.bandwidth.unwrap_or(d.bandwidth),
+                    overhead: l.overhead.unwrap_or(d.overhead),
+                };
+                check_num(file, &format!("{at}.latency"), link.latency, false)?;
+                check_num(file, &format!("{at}.overhead"), link.overhead, false)?;
+                check_bw(file, &format!("{at}.bandwidth"), link.bandwidth)?;
+                for i in 0..n {
+                    for j in 0..n {
+                        let (ki, kj) = if is_dev { (&devices[i].name, &devices[j].name) } else { (&devices[i].region, &devices[j].region) };
+                        if (ki == &l.a && kj == &l.b) || (ki == &l.b && kj == &l.a) {
+                            links[i * n + j] = link;
+                        }
+                    }
+                }
+            }
+        }
+        for i in 0..n {
+            links[i * n + i] = Link::FREE;
+        }
+        Ok(Cluster { devices, links })
+    }
+
+    pub fn len(&self) -> usize {
+        self.devices.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.devices.is_empty()
+    }
+
+    pub fn link(&self, from: usize, to: usize) -> Link {
+        self.links[from * self.devices.len() + to]
+    }
+
+    /// Seconds to move `bytes` from device `from` to `to` (zero on the same device).
+    pub fn transfer_time(&self, from: usize, to: usize, bytes: u64) -> f64 {
+        if from == to {
+            0.0
+        } else {
+            self.link(from, to).transfer_time(bytes)
+        }
+    }
+
+    /// The cluster restricted to the given devices, in that order.
+    pub fn subset(&self, ids: &[usize]) -> Cluster {
+        let devices = ids.iter().map(|&i| self.devices[i].clone()).collect();
+        let links = ids.iter().flat_map(|&i| ids.iter().map(move |&j| (i, j))).map(|(i, j)| self.link(i, j)).collect();
+        Cluster { devices, links }
+    }
+}
+
+fn check_num(file: &str, key: &str, v: f64, positive: bool) -> Result<()> {
+    let ok = v.is_finite() && if positive { v > 0.0 } else { v >= 0.0 };
+    if ok {
+        Ok(())
+    } else {
+        let want = if positive { "> 0" } else { ">= 0" };
+        Err(Error::input(file, format!("{key} = {v} must be a finite number {want}")))
+    }
+}
+
+fn check_bw(file: &str, key: &str, v: f64) -> Result<()> {
+    if v.is_nan() || v <= 0.0 {
+        Err(Error::input(file, format!("{key} = {v} must be > 0 bytes per second")))
+    } else {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TWO_NODES: &str = r#"
+[defaults]
+latency = 0.001
+bandwidth = 1000.0
+[[devices]]
+name = "a0"
+region = "r0"
+[[devices]]
+name = "a1"
+region = "r0"
+speed = 2.0
+[[devices]]
+name = "b0"
+region = "r1"
+[[links]]
+a = "r0"
+b = "r1"
+latency = 0.1
+bandwidth = 10.0
+"#;
+
+    #[test]
+    fn links_resolve_by_region_and_are_symmetric() {
+        let c = Cluster::parse("c.toml", TWO_NODES).unwrap();
+        assert_eq!(c.devices[1].speed, 2.0);
+        assert_eq!(c.transfer_time(0, 0, 100), 0.0);
+        assert!((c.transfer_time(0, 1, 100) - 0.101).abs() < 1e-12);
+        assert!((c.transfer_time(0, 2, 100) - 10.1).abs() < 1e-12);
+        assert!((c.transfer_time(2, 1, 100) - 10.1).abs() < 1e-12);
+    }
+
+    #[test]
+    fn device_named_twice() {
+        let e = Cluster::parse("c.toml", &TWO_NODES.replace("\"b0\"", "\"a0\"")).unwrap_err();
+        assert_eq!(e.to_string(), "c.toml: devices[2]: device \"a0\" is named twice (first at devices[0])");
+    }
+
+    #[test]
+    fn unknown_key_and_unknown_link_end() {
+        let e = Cluster::parse("c.toml", &TWO_NODES.replace("speed = 2.0", "sped = 2.0")).unwrap_err().to_string();
+        assert!(e.contains("sped") && e.contains("line 11"), "{e}");
+        let e = Cluster::parse("c.toml", &TWO_NODES.replace("b = \"r1\"", "b = \"r9\"")).unwrap_err().to_string();
+        assert_eq!(e, "c.toml: links[0]: \"r9\" is neither a device nor a region");
+    }
+
+    #[test]
+    fn negative_values_are_rejected() {
+        let e = Cluster::parse("c.toml", &TWO_NODES.replace("latency = 0.1", "latency = -0.1")).unwrap_err();
+        assert_eq!(e.to_string(), "c.toml: links[0] (r0-r1).latency = -0.1 must be a finite number >= 0");
+    }
+}

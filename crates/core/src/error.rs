@@ -1,0 +1,55 @@
+//! Errors of the core crate: every one names what is wrong and where.
+
+use thiserror::Error;
+
+#[derive(Debug, Error, Clone, PartialEq)]
+pub enum Error {
+    /// A profile, cluster or plan file is malformed or inconsistent.
+    #[error("{file}: {msg}")]
+    Input { file: String, msg: String },
+    /// A schedule generator was asked for something it cannot build.
+    #[error("{0}")]
+    Schedule(String),
+    /// A plan breaks a rule; the message names worker, position and action.
+    #[error("{0}")]
+    Invalid(String),
+    /// No partition or plan fits the constraints.
+    #[error("{0}")]
+    Infeasible(String),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    pub fn input(file: impl Into<String>, msg: impl Into<String>) -> Self {
+        Error::Input { file: file.into(), msg: msg.into() }
+    }
+}
+
+/// Parse TOML into `T`, turning the parser's multi-line report into one line with
+/// line and column.
+pub fn parse_toml<T: serde::de::DeserializeOwned>(file: &str, text: &str) -> Result<T> {
+    toml::from_str(text).map_err(|e| {
+        let msg = e.message().trim().replace('\n', " ");
+        match e.span() {
+            Some(span) => {
+                let (line, col) = line_col(text, span.start);
+                Error::input(file, format!("line {line}, column {col}: {msg}"))
+            }
+            None => Error::input(file, msg),
+        }
+    })
+}
+
+fn line_col(text: &str, offset: usize) -> (usize, usize) {
+    let before = &text[..offset.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let col = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+    (line, col)
+}
+
+/// Read a file, naming it in the error.
+pub fn read_file(path: &std::path::Path) -> Result<String> {
+    std::fs::read_to_string(path)
+        .map_err(|e| Error::input(path.display().to_string(), format!("cannot read: {e}")))
+}

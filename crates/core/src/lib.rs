@@ -1,0 +1,12 @@
+//! pipewright-core: plain data and pure functions for pipeline-parallel training.
+//!
+//! Profiles and clusters describe the work; schedule generators produce a [`ir::Plan`]; the
+//! validator checks it; the simulator predicts its time and memory; timelines draw it.
+
+pub mod cluster;
+pub mod error;
+pub mod ir;
+pub mod profile;
+pub mod schedule;
+
+pub use error::{Error, Result};

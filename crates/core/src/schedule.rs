@@ -1,0 +1,261 @@
+//! Schedule generators: GPipe, 1F1B, interleaved 1F1B, ZB-H1 and ZB-V, each producing a [`Plan`].
+//!
+//! GPipe, 1F1B and interleaved 1F1B are the closed-form orders of their papers (Huang et al.
+//! 2019; Narayanan et al. 2019/2021). The zero-bubble orders (Qi et al. 2024) are produced the way
+//! that paper's automatic scheduler does it in spirit: a greedy list schedule on unit costs that
+//! runs `B` first (it is on the critical path), then `F` while memory allows, and fills the
+//! remaining idle time with deferred `W`s.
+
+use crate::error::{Error, Result};
+use crate::ir::{Action, Op, Plan};
+use std::cmp::Reverse;
+use std::collections::{BTreeSet, BinaryHeap};
+use std::fmt;
+use std::str::FromStr;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ScheduleKind {
+    GPipe,
+    OneFOneB,
+    Interleaved,
+    ZbH1,
+    ZbV,
+}
+
+impl ScheduleKind {
+    pub const ALL: [ScheduleKind; 5] = [Self::GPipe, Self::OneFOneB, Self::Interleaved, Self::ZbH1, Self::ZbV];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::GPipe => "gpipe",
+            Self::OneFOneB => "1f1b",
+            Self::Interleaved => "interleaved",
+            Self::ZbH1 => "zbh1",
+            Self::ZbV => "zbv",
+        }
+    }
+    /// Chunks (stages) per worker when the user does not say.
+    pub fn default_chunks(self) -> usize {
+        match self {
+            Self::Interleaved | Self::ZbV => 2,
+            _ => 1,
+        }
+    }
+    /// Does the schedule split the backward into `B` and `W`?
+    pub fn splits_backward(self) -> bool {
+        matches!(self, Self::ZbH1 | Self::ZbV)
+    }
+}
+
+impl fmt::Display for ScheduleKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for ScheduleKind {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Self::ALL.into_iter().find(|k| k.name() == s.to_ascii_lowercase()).ok_or_else(|| {
+            Error::Schedule(format!("unknown schedule {s:?} (expected one of gpipe, 1f1b, interleaved, zbh1, zbv)"))
+        })
+    }
+}
+
+/// Build the plan of `kind` for `workers` pipeline workers, `microbatches` micro-batches and
+/// `chunks` stages per worker (interleaved: any V >= 1; ZB-V: 2; others: 1).
+pub fn generate(kind: ScheduleKind, workers: usize, microbatches: usize, chunks: usize) -> Result<Plan> {
+    let err = |m: String| Err(Error::Schedule(format!("{kind}: {m}")));
+    if workers == 0 {
+        return err("needs at least 1 stage (got --stages 0)".into());
+    }
+    if microbatches == 0 {
+        return err("needs at least 1 micro-batch (got --microbatches 0)".into());
+    }
+    if chunks == 0 {
+        return err("needs at least 1 chunk per worker (got --chunks 0)".into());
+    }
+    match kind {
+        ScheduleKind::GPipe | ScheduleKind::OneFOneB | ScheduleKind::ZbH1 if chunks != 1 => {
+            err(format!("places one stage per worker; --chunks {chunks} needs interleaved or zbv"))
+        }
+        ScheduleKind::ZbV if chunks != 2 => err(format!("places exactly 2 chunks per worker in a V; got --chunks {chunks}")),
+        ScheduleKind::Interleaved if microbatches % workers != 0 => err(format!(
+            "needs --microbatches to be a multiple of --stages (micro-batches go round in groups of P); got M={microbatches}, P={workers}"
+        )),
+        ScheduleKind::GPipe => Ok(gpipe(workers, microbatches)),
+        ScheduleKind::OneFOneB => Ok(interleaved(workers, microbatches, 1, "1f1b")),
+        ScheduleKind::Interleaved => Ok(interleaved(workers, microbatches, chunks, "interleaved")),
+        ScheduleKind::ZbH1 => {
+            let placement: Vec<usize> = (0..workers).collect();
+            greedy(kind.name(), placement, microbatches, &vec![workers; workers])
+        }
+        ScheduleKind::ZbV => {
+            let placement: Vec<usize> = (0..2 * workers).map(|s| if s < workers { s } else { 2 * workers - 1 - s }).collect();
+            greedy(kind.name(), placement, microbatches, &vec![workers; workers])
+        }
+    }
+}
+
+fn gpipe(p: usize, m: usize) -> Plan {
+    let workers = (0..p)
+        .map(|s| (0..m).map(|mb| Action::new(Op::F, s, mb)).chain((0..m).map(|mb| Action::new(Op::BW, s, mb))).collect())
+        .collect();
+    Plan { kind: "gpipe".into(), num_microbatches: m, placement: (0..p).collect(), routes: Plan::full_routes(p, m), workers }
+}
+
+/// Interleaved 1F1B with `v` chunks per worker (Megatron-LM's order); `v = 1` is plain 1F1B.
+/// Stage `c * p + w` is chunk `c` of worker `w`. Micro-batches go round in groups of `p`:
+/// forward number `k` of a worker is chunk `(k / p) % v` of micro-batch `(k / (p v)) p + k % p`;
+/// backwards walk the chunks in reverse.
+fn interleaved(p: usize, m: usize, v: usize, kind: &str) -> Plan {
+    let total = m * v;
+    let unit = |k: usize, backward: bool| {
+        let group = k / (p * v);
+        let chunk = (k % (p * v)) / p;
+        let chunk = if backward { v - 1 - chunk } else { chunk };
+        let mb = if v == 1 { k } else { group * p + k % p };
+        (chunk, mb)
+    };
+    let workers = (0..p)
+        .map(|w| {
+            let warmup = if v == 1 { (p - w - 1).min(m) } else { ((p - w - 1) * 2 + (v - 1) * p).min(total) };
+            let mut acts = Vec::with_capacity(2 * total);
+            let fwd = |k: usize| {
+                let (c, mb) = unit(k, false);
+                Action::new(Op::F, c * p + w, mb)
+            };
+            let bwd = |k: usize| {
+                let (c, mb) = unit(k, true);
+                Action::new(Op::BW, c * p + w, mb)
+            };
+            acts.extend((0..warmup).map(fwd));
+            for k in 0..total - warmup {
+                acts.push(fwd(warmup + k));
+                acts.push(bwd(k));
+            }
+            acts.extend((total - warmup..total).map(bwd));
+            acts
+        })
+        .collect();
+    let s = p * v;
+    Plan { kind: kind.into(), num_microbatches: m, placement: (0..s).map(|s| s % p).collect(), routes: Plan::full_routes(s, m), workers }
+}
+
+/// Greedy list schedule on unit costs with split backward. Each free worker runs, in order of
+/// preference: the oldest ready `B`; the oldest ready `F` if it keeps the micro-batches in
+/// flight on the worker within `limit[w]` (a micro-batch already in flight there may always
+/// continue, so a V placement cannot deadlock); the oldest pending `W`.
+pub fn greedy(kind: &str, placement: Vec<usize>, m: usize, limit: &[usize]) -> Result<Plan> {
+    let s_count = placement.len();
+    let p = limit.len();
+    let routes = Plan::full_routes(s_count, m);
+    // Ready sets per worker, keyed (mb, stage) for F and W, (mb, Reverse(stage)) for B.
+    let mut ready_f: Vec<BTreeSet<(usize, usize)>> = vec![BTreeSet::new(); p];
+    let mut ready_b: Vec<BTreeSet<(usize, Reverse<usize>)>> = vec![BTreeSet::new(); p];
+    let mut pending_w: Vec<BTreeSet<(usize, usize)>> = vec![BTreeSet::new(); p];
+    let mut chunks_in_flight = vec![0usize; p * m];
+    let mut mbs_in_flight = vec![0usize; p];
+    let mut busy = vec![false; p];
+    let mut workers: Vec<Vec<Action>> = vec![Vec::new(); p];
+    for (mb, r) in routes.iter().enumerate() {
+        ready_f[placement[r[0]]].insert((mb, r[0]));
+    }
+    let pos = |mb: usize, s: usize| routes[mb].iter().position(|&x| x == s).expect("stage on route");
+    let mut events: BinaryHeap<Reverse<(u64, usize, usize)>> = BinaryHeap::new(); // (time, worker, index)
+    let total = 3 * m * s_count;
+    let mut done = 0;
+    let mut t = 0u64;
+    loop {
+        for w in 0..p {
+            if busy[w] {
+                continue;
+            }
+            let pick = if let Some(&(mb, Reverse(s))) = ready_b[w].iter().next() {
+                ready_b[w].remove(&(mb, Reverse(s)));
+                Some(Action::new(Op::B, s, mb))
+            } else if let Some(&(mb, s)) = ready_f[w].iter().find(|&&(mb, _)| chunks_in_flight[w * m + mb] > 0 || mbs_in_flight[w] < limit[w]) {
+                ready_f[w].remove(&(mb, s));
+                if chunks_in_flight[w * m + mb] == 0 {
+                    mbs_in_flight[w] += 1;
+                }
+                chunks_in_flight[w * m + mb] += 1;
+                Some(Action::new(Op::F, s, mb))
+            } else if let Some(&(mb, s)) = pending_w[w].iter().next() {
+                pending_w[w].remove(&(mb, s));
+                Some(Action::new(Op::W, s, mb))
+            } else {
+                None
+            };
+            if let Some(a) = pick {
+                busy[w] = true;
+                workers[w].push(a);
+                events.push(Reverse((t + 1, w, workers[w].len() - 1)));
+            }
+        }
+        let Some(Reverse((t1, _, _))) = events.peek().copied() else { break };
+        t = t1;
+        while let Some(&Reverse((te, w, i))) = events.peek() {
+            if te != t {
+                break;
+            }
+            events.pop();
+            busy[w] = false;
+            done += 1;
+            let a = workers[w][i];
+            let r = &routes[a.mb];
+            let at = pos(a.mb, a.stage);
+            match a.op {
+                Op::F => match r.get(at + 1) {
+                    Some(&n) => {
+                        ready_f[placement[n]].insert((a.mb, n));
+                    }
+                    None => {
+                        ready_b[w].insert((a.mb, Reverse(a.stage)));
+                    }
+                },
+                Op::B => {
+                    pending_w[w].insert((a.mb, a.stage));
+                    if at > 0 {
+                        let prev = r[at - 1];
+                        ready_b[placement[prev]].insert((a.mb, Reverse(prev)));
+                    }
+                }
+                Op::W | Op::BW => {
+                    chunks_in_flight[w * m + a.mb] -= 1;
+                    if chunks_in_flight[w * m + a.mb] == 0 {
+                        mbs_in_flight[w] -= 1;
+                    }
+                }
+            }
+        }
+    }
+    if done != total {
+        return Err(Error::Schedule(format!("{kind}: greedy schedule stalled after {done} of {total} actions (memory limit too tight)")));
+    }
+    Ok(Plan { kind: kind.into(), num_microbatches: m, placement, routes, workers })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_f_one_b_shape() {
+        let p = generate(ScheduleKind::OneFOneB, 4, 8, 1).unwrap();
+        let w0: Vec<String> = p.workers[0].iter().map(|a| format!("{}{}", a.op.as_str(), a.mb)).collect();
+        assert_eq!(w0[..6], ["F0", "F1", "F2", "F3", "BW0", "F4"]);
+        let w3: Vec<String> = p.workers[3].iter().take(4).map(|a| format!("{}{}", a.op.as_str(), a.mb)).collect();
+        assert_eq!(w3, ["F0", "BW0", "F1", "BW1"]);
+    }
+
+    #[test]
+    fn bad_combinations_are_errors() {
+        let e = |k, p, m, v| generate(k, p, m, v).unwrap_err().to_string();
+        assert!(e(ScheduleKind::Interleaved, 4, 6, 2).contains("multiple of --stages"));
+        assert!(e(ScheduleKind::ZbV, 4, 8, 3).contains("exactly 2 chunks"));
+        assert!(e(ScheduleKind::OneFOneB, 4, 8, 2).contains("one stage per worker"));
+        assert!(e(ScheduleKind::GPipe, 0, 8, 1).contains("--stages 0"));
+        assert!("pipedream".parse::<ScheduleKind>().unwrap_err().to_string().contains("unknown schedule"));
+    }
+}
