@@ -8,5 +8,7 @@ pub mod error;
 pub mod ir;
 pub mod profile;
 pub mod schedule;
+pub mod sim;
+pub mod validate;
 
 pub use error::{Error, Result};

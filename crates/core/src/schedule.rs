@@ -86,10 +86,7 @@ pub fn generate(kind: ScheduleKind, workers: usize, microbatches: usize, chunks:
         ScheduleKind::GPipe => Ok(gpipe(workers, microbatches)),
         ScheduleKind::OneFOneB => Ok(interleaved(workers, microbatches, 1, "1f1b")),
         ScheduleKind::Interleaved => Ok(interleaved(workers, microbatches, chunks, "interleaved")),
-        ScheduleKind::ZbH1 => {
-            let placement: Vec<usize> = (0..workers).collect();
-            greedy(kind.name(), placement, microbatches, &vec![workers; workers])
-        }
+        ScheduleKind::ZbH1 => Ok(zb_h1(workers, microbatches)),
         ScheduleKind::ZbV => {
             let placement: Vec<usize> = (0..2 * workers).map(|s| if s < workers { s } else { 2 * workers - 1 - s }).collect();
             greedy(kind.name(), placement, microbatches, &vec![workers; workers])
@@ -140,6 +137,32 @@ fn interleaved(p: usize, m: usize, v: usize, kind: &str) -> Plan {
         .collect();
     let s = p * v;
     Plan { kind: kind.into(), num_microbatches: m, placement: (0..s).map(|s| s % p).collect(), routes: Plan::full_routes(s, m), workers }
+}
+
+/// ZB-H1: the 1F1B order with each backward split in two; worker `w` runs the `W` of
+/// micro-batch `j` right after the `B` of micro-batch `j + w`, and the last `w` of them at the
+/// end, where 1F1B's cool-down bubble was. Worker `w` thus holds at most `P` micro-batches'
+/// activations (1F1B's worst worker) and the bubble shrinks to `(P - 1)(F + B - W)`.
+fn zb_h1(p: usize, m: usize) -> Plan {
+    let mut plan = interleaved(p, m, 1, "zbh1");
+    for (w, acts) in plan.workers.iter_mut().enumerate() {
+        let mut out = Vec::with_capacity(acts.len() + m);
+        let mut next_w = 0;
+        for a in acts.iter() {
+            if a.op == Op::BW {
+                out.push(Action::new(Op::B, a.stage, a.mb));
+                if a.mb >= w {
+                    out.push(Action::new(Op::W, a.stage, next_w));
+                    next_w += 1;
+                }
+            } else {
+                out.push(*a);
+            }
+        }
+        out.extend((next_w..m).map(|mb| Action::new(Op::W, w, mb)));
+        *acts = out;
+    }
+    plan
 }
 
 /// Greedy list schedule on unit costs with split backward. Each free worker runs, in order of

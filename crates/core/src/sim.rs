@@ -1,0 +1,364 @@
+//! Discrete-event simulator: runs a plan's per-worker orders on a cluster.
+//!
+//! Compute costs come from per-stage [`StageCost`]s divided by the worker's device speed.
+//! After `F(s, m)` the stage's output travels to the worker of the next stage on `m`'s route;
+//! after `B`/`BW(s, m)` a gradient of the stage's input travels to the previous stage. Each
+//! directed link is a FIFO resource busy for `latency + bytes / bandwidth + overhead`; sends do
+//! not block compute.
+
+use crate::cluster::Cluster;
+use crate::error::{Error, Result};
+use crate::ir::{Action, Op, Plan, RouteIndex};
+use crate::profile::StageCost;
+use serde::Serialize;
+use std::cmp::{Ordering, Reverse};
+use std::collections::BinaryHeap;
+
+/// Bytes of weights, gradients and the two AdamW moments: what a stage holds besides activations.
+pub fn static_memory_bytes(params: u64) -> u64 {
+    4 * params
+}
+
+/// One action on the timeline.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct TimedAction {
+    pub worker: usize,
+    pub action: Action,
+    pub start: f64,
+    pub end: f64,
+}
+
+/// One message on the timeline (activation forward, gradient backward, or all-reduce share).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct TimedTransfer {
+    pub from: usize,
+    pub to: usize,
+    /// The action whose result is carried.
+    pub action: Action,
+    pub bytes: u64,
+    pub start: f64,
+    pub end: f64,
+}
+
+/// What happened, in order of start time per worker: the format both the simulator and the
+/// runtime's measurements produce.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Timeline {
+    pub worker_names: Vec<String>,
+    pub actions: Vec<TimedAction>,
+    pub transfers: Vec<TimedTransfer>,
+}
+
+/// In-flight activations of one worker at their peak.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+pub struct MemoryPeak {
+    /// Stage-chunk activations (one stage, one micro-batch) held at once.
+    pub chunks: usize,
+    /// Distinct micro-batches with activations held at once.
+    pub microbatches: usize,
+    /// Bytes of activations held at once.
+    pub activation_bytes: u64,
+    /// Weights, gradients and optimizer state of the worker's stages.
+    pub static_bytes: u64,
+}
+
+/// Peaks of in-flight activations along each worker's order: an activation lives from its `F`
+/// to the `W` or `BW` that ends its stage's backward. Order alone decides it, not costs.
+pub fn memory_peaks(plan: &Plan, stages: &[StageCost]) -> Vec<MemoryPeak> {
+    let m = plan.num_microbatches;
+    let mut per_mb = vec![0usize; m];
+    plan.workers
+        .iter()
+        .enumerate()
+        .map(|(w, acts)| {
+            per_mb.iter_mut().for_each(|c| *c = 0);
+            let (mut chunks, mut mbs, mut bytes) = (0usize, 0usize, 0u64);
+            let mut peak = MemoryPeak::default();
+            for a in acts {
+                let kept = stages.get(a.stage).map_or(0, |c| c.activation_kept);
+                if a.op == Op::F {
+                    chunks += 1;
+                    bytes += kept;
+                    if per_mb[a.mb] == 0 {
+                        mbs += 1;
+                    }
+                    per_mb[a.mb] += 1;
+                    peak.chunks = peak.chunks.max(chunks);
+                    peak.microbatches = peak.microbatches.max(mbs);
+                    peak.activation_bytes = peak.activation_bytes.max(bytes);
+                } else if a.op.frees_activation() {
+                    chunks = chunks.saturating_sub(1);
+                    bytes = bytes.saturating_sub(kept);
+                    per_mb[a.mb] = per_mb[a.mb].saturating_sub(1);
+                    if per_mb[a.mb] == 0 {
+                        mbs = mbs.saturating_sub(1);
+                    }
+                }
+            }
+            peak.static_bytes = plan.stages_of(w).iter().map(|&s| stages.get(s).map_or(0, |c| static_memory_bytes(c.params))).sum();
+            peak
+        })
+        .collect()
+}
+
+/// Check per-device memory caps of the cluster (bytes and/or micro-batches in flight).
+pub fn check_memory(plan: &Plan, stages: &[StageCost], cluster: &Cluster) -> Result<()> {
+    for (w, peak) in memory_peaks(plan, stages).iter().enumerate() {
+        let d = &cluster.devices[w];
+        if let Some(cap) = d.memory_microbatches {
+            if peak.microbatches > cap as usize {
+                return Err(Error::Invalid(format!(
+                    "worker {w} (device {}): {} micro-batches in flight, memory_microbatches allows {cap}",
+                    d.name, peak.microbatches
+                )));
+            }
+        }
+        if let Some(cap) = d.memory {
+            let need = peak.static_bytes + peak.activation_bytes;
+            if need > cap {
+                return Err(Error::Invalid(format!(
+                    "worker {w} (device {}): needs {need} bytes ({} weights+grads+AdamW, {} activations), memory is {cap}",
+                    d.name, peak.static_bytes, peak.activation_bytes
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Per directed link: bytes carried and time busy.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LinkUse {
+    pub from: usize,
+    pub to: usize,
+    pub bytes: u64,
+    pub busy: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct SimResult {
+    pub makespan: f64,
+    pub busy: Vec<f64>,
+    pub bubble_fraction: f64,
+    pub peak_activations: Vec<usize>,
+    pub peak_activation_bytes: Vec<u64>,
+    pub peak_memory_bytes: Vec<u64>,
+    pub links: Vec<LinkUse>,
+    #[serde(skip)]
+    pub timeline: Timeline,
+}
+
+/// Costs and places a simulation needs: the stage costs and, for each worker, its device.
+pub struct SimSetup<'a> {
+    pub plan: &'a Plan,
+    /// One per stage, at speed 1.0.
+    pub stages: &'a [StageCost],
+    /// One device per worker, in worker order.
+    pub cluster: &'a Cluster,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+struct Time(f64);
+impl Eq for Time {}
+impl PartialOrd for Time {
+    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Time {
+    fn cmp(&self, o: &Self) -> Ordering {
+        self.0.total_cmp(&o.0)
+    }
+}
+
+const UNKNOWN: f64 = f64::INFINITY;
+
+/// Simulate; the plan should have been validated (a stuck plan is still reported, not hung).
+pub fn simulate(setup: &SimSetup) -> Result<SimResult> {
+    let SimSetup { plan, stages, cluster } = *setup;
+    let (p, s, m) = (plan.num_workers(), plan.num_stages(), plan.num_microbatches);
+    if stages.len() != s {
+        return Err(Error::Invalid(format!("{} stage costs for a plan of {s} stages", stages.len())));
+    }
+    if cluster.len() < p {
+        return Err(Error::Invalid(format!("the plan needs {p} workers but the cluster has {} devices", cluster.len())));
+    }
+    let routes = RouteIndex::new(plan);
+    let next = |mb: usize, st: usize| routes.position(mb, st).and_then(|i| plan.routes[mb].get(i + 1).copied());
+    let prev = |mb: usize, st: usize| routes.position(mb, st).and_then(|i| i.checked_sub(1).map(|j| plan.routes[mb][j]));
+    // Arrival times at the consuming worker: input activation of F(s, m), gradient for B(s, m).
+    let mut input_at = vec![UNKNOWN; s * m];
+    let mut grad_at = vec![UNKNOWN; s * m];
+    let mut f_done = vec![UNKNOWN; s * m];
+    let mut b_done = vec![UNKNOWN; s * m];
+    for (mb, r) in plan.routes.iter().enumerate() {
+        input_at[r[0] * m + mb] = 0.0;
+    }
+    let mut head = vec![0usize; p];
+    let mut free_at = vec![0.0f64; p];
+    let mut busy = vec![0.0f64; p];
+    let mut link_free = vec![0.0f64; p * p];
+    let mut link_bytes = vec![0u64; p * p];
+    let mut link_busy = vec![0.0f64; p * p];
+    let mut timeline = Timeline {
+        worker_names: (0..p).map(|w| cluster.devices[w].name.clone()).collect(),
+        actions: Vec::with_capacity(plan.workers.iter().map(Vec::len).sum()),
+        transfers: Vec::new(),
+    };
+    let mut events: BinaryHeap<Reverse<(Time, usize)>> = BinaryHeap::new();
+    // Worker w waits on one unknown time; it is retried when any of its deps' arrays change.
+    let mut waiting: Vec<Vec<usize>> = vec![Vec::new(); s * m];
+
+    let duration = |w: usize, a: &Action| {
+        let c = &stages[a.stage];
+        let work = match a.op {
+            Op::F => c.forward,
+            Op::B => c.backward_input,
+            Op::W => c.backward_weight,
+            Op::BW => c.full_backward(),
+        };
+        work / cluster.devices[w].speed
+    };
+
+    // Try to start worker w's next action; returns false if it must wait.
+    let try_start = |w: usize,
+                     head: &mut Vec<usize>,
+                     free_at: &mut Vec<f64>,
+                     busy: &mut Vec<f64>,
+                     timeline: &mut Timeline,
+                     events: &mut BinaryHeap<Reverse<(Time, usize)>>,
+                     waiting: &mut Vec<Vec<usize>>,
+                     input_at: &[f64],
+                     grad_at: &[f64],
+                     f_done: &[f64],
+                     b_done: &[f64]| {
+        let Some(a) = plan.workers[w].get(head[w]) else { return };
+        let k = a.stage * m + a.mb;
+        let ready = match a.op {
+            Op::F => input_at[k],
+            Op::B | Op::BW => grad_at[k].max(f_done[k]),
+            Op::W => b_done[k],
+        };
+        if ready == UNKNOWN {
+            waiting[k].push(w);
+            return;
+        }
+        let start = ready.max(free_at[w]);
+        let end = start + duration(w, a);
+        busy[w] += end - start;
+        free_at[w] = end;
+        timeline.actions.push(TimedAction { worker: w, action: *a, start, end });
+        events.push(Reverse((Time(end), timeline.actions.len() - 1)));
+    };
+
+    for w in 0..p {
+        try_start(w, &mut head, &mut free_at, &mut busy, &mut timeline, &mut events, &mut waiting, &input_at, &grad_at, &f_done, &b_done);
+    }
+    let mut completed = 0usize;
+    while let Some(Reverse((Time(t), idx))) = events.pop() {
+        completed += 1;
+        let TimedAction { worker: w, action: a, .. } = timeline.actions[idx];
+        let k = a.stage * m + a.mb;
+        // Results and the messages that carry them.
+        let mut send = |to_stage: usize, bytes: u64, arrive: &mut Vec<f64>, timeline: &mut Timeline| {
+            let to = plan.placement[to_stage];
+            let at = if to == w {
+                t
+            } else {
+                let l = w * p + to;
+                let start = t.max(link_free[l]);
+                let end = start + cluster.transfer_time(w, to, bytes);
+                link_free[l] = end;
+                link_bytes[l] += bytes;
+                link_busy[l] += end - start;
+                timeline.transfers.push(TimedTransfer { from: w, to, action: a, bytes, start, end });
+                end
+            };
+            arrive[to_stage * m + a.mb] = at;
+            to_stage * m + a.mb
+        };
+        let mut wake = Vec::new();
+        match a.op {
+            Op::F => {
+                f_done[k] = t;
+                wake.push(k);
+                match next(a.mb, a.stage) {
+                    Some(n) => wake.push(send(n, stages[a.stage].activation_out, &mut input_at, &mut timeline)),
+                    None => grad_at[k] = t,
+                }
+            }
+            Op::B | Op::BW => {
+                if a.op == Op::B {
+                    b_done[k] = t;
+                    wake.push(k);
+                }
+                if let Some(pv) = prev(a.mb, a.stage) {
+                    wake.push(send(pv, stages[pv].activation_out, &mut grad_at, &mut timeline));
+                }
+            }
+            Op::W => {}
+        }
+        head[w] += 1;
+        try_start(w, &mut head, &mut free_at, &mut busy, &mut timeline, &mut events, &mut waiting, &input_at, &grad_at, &f_done, &b_done);
+        for key in wake {
+            for v in std::mem::take(&mut waiting[key]) {
+                try_start(v, &mut head, &mut free_at, &mut busy, &mut timeline, &mut events, &mut waiting, &input_at, &grad_at, &f_done, &b_done);
+            }
+        }
+    }
+    let total: usize = plan.workers.iter().map(Vec::len).sum();
+    if completed != total {
+        let stuck: Vec<String> = (0..p).filter(|&w| head[w] < plan.workers[w].len()).map(|w| format!("worker {w} at step {} {}", head[w], plan.workers[w][head[w]])).collect();
+        return Err(Error::Invalid(format!("simulation stuck after {completed} of {total} actions: {}", stuck.join(", "))));
+    }
+    let makespan = timeline.actions.iter().map(|a| a.end).fold(0.0, f64::max);
+    let work: f64 = busy.iter().sum();
+    let bubble_fraction = if makespan > 0.0 { 1.0 - work / (p as f64 * makespan) } else { 0.0 };
+    let peaks = memory_peaks(plan, stages);
+    let links = (0..p * p)
+        .filter(|&l| link_bytes[l] > 0 || link_busy[l] > 0.0)
+        .map(|l| LinkUse { from: l / p, to: l % p, bytes: link_bytes[l], busy: link_busy[l] })
+        .collect();
+    Ok(SimResult {
+        makespan,
+        busy,
+        bubble_fraction,
+        peak_activations: peaks.iter().map(|x| x.chunks).collect(),
+        peak_activation_bytes: peaks.iter().map(|x| x.activation_bytes).collect(),
+        peak_memory_bytes: peaks.iter().map(|x| x.activation_bytes + x.static_bytes).collect(),
+        links,
+        timeline,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::schedule::{generate, ScheduleKind};
+
+    fn unit(kind: ScheduleKind, p: usize, m: usize, v: usize) -> SimResult {
+        let plan = generate(kind, p, m, v).unwrap();
+        let stages = vec![StageCost::uniform(1.0, 1.0, 1.0); plan.num_stages()];
+        simulate(&SimSetup { plan: &plan, stages: &stages, cluster: &Cluster::uniform(p) }).unwrap()
+    }
+
+    #[test]
+    fn closed_form_unit_costs() {
+        let g = unit(ScheduleKind::GPipe, 4, 8, 1);
+        assert_eq!(g.makespan, 33.0);
+        assert!((g.bubble_fraction - 3.0 / 11.0).abs() < 1e-12);
+        assert_eq!(g.peak_activations, [8, 8, 8, 8]);
+        let o = unit(ScheduleKind::OneFOneB, 4, 8, 1);
+        assert_eq!(o.makespan, 33.0);
+        assert!((o.bubble_fraction - 3.0 / 11.0).abs() < 1e-12);
+        assert_eq!(o.peak_activations, [4, 3, 2, 1]);
+        let z = unit(ScheduleKind::ZbH1, 4, 8, 1);
+        assert_eq!(z.makespan, 27.0, "{:?}", z.busy);
+        assert!(z.peak_activations.iter().all(|&x| x <= 4), "{:?}", z.peak_activations);
+        let i = unit(ScheduleKind::Interleaved, 4, 8, 2);
+        assert_eq!(i.makespan, 57.0);
+        let v = unit(ScheduleKind::ZbV, 4, 8, 2);
+        assert!(v.bubble_fraction <= 0.06, "zbv bubble {} makespan {}", v.bubble_fraction, v.makespan);
+        assert!(v.peak_activations.iter().all(|&x| x <= 8), "{:?}", v.peak_activations);
+    }
+}
