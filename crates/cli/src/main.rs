@@ -1,1 +1,285 @@
-fn main(){}
+//! `pipewright`: plan, simulate and run pipeline-parallel training.
+
+use anyhow::{anyhow, Context, Result};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use pipewright_core::cluster::Cluster;
+use pipewright_core::ir::Plan;
+use pipewright_core::partition::split_for_plan;
+use pipewright_core::profile::{Profile, StageCost};
+use pipewright_core::schedule::{generate, ScheduleKind};
+use pipewright_core::sim::{check_memory, simulate, SimSetup};
+use pipewright_core::validate::validate;
+use serde_json::json;
+use std::path::{Path, PathBuf};
+
+#[derive(Parser)]
+#[command(name = "pipewright", version, about = "Plan, simulate and run pipeline-parallel training of transformers.")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Generate a schedule and print it as a grid (step x worker), JSON or CSV.
+    Schedule {
+        #[command(flatten)]
+        sched: SchedArgs,
+        #[arg(long, value_enum, default_value = "grid")]
+        format: Format,
+    },
+    /// Simulate a schedule on uniform costs or a profile + cluster: time, bubble, memory, links.
+    Simulate(SimulateArgs),
+    /// Check a plan file (JSON or CSV as written by `schedule`) and say what is wrong, if anything.
+    Validate {
+        /// Plan file (.json or .csv).
+        file: PathBuf,
+    },
+}
+
+#[derive(Copy, Clone, ValueEnum)]
+enum Format {
+    Grid,
+    Json,
+    Csv,
+}
+
+#[derive(Copy, Clone, ValueEnum)]
+enum Kind {
+    Gpipe,
+    #[value(name = "1f1b")]
+    OneFOneB,
+    Interleaved,
+    Zbh1,
+    Zbv,
+}
+
+impl From<Kind> for ScheduleKind {
+    fn from(k: Kind) -> Self {
+        match k {
+            Kind::Gpipe => ScheduleKind::GPipe,
+            Kind::OneFOneB => ScheduleKind::OneFOneB,
+            Kind::Interleaved => ScheduleKind::Interleaved,
+            Kind::Zbh1 => ScheduleKind::ZbH1,
+            Kind::Zbv => ScheduleKind::ZbV,
+        }
+    }
+}
+
+#[derive(Args)]
+struct SchedArgs {
+    /// Schedule to generate.
+    #[arg(long, value_enum, default_value = "1f1b")]
+    kind: Kind,
+    /// Pipeline depth P: workers in the pipeline.
+    #[arg(long, default_value_t = 4)]
+    stages: usize,
+    /// Micro-batches M per iteration.
+    #[arg(long, default_value_t = 8)]
+    microbatches: usize,
+    /// Stage chunks per worker (interleaved: V, default 2; zbv: 2).
+    #[arg(long)]
+    chunks: Option<usize>,
+}
+
+impl SchedArgs {
+    fn plan(&self) -> Result<Plan> {
+        let kind: ScheduleKind = self.kind.into();
+        let plan = generate(kind, self.stages, self.microbatches, self.chunks.unwrap_or(kind.default_chunks()))?;
+        validate(&plan).context("internal: generated plan does not validate")?;
+        Ok(plan)
+    }
+}
+
+#[derive(Args)]
+struct SimulateArgs {
+    #[command(flatten)]
+    sched: SchedArgs,
+    /// Forward cost per stage-chunk (uniform costs; default 1).
+    #[arg(long, conflicts_with = "profile", allow_negative_numbers = true)]
+    cost_f: Option<f64>,
+    /// Input-gradient backward cost per stage-chunk (default 1).
+    #[arg(long, conflicts_with = "profile", allow_negative_numbers = true)]
+    cost_b: Option<f64>,
+    /// Weight-gradient cost per stage-chunk (default 1); unsplit schedules run B+W as one.
+    #[arg(long, conflicts_with = "profile", allow_negative_numbers = true)]
+    cost_w: Option<f64>,
+    /// Model profile TOML (FORMATS.md); layers are cut into stages by the exact partitioner.
+    #[arg(long)]
+    profile: Option<PathBuf>,
+    /// Cluster TOML (FORMATS.md); worker i runs on the cluster's i-th device.
+    #[arg(long, requires = "profile")]
+    cluster: Option<PathBuf>,
+    /// Simulate a plan file (JSON/CSV) instead of generating one.
+    #[arg(long)]
+    plan: Option<PathBuf>,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+    /// Write a Chrome trace (open in https://ui.perfetto.dev).
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Write an SVG Gantt chart.
+    #[arg(long)]
+    svg: Option<PathBuf>,
+}
+
+/// Errors that are the user's input: exit 2.
+#[derive(Debug)]
+struct BadInput(String);
+impl std::fmt::Display for BadInput {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+impl std::error::Error for BadInput {}
+
+fn main() {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            use clap::error::ErrorKind::*;
+            if matches!(e.kind(), DisplayHelp | DisplayVersion | DisplayHelpOnMissingArgumentOrSubcommand) {
+                e.exit();
+            }
+            let text = e.to_string();
+            let line: Vec<&str> = text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with("For more information") && !l.starts_with("Usage:")).collect();
+            eprintln!("{} (see --help)", line.join(" "));
+            std::process::exit(2);
+        }
+    };
+    if let Err(e) = run(cli) {
+        let bad = e.chain().any(|c| c.is::<pipewright_core::Error>() || c.is::<BadInput>());
+        eprintln!("error: {}", e.chain().map(|c| c.to_string()).collect::<Vec<_>>().join(": "));
+        std::process::exit(if bad { 2 } else { 1 });
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.cmd {
+        Cmd::Schedule { sched, format } => {
+            let plan = sched.plan()?;
+            match format {
+                Format::Grid => print!("{}", plan.grid()),
+                Format::Json => println!("{}", plan.to_json()),
+                Format::Csv => print!("{}", plan.to_csv()),
+            }
+            Ok(())
+        }
+        Cmd::Simulate(a) => cmd_simulate(a),
+        Cmd::Validate { file } => {
+            let plan = load_plan(&file)?;
+            validate(&plan).map_err(|e| anyhow!(BadInput(format!("{}: {e}", file.display()))))?;
+            println!("{}: valid ({} workers, {} stages, {} micro-batches, {} actions)", file.display(), plan.num_workers(), plan.num_stages(), plan.num_microbatches, plan.workers.iter().map(Vec::len).sum::<usize>());
+            Ok(())
+        }
+    }
+}
+
+fn load_plan(file: &Path) -> Result<Plan> {
+    let text = std::fs::read_to_string(file).map_err(|e| BadInput(format!("{}: cannot read: {e}", file.display())))?;
+    let name = file.display().to_string();
+    Ok(if file.extension().is_some_and(|e| e == "csv") { Plan::from_csv(&name, &text)? } else { Plan::from_json(&name, &text)? })
+}
+
+fn cmd_simulate(a: SimulateArgs) -> Result<()> {
+    let plan = match &a.plan {
+        Some(f) => {
+            let p = load_plan(f)?;
+            validate(&p).map_err(|e| BadInput(format!("{}: {e}", f.display())))?;
+            p
+        }
+        None => a.sched.plan()?,
+    };
+    let p = plan.num_workers();
+    for (flag, v) in [("--cost-f", a.cost_f), ("--cost-b", a.cost_b), ("--cost-w", a.cost_w)] {
+        if let Some(v) = v {
+            if !v.is_finite() || v < 0.0 {
+                return Err(BadInput(format!("{flag} {v}: costs must be finite and >= 0")).into());
+            }
+        }
+    }
+    let (stages, cluster, split) = match &a.profile {
+        Some(pf) => {
+            let profile = Profile::load(pf)?;
+            let cluster = match &a.cluster {
+                Some(cf) => {
+                    let c = Cluster::load(cf)?;
+                    if c.len() < p {
+                        return Err(BadInput(format!("{}: {} devices, but the plan needs {p} workers", cf.display(), c.len())).into());
+                    }
+                    c.subset(&(0..p).collect::<Vec<_>>())
+                }
+                None => Cluster::uniform(p),
+            };
+            let (split, costs) = split_for_plan(&profile, &plan, &cluster)?;
+            (costs, cluster, Some(split))
+        }
+        None => {
+            let c = StageCost::uniform(a.cost_f.unwrap_or(1.0), a.cost_b.unwrap_or(1.0), a.cost_w.unwrap_or(1.0));
+            (vec![c; plan.num_stages()], Cluster::uniform(p), None)
+        }
+    };
+    check_memory(&plan, &stages, &cluster)?;
+    let r = simulate(&SimSetup { plan: &plan, stages: &stages, cluster: &cluster })?;
+    let title = format!(
+        "{} | P={} M={} stages={} | makespan {:.4} | bubble {:.1}%",
+        plan.kind,
+        p,
+        plan.num_microbatches,
+        plan.num_stages(),
+        r.makespan,
+        100.0 * r.bubble_fraction
+    );
+    if let Some(f) = &a.trace {
+        write_file(f, &r.timeline.to_chrome_trace())?;
+    }
+    if let Some(f) = &a.svg {
+        write_file(f, &r.timeline.to_svg(&title))?;
+    }
+    if a.json {
+        let mut j = serde_json::to_value(&r)?;
+        j["schedule"] = json!(plan.kind);
+        j["workers"] = json!(p);
+        j["stages"] = json!(plan.num_stages());
+        j["microbatches"] = json!(plan.num_microbatches);
+        if let Some(s) = &split {
+            j["layers_per_stage"] = json!(s.layers_per_stage);
+        }
+        println!("{}", serde_json::to_string_pretty(&j)?);
+        return Ok(());
+    }
+    println!("{title}");
+    if let Some(s) = &split {
+        println!("layers per stage: {:?}", s.layers_per_stage);
+    }
+    println!("{:>7} {:>12} {:>8} {:>14} {:>16}", "worker", "busy", "util", "peak act", "peak act bytes");
+    for w in 0..p {
+        println!(
+            "{:>7} {:>12.4} {:>7.1}% {:>14} {:>16}",
+            w,
+            r.busy[w],
+            100.0 * r.busy[w] / r.makespan.max(1e-12),
+            r.peak_activations[w],
+            r.peak_activation_bytes[w]
+        );
+    }
+    for l in &r.links {
+        println!("link w{} -> w{}: {} bytes, busy {:.4}", l.from, l.to, l.bytes, l.busy);
+    }
+    let unit = r.timeline.actions.iter().map(|x| x.end - x.start).filter(|d| *d > 0.0).fold(f64::INFINITY, f64::min);
+    if unit.is_finite() && r.makespan / unit <= 160.0 {
+        println!("\ntimeline (one column = {unit:.4}; F forward, B input grad, W weight grad, X full backward):");
+        print!("{}", r.timeline.to_text(unit));
+    }
+    Ok(())
+}
+
+/// Write via a temporary file and rename, so a failed write leaves no half file.
+fn write_file(path: &Path, text: &str) -> Result<()> {
+    let tmp = path.with_extension("tmp~");
+    std::fs::write(&tmp, text).with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;
+    eprintln!("wrote {}", path.display());
+    Ok(())
+}

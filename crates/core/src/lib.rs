@@ -6,9 +6,11 @@
 pub mod cluster;
 pub mod error;
 pub mod ir;
+pub mod partition;
 pub mod profile;
 pub mod schedule;
 pub mod sim;
+pub mod timeline;
 pub mod validate;
 
 pub use error::{Error, Result};
