@@ -1,0 +1,110 @@
+//! The command-line contract: figures, files and bad-input handling.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn pw(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_pipewright")).args(args).output().expect("runs")
+}
+
+fn shared(rel: &str) -> String {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..").join(rel);
+    p.to_str().unwrap().to_string()
+}
+
+fn tmp(name: &str, text: &str) -> String {
+    let dir = std::env::temp_dir().join(format!("pw-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p.to_str().unwrap().to_string()
+}
+
+fn json(out: &Output) -> serde_json::Value {
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("one JSON object")
+}
+
+/// Exit 2, one line on stderr containing `want`, nothing panicked.
+fn bad(args: &[&str], want: &str) {
+    let o = pw(args);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: not one line: {err}");
+    assert!(err.contains(want), "{args:?}: {err:?} lacks {want:?}");
+    assert!(!err.contains("panicked"));
+}
+
+#[test]
+fn acceptance_figures_from_the_cli() {
+    let base = ["simulate", "--stages", "4", "--microbatches", "8", "--cost-f", "1", "--cost-b", "1", "--cost-w", "1", "--json"];
+    let run = |kind: &str, extra: &[&str]| json(&pw(&[&base[..], &["--kind", kind], extra].concat()));
+    let g = run("gpipe", &[]);
+    assert_eq!(g["makespan"], 33.0);
+    assert_eq!(g["peak_activations"], serde_json::json!([8, 8, 8, 8]));
+    let o = run("1f1b", &[]);
+    assert!((o["bubble_fraction"].as_f64().unwrap() - 3.0 / 11.0).abs() < 1e-12);
+    assert_eq!(o["peak_activations"], serde_json::json!([4, 3, 2, 1]));
+    assert_eq!(o["busy"].as_array().unwrap().len(), 4);
+    assert_eq!(run("zbh1", &[])["makespan"], 27.0);
+    assert_eq!(run("interleaved", &["--chunks", "2"])["makespan"], 57.0);
+    assert!(run("zbv", &[])["bubble_fraction"].as_f64().unwrap() <= 0.06);
+}
+
+#[test]
+fn examples_load_and_simulate_with_files() {
+    let dir = std::env::temp_dir().join(format!("pw-cli-files-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (trace, svg) = (dir.join("t.json"), dir.join("t.svg"));
+    let j = json(&pw(&[
+        "simulate", "--kind", "1f1b", "--stages", "8", "--microbatches", "16",
+        "--profile", &shared("examples/vit_b16_params.toml"), "--cluster", &shared("examples/pipetransformer_2x8.toml"),
+        "--json", "--trace", trace.to_str().unwrap(), "--svg", svg.to_str().unwrap(),
+    ]));
+    assert_eq!(j["layers_per_stage"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).sum::<u64>(), 27);
+    assert!(j["links"].as_array().unwrap().len() >= 7);
+    let t: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    assert!(t["traceEvents"].as_array().unwrap().len() > 16 * 8 * 2);
+    assert!(std::fs::read_to_string(&svg).unwrap().starts_with("<svg"));
+    json(&pw(&["simulate", "--kind", "gpipe", "--stages", "4", "--profile", &shared("examples/llama500m_skippipe.toml"),
+        "--cluster", &shared("examples/geo20_skippipe.toml"), "--microbatches", "3", "--json"]));
+}
+
+#[test]
+fn plan_files_round_trip_through_the_cli() {
+    for fmt in ["json", "csv"] {
+        let o = pw(&["schedule", "--kind", "zbv", "--stages", "3", "--microbatches", "5", "--format", fmt]);
+        assert!(o.status.success());
+        let f = tmp(&format!("plan.{fmt}"), &String::from_utf8(o.stdout).unwrap());
+        let v = pw(&["validate", &f]);
+        assert!(v.status.success(), "{}", String::from_utf8_lossy(&v.stderr));
+        let j = json(&pw(&["simulate", "--plan", &f, "--json"]));
+        assert_eq!(j["workers"], 3);
+    }
+}
+
+#[test]
+fn bad_input_is_one_line_and_exit_2() {
+    bad(&["simulate", "--kind", "pipedream"], "invalid value 'pipedream'");
+    bad(&["simulate", "--stages", "0"], "--stages 0");
+    bad(&["simulate", "--cost-b", "-1"], "--cost-b -1");
+    bad(&["schedule", "--kind", "zbv", "--chunks", "3"], "exactly 2 chunks");
+    let good = std::fs::read_to_string(shared("examples/pipetransformer_2x8.toml")).unwrap();
+    let prof = shared("examples/vit_b16_params.toml");
+    let c = tmp("twice.toml", &good.replace("node0-gpu1", "node0-gpu0"));
+    bad(&["simulate", "--profile", &prof, "--cluster", &c], "device \"node0-gpu0\" is named twice");
+    let c = tmp("unknown.toml", &good.replace("overhead = 0.0", "overhed = 0.0"));
+    bad(&["simulate", "--profile", &prof, "--cluster", &c], "unknown field `overhed`");
+    let c = tmp("broken.toml", &good.replace("[[links]]", "[[links]"));
+    bad(&["simulate", "--profile", &prof, "--cluster", &c], "line ");
+    let pf = std::fs::read_to_string(&prof).unwrap();
+    let p = tmp("neg.toml", &pf.replacen("forward = 2.363904", "forward = -2.363904", 1));
+    bad(&["simulate", "--profile", &p], "layers[1] (\"att0\"): forward = -2.363904 must be a finite number >= 0");
+    bad(&["simulate", "--profile", "/nonexistent/p.toml"], "/nonexistent/p.toml: cannot read");
+    bad(&["simulate", "--profile", &prof, "--stages", "30"], "cannot cut 27 layers into 30");
+    let broken = tmp("broken.json", "{\"kind\": \"x\"");
+    bad(&["validate", &broken], "broken.json");
+    let o = pw(&["schedule", "--kind", "1f1b", "--stages", "2", "--microbatches", "2", "--format", "json"]);
+    let deadlock = String::from_utf8(o.stdout).unwrap().replacen("\"op\": \"F\"", "\"op\": \"W\"", 1);
+    bad(&["validate", &tmp("w.json", &deadlock)], "worker 0");
+}

@@ -1,0 +1,97 @@
+//! Property tests over random schedules and costs.
+
+use pipewright_core::cluster::{Cluster, Link};
+use pipewright_core::ir::Plan;
+use pipewright_core::profile::StageCost;
+use pipewright_core::schedule::{generate, ScheduleKind};
+use pipewright_core::sim::{simulate, SimResult, SimSetup};
+use pipewright_core::validate::validate;
+use proptest::prelude::*;
+
+fn arb_plan() -> impl Strategy<Value = Plan> {
+    (0usize..5, 1usize..7, 1usize..13, 1usize..4).prop_filter_map("valid combination", |(k, p, m, v)| {
+        let kind = ScheduleKind::ALL[k];
+        let v = match kind {
+            ScheduleKind::Interleaved => v,
+            ScheduleKind::ZbV => 2,
+            _ => 1,
+        };
+        let m = if kind == ScheduleKind::Interleaved { m.div_ceil(p) * p } else { m };
+        generate(kind, p, m, v).ok()
+    })
+}
+
+fn run(plan: &Plan, f: f64, b: f64, w: f64, link: Option<Link>) -> SimResult {
+    let stages = vec![StageCost { activation_out: 1 << 20, ..StageCost::uniform(f, b, w) }; plan.num_stages()];
+    let p = plan.num_workers();
+    let cluster = link.map_or_else(|| Cluster::uniform(p), |l| Cluster::homogeneous(p, l));
+    simulate(&SimSetup { plan, stages: &stages, cluster: &cluster }).unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+    #[test]
+    fn generated_plans_validate_and_makespan_is_bounded(
+        plan in arb_plan(), f in 0.1f64..5.0, b in 0.1f64..5.0, w in 0.1f64..5.0,
+        lat in 0.0f64..2.0, with_links in any::<bool>(),
+    ) {
+        prop_assert!(validate(&plan).is_ok(), "{}", validate(&plan).unwrap_err());
+        let link = with_links.then_some(Link { latency: lat, bandwidth: 1e6, overhead: 0.01 });
+        let r = run(&plan, f, b, w, link);
+        let busiest = r.busy.iter().copied().fold(0.0, f64::max);
+        let comm: f64 = r.timeline.transfers.iter().map(|t| t.end - t.start).sum();
+        let serial: f64 = r.busy.iter().sum::<f64>() + comm;
+        prop_assert!(r.makespan >= busiest - 1e-9, "makespan {} < busiest {}", r.makespan, busiest);
+        prop_assert!(r.makespan <= serial + 1e-9, "makespan {} > serial {}", r.makespan, serial);
+        prop_assert!(r.bubble_fraction >= -1e-12 && r.bubble_fraction < 1.0);
+        // Every action ran exactly once.
+        prop_assert_eq!(r.timeline.actions.len(), plan.workers.iter().map(Vec::len).sum::<usize>());
+    }
+
+    #[test]
+    fn gpipe_and_1f1b_closed_form(p in 1usize..8, m in 1usize..16, f in 0.1f64..5.0, bw in 0.1f64..5.0) {
+        for kind in [ScheduleKind::GPipe, ScheduleKind::OneFOneB] {
+            let plan = generate(kind, p, m, 1).unwrap();
+            let r = run(&plan, f, bw / 2.0, bw / 2.0, None);
+            let want = (m + p - 1) as f64 * (f + bw);
+            prop_assert!((r.makespan - want).abs() < 1e-9 * want, "{kind}: {} vs {want}", r.makespan);
+        }
+        // 1F1B holds at most P - w micro-batches on worker w; GPipe holds all of them.
+        let r = run(&generate(ScheduleKind::OneFOneB, p, m, 1).unwrap(), f, bw / 2.0, bw / 2.0, None);
+        let want: Vec<usize> = (0..p).map(|w| (p - w).min(m)).collect();
+        prop_assert_eq!(r.peak_activations, want);
+    }
+
+    #[test]
+    fn zero_bubble_memory_stays_at_1f1b_peak(p in 1usize..8, m in 1usize..16) {
+        let h1 = run(&generate(ScheduleKind::ZbH1, p, m, 1).unwrap(), 1.0, 1.0, 1.0, None);
+        prop_assert!(h1.peak_activations.iter().all(|&x| x <= p.min(m)), "{:?}", h1.peak_activations);
+        let v = run(&generate(ScheduleKind::ZbV, p, m, 2).unwrap(), 1.0, 1.0, 1.0, None);
+        prop_assert!(v.peak_activations.iter().all(|&x| x <= 2 * p), "{:?}", v.peak_activations);
+    }
+
+    #[test]
+    fn json_and_csv_round_trip(plan in arb_plan()) {
+        prop_assert_eq!(&Plan::from_json("p.json", &plan.to_json()).unwrap(), &plan);
+        prop_assert_eq!(&Plan::from_csv("p.csv", &plan.to_csv()).unwrap(), &plan);
+    }
+}
+
+#[test]
+fn zb_h1_closed_form_when_w_fits() {
+    // Bubble (P - 1)(F + B - W) for F = B = W (Qi et al. 2024, table 1).
+    for (p, m) in [(2, 4), (4, 8), (4, 16), (8, 32)] {
+        let r = run(&generate(ScheduleKind::ZbH1, p, m, 1).unwrap(), 1.0, 1.0, 1.0, None);
+        assert_eq!(r.makespan, (3 * m + p - 1) as f64, "P={p} M={m}");
+    }
+}
+
+#[test]
+fn interleaved_bubble_shrinks_by_v() {
+    // Megatron-LM: bubble time (P - 1)(f + b) per chunk, with chunks costing 1/V of a stage.
+    for (p, m, v) in [(2, 4, 2), (4, 8, 2), (4, 8, 4), (4, 12, 3)] {
+        let r = run(&generate(ScheduleKind::Interleaved, p, m, v).unwrap(), 1.0, 1.0, 1.0, None);
+        assert_eq!(r.makespan, (3 * m * v + 3 * (p - 1)) as f64, "P={p} M={m} V={v}");
+    }
+}
