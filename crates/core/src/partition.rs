@@ -131,3 +131,222 @@ pub fn split_for_plan(
     let costs = profile.stage_costs(&split.layers_per_stage);
     Ok((split, costs))
 }
+
+/// What a partition minimises.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Objective {
+    /// Stage forward + backward time on its device, plus sending the cut's activation onwards.
+    Time,
+    /// Bytes of parameters per stage (PipeTransformer's balance proxy); devices do not matter.
+    Params,
+}
+
+/// A partition with a device for every stage.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Assignment {
+    pub split: Split,
+    /// Cluster device index per stage.
+    pub devices: Vec<usize>,
+    /// False when the search space was too large and a heuristic order was used.
+    pub exact: bool,
+}
+
+/// Inputs of [`partition`].
+pub struct PartitionProblem<'a> {
+    pub profile: &'a crate::profile::Profile,
+    pub cluster: &'a crate::cluster::Cluster,
+    pub stages: usize,
+    pub objective: Objective,
+    /// Activations in flight per stage (from the schedule): stage `k` keeps `in_flight[k]`
+    /// micro-batches' activations. Empty = no memory check.
+    pub in_flight: Vec<usize>,
+}
+
+/// Devices that are interchangeable: same speed, memory and region (so the same links).
+fn device_classes(cluster: &crate::cluster::Cluster) -> Vec<Vec<usize>> {
+    let mut classes: Vec<Vec<usize>> = Vec::new();
+    let n = cluster.len();
+    let same = |a: usize, b: usize| {
+        let (x, y) = (&cluster.devices[a], &cluster.devices[b]);
+        x.speed == y.speed
+            && x.memory == y.memory
+            && x.memory_microbatches == y.memory_microbatches
+            && (0..n).all(|k| k == a || k == b || (cluster.link(a, k) == cluster.link(b, k) && cluster.link(k, a) == cluster.link(k, b)))
+    };
+    for d in 0..n {
+        match classes.iter_mut().find(|c| same(c[0], d)) {
+            Some(c) => c.push(d),
+            None => classes.push(vec![d]),
+        }
+    }
+    classes
+}
+
+/// States the exact search may visit before it gives up and uses a heuristic device order.
+const EXACT_STATE_LIMIT: f64 = 4e6;
+
+/// Contiguous partition into `stages` stages with a device per stage, minimising the bottleneck
+/// under each device's memory (weights, gradients, AdamW state and in-flight activations).
+///
+/// Exact: a dynamic program over (start and end of the last stage, how many devices of each
+/// interchangeable class are used, class of the last stage's device). With one class it reduces
+/// to the `O(K n^2)` [`min_max_split`].
+pub fn partition(pr: &PartitionProblem) -> Result<Assignment> {
+    let layers = &pr.profile.layers;
+    let n = layers.len();
+    let k = pr.stages;
+    let cl = pr.cluster;
+    if k == 0 {
+        return Err(Error::Infeasible("cannot cut a model into 0 stages".into()));
+    }
+    if k > n {
+        return Err(Error::Infeasible(format!("cannot cut {n} layers into {k} non-empty stages")));
+    }
+    if pr.objective == Objective::Params {
+        let pre = prefix(layers.iter().map(|l| l.params as f64));
+        let split = min_max_split(n, k, |_, lo, hi| pre[hi] - pre[lo])?;
+        return Ok(Assignment { split, devices: (0..k).map(|s| s % cl.len().max(1)).collect(), exact: true });
+    }
+    if k > cl.len() {
+        return Err(Error::Infeasible(format!("{k} stages need {k} devices; the cluster has {}", cl.len())));
+    }
+    let work = prefix(layers.iter().map(|l| l.forward + l.backward()));
+    let params = prefix(layers.iter().map(|l| l.params as f64));
+    let acts = prefix(layers.iter().map(|l| l.activation as f64));
+    // Compute time of lo..hi as stage `st` on device d, or infinity if it does not fit.
+    let compute = |st: usize, d: usize, lo: usize, hi: usize| {
+        let dev = &cl.devices[d];
+        if let Some(cap) = dev.memory {
+            let inflight = pr.in_flight.get(st).copied().unwrap_or(0) as f64;
+            let need = 4.0 * (params[hi] - params[lo]) + inflight * (acts[hi] - acts[lo]);
+            if need > cap as f64 {
+                return f64::INFINITY;
+            }
+        }
+        if let (Some(cap), Some(&inflight)) = (dev.memory_microbatches, pr.in_flight.get(st)) {
+            if inflight > cap as usize {
+                return f64::INFINITY;
+            }
+        }
+        (work[hi] - work[lo]) / dev.speed
+    };
+    let send = |a: usize, b: usize, cut: usize| cl.transfer_time(a, b, layers[cut - 1].activation);
+    let classes = device_classes(cl);
+    let c = classes.len();
+    // Mixed-radix encoding of "devices used per class".
+    let caps: Vec<usize> = classes.iter().map(|x| x.len().min(k)).collect();
+    let states: f64 = (n * n) as f64 / 2.0 * caps.iter().map(|&x| (x + 1) as f64).product::<f64>() * c as f64;
+    if c == 1 || states > EXACT_STATE_LIMIT {
+        // Fixed device order: the fastest devices, kept in file order (file order groups regions).
+        let mut ids: Vec<usize> = (0..cl.len()).collect();
+        ids.sort_by(|&a, &b| cl.devices[b].speed.total_cmp(&cl.devices[a].speed).then(a.cmp(&b)));
+        ids.truncate(k);
+        ids.sort_unstable();
+        let split = min_max_split(n, k, |st, lo, hi| compute(st, ids[st], lo, hi) + if st + 1 < k { send(ids[st], ids[st + 1], hi) } else { 0.0 })
+            .map_err(|_| infeasible(pr, &ids))?;
+        if !split.bottleneck.is_finite() {
+            return Err(infeasible(pr, &ids));
+        }
+        return Ok(Assignment { split, devices: ids, exact: c == 1 });
+    }
+    let mut radix = vec![1usize; c];
+    for i in 1..c {
+        radix[i] = radix[i - 1] * (caps[i - 1] + 1);
+    }
+    let count = |code: usize, j: usize| (code / radix[j]) % (caps[j] + 1);
+    // The device a stage gets: the next unused one of its class.
+    use std::collections::HashMap;
+    type Key = (usize, usize, usize, usize); // (lo, hi, used code, class)
+    let mut layer: HashMap<Key, (f64, Option<Key>)> = HashMap::new();
+    for j in 0..c {
+        for hi in 1..=n - (k - 1) {
+            layer.insert((0, hi, radix[j], j), (0.0, None));
+        }
+    }
+    let mut history: Vec<HashMap<Key, (f64, Option<Key>)>> = Vec::new();
+    for st in 1..k {
+        let mut next: HashMap<Key, (f64, Option<Key>)> = HashMap::new();
+        for (&key, &(v, _)) in &layer {
+            let (lo, hi, code, cj) = key;
+            let d_prev = classes[cj][count(code, cj) - 1];
+            let comp = compute(st - 1, d_prev, lo, hi);
+            if !comp.is_finite() {
+                continue;
+            }
+            for j in 0..c {
+                if count(code, j) >= caps[j] {
+                    continue;
+                }
+                let d = classes[j][count(code, j)];
+                let cost = v.max(comp + send(d_prev, d, hi));
+                for end in hi + 1..=n - (k - 1 - st) {
+                    let nk = (hi, end, code + radix[j], j);
+                    let e = next.entry(nk).or_insert((f64::INFINITY, None));
+                    if cost < e.0 {
+                        *e = (cost, Some(key));
+                    }
+                }
+            }
+        }
+        history.push(std::mem::replace(&mut layer, next));
+    }
+    let mut best: Option<(f64, Key)> = None;
+    for (&key, &(v, _)) in &layer {
+        let (lo, hi, code, cj) = key;
+        if hi != n {
+            continue;
+        }
+        let total = v.max(compute(k - 1, classes[cj][count(code, cj) - 1], lo, hi));
+        if total.is_finite() && best.is_none_or(|(b, bk)| total < b || (total == b && key < bk)) {
+            best = Some((total, key));
+        }
+    }
+    let Some((_, mut key)) = best else {
+        let ids: Vec<usize> = (0..k.min(cl.len())).collect();
+        return Err(infeasible(pr, &ids));
+    };
+    history.push(layer);
+    let mut keys = vec![key];
+    for st in (1..k).rev() {
+        key = history[st][&key].1.expect("back pointer");
+        keys.push(key);
+    }
+    keys.reverse();
+    let devices: Vec<usize> = keys.iter().map(|&(_, _, code, cj)| classes[cj][count(code, cj) - 1]).collect();
+    let bounds: Vec<usize> = keys.iter().map(|&(lo, _, _, _)| lo).chain([n]).collect();
+    let stage_cost: Vec<f64> = (0..k)
+        .map(|st| compute(st, devices[st], bounds[st], bounds[st + 1]) + if st + 1 < k { send(devices[st], devices[st + 1], bounds[st + 1]) } else { 0.0 })
+        .collect();
+    let split = Split {
+        layers_per_stage: bounds.windows(2).map(|w| w[1] - w[0]).collect(),
+        bottleneck: stage_cost.iter().copied().fold(0.0, f64::max),
+        stage_cost,
+    };
+    Ok(Assignment { split, devices, exact: true })
+}
+
+/// Name the device and bytes when nothing fits: the largest layer's needs on the roomiest device.
+fn infeasible(pr: &PartitionProblem, _ids: &[usize]) -> Error {
+    let cl = pr.cluster;
+    let (li, layer) = pr.profile.layers.iter().enumerate().max_by_key(|(_, l)| 4 * l.params + l.activation).expect("layers");
+    let inflight = pr.in_flight.iter().copied().min().unwrap_or(1).max(1) as u64;
+    let need = 4 * layer.params + inflight * layer.activation;
+    let roomiest = cl.devices.iter().rev().max_by_key(|d| d.memory.unwrap_or(u64::MAX));
+    match roomiest {
+        Some(d) if d.memory.is_some_and(|m| m < need) => Error::Infeasible(format!(
+            "layer {li} (\"{}\") needs {need} bytes ({} weights+grads+AdamW, {} activations for {inflight} micro-batches in flight) but the largest device, \"{}\", has {}",
+            layer.name,
+            4 * layer.params,
+            inflight * layer.activation,
+            d.name,
+            d.memory.unwrap()
+        )),
+        _ => Error::Infeasible(format!(
+            "no partition of {} layers into {} stages fits the devices' memory (the tightest is \"{}\" with {} bytes); use more stages or fewer micro-batches in flight",
+            pr.profile.layers.len(),
+            pr.stages,
+            cl.devices.iter().min_by_key(|d| d.memory.unwrap_or(u64::MAX)).map_or("?", |d| d.name.as_str()),
+            cl.devices.iter().filter_map(|d| d.memory).min().unwrap_or(0)
+        )),
+    }
+}
