@@ -4,10 +4,10 @@ use anyhow::{anyhow, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use pipewright_core::cluster::Cluster;
 use pipewright_core::ir::Plan;
-use pipewright_core::partition::split_for_plan;
+use pipewright_core::partition::{partition, split_for_plan, Objective, PartitionProblem};
 use pipewright_core::profile::{Profile, StageCost};
 use pipewright_core::schedule::{generate, ScheduleKind};
-use pipewright_core::sim::{check_memory, simulate, SimSetup};
+use pipewright_core::sim::{check_memory, memory_peaks, simulate, SimSetup};
 use pipewright_core::validate::validate;
 use serde_json::json;
 use std::path::{Path, PathBuf};
@@ -30,11 +30,44 @@ enum Cmd {
     },
     /// Simulate a schedule on uniform costs or a profile + cluster: time, bubble, memory, links.
     Simulate(SimulateArgs),
+    /// Cut a profile's layers into K stages and assign devices, minimising the bottleneck stage.
+    Partition(PartitionArgs),
     /// Check a plan file (JSON or CSV as written by `schedule`) and say what is wrong, if anything.
     Validate {
         /// Plan file (.json or .csv).
         file: PathBuf,
     },
+}
+
+#[derive(Args)]
+struct PartitionArgs {
+    /// Model profile TOML.
+    #[arg(long)]
+    profile: PathBuf,
+    /// Number of stages K.
+    #[arg(long)]
+    stages: usize,
+    /// Cluster TOML; without it, K identical devices joined by free links.
+    #[arg(long)]
+    cluster: Option<PathBuf>,
+    /// Schedule whose in-flight activations count against device memory.
+    #[arg(long, value_enum, default_value = "1f1b")]
+    schedule: Kind,
+    /// Micro-batches per iteration (default K).
+    #[arg(long)]
+    microbatches: Option<usize>,
+    /// time: forward+backward on the device plus sending the cut; params: parameter bytes.
+    #[arg(long, value_enum, default_value = "time")]
+    objective: ObjectiveArg,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Copy, Clone, ValueEnum)]
+enum ObjectiveArg {
+    Time,
+    Params,
 }
 
 #[derive(Copy, Clone, ValueEnum)]
@@ -172,6 +205,7 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Cmd::Simulate(a) => cmd_simulate(a),
+        Cmd::Partition(a) => cmd_partition(a),
         Cmd::Validate { file } => {
             let plan = load_plan(&file)?;
             validate(&plan).map_err(|e| anyhow!(BadInput(format!("{}: {e}", file.display()))))?;
@@ -276,6 +310,55 @@ fn cmd_simulate(a: SimulateArgs) -> Result<()> {
     if unit.is_finite() && r.makespan / unit <= 160.0 {
         println!("\ntimeline (one column = {unit:.4}; F forward, B input grad, W weight grad, X full backward):");
         print!("{}", r.timeline.to_text(unit));
+    }
+    Ok(())
+}
+
+fn cmd_partition(a: PartitionArgs) -> Result<()> {
+    let profile = Profile::load(&a.profile)?;
+    let cluster = match &a.cluster {
+        Some(f) => Cluster::load(f)?,
+        None => Cluster::uniform(a.stages.max(1)),
+    };
+    let kind: ScheduleKind = a.schedule.into();
+    if kind.default_chunks() != 1 {
+        return Err(BadInput(format!("partition places one stage per device; --schedule {kind} puts several on one (use gpipe, 1f1b or zbh1)")).into());
+    }
+    let m = a.microbatches.unwrap_or(a.stages);
+    let in_flight = if a.stages == 0 {
+        vec![]
+    } else {
+        let plan = generate(kind, a.stages, m, 1)?;
+        memory_peaks(&plan, &vec![StageCost::default(); a.stages]).iter().map(|p| p.microbatches).collect()
+    };
+    let objective = match a.objective {
+        ObjectiveArg::Time => Objective::Time,
+        ObjectiveArg::Params => Objective::Params,
+    };
+    let r = partition(&PartitionProblem { profile: &profile, cluster: &cluster, stages: a.stages, objective, in_flight: in_flight.clone() })?;
+    let names: Vec<&str> = r.devices.iter().map(|&d| cluster.devices[d].name.as_str()).collect();
+    if a.json {
+        let j = json!({
+            "boundaries": r.split.layers_per_stage,
+            "stage_cost": r.split.stage_cost,
+            "bottleneck": r.split.bottleneck,
+            "devices": names,
+            "objective": match objective { Objective::Time => "time", Objective::Params => "params" },
+            "exact": r.exact,
+            "in_flight": in_flight,
+        });
+        println!("{}", serde_json::to_string_pretty(&j)?);
+        return Ok(());
+    }
+    let unit = if objective == Objective::Params { "bytes of parameters" } else { "s per micro-batch (forward + backward + send)" };
+    println!("{} layers of \"{}\" into {} stages; bottleneck {:.6} {unit}{}", profile.layers.len(), profile.model.name, a.stages, r.split.bottleneck, if r.exact { "" } else { " (heuristic device order: cluster too large for the exact search)" });
+    println!("{:>6} {:>14} {:>18} {:>16}", "stage", "layers", "device", "cost");
+    let mut lo = 0;
+    for (st, &n) in r.split.layers_per_stage.iter().enumerate() {
+        let span = format!("{}..{} ({n})", lo, lo + n - 1);
+        lo += n;
+        let dev = if objective == Objective::Params { "-" } else { names[st] };
+        println!("{st:>6} {span:>14} {dev:>18} {:>16.6}", r.split.stage_cost[st]);
     }
     Ok(())
 }
