@@ -5,6 +5,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use pipewright_core::cluster::Cluster;
 use pipewright_core::ir::Plan;
 use pipewright_core::partition::{partition, split_for_plan, Objective, PartitionProblem};
+use pipewright_core::planner::{search, Layout};
 use pipewright_core::profile::{Profile, StageCost};
 use pipewright_core::schedule::{generate, ScheduleKind};
 use pipewright_core::sim::{check_memory, memory_peaks, simulate, SimSetup};
@@ -32,6 +33,8 @@ enum Cmd {
     Simulate(SimulateArgs),
     /// Cut a profile's layers into K stages and assign devices, minimising the bottleneck stage.
     Partition(PartitionArgs),
+    /// Search depth, replicas, micro-batches, schedule and layout for a model on a cluster.
+    Plan(PlanArgs),
     /// Check a plan file (JSON or CSV as written by `schedule`) and say what is wrong, if anything.
     Validate {
         /// Plan file (.json or .csv).
@@ -62,6 +65,31 @@ struct PartitionArgs {
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
+}
+
+#[derive(Args)]
+struct PlanArgs {
+    /// Model profile TOML.
+    #[arg(long)]
+    profile: PathBuf,
+    /// Cluster TOML.
+    #[arg(long)]
+    cluster: PathBuf,
+    /// Micro-batches per iteration over all replicas (profile micro-batch units).
+    #[arg(long, default_value_t = 64)]
+    global_batch: usize,
+    /// Rows to print.
+    #[arg(long, default_value_t = 8)]
+    top: usize,
+    /// Print JSON (all candidates, best first).
+    #[arg(long)]
+    json: bool,
+    /// Write the winner's timeline (first replica) as SVG.
+    #[arg(long)]
+    svg: Option<PathBuf>,
+    /// Write the winner's timeline (first replica) as a Chrome trace.
+    #[arg(long)]
+    trace: Option<PathBuf>,
 }
 
 #[derive(Copy, Clone, ValueEnum)]
@@ -206,6 +234,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Simulate(a) => cmd_simulate(a),
         Cmd::Partition(a) => cmd_partition(a),
+        Cmd::Plan(a) => cmd_plan(a),
         Cmd::Validate { file } => {
             let plan = load_plan(&file)?;
             validate(&plan).map_err(|e| anyhow!(BadInput(format!("{}: {e}", file.display()))))?;
@@ -310,6 +339,51 @@ fn cmd_simulate(a: SimulateArgs) -> Result<()> {
     if unit.is_finite() && r.makespan / unit <= 160.0 {
         println!("\ntimeline (one column = {unit:.4}; F forward, B input grad, W weight grad, X full backward):");
         print!("{}", r.timeline.to_text(unit));
+    }
+    Ok(())
+}
+
+fn cmd_plan(a: PlanArgs) -> Result<()> {
+    let profile = Profile::load(&a.profile)?;
+    let cluster = Cluster::load(&a.cluster)?;
+    let t0 = std::time::Instant::now();
+    let cands = search(&profile, &cluster, a.global_batch)?;
+    let secs = t0.elapsed().as_secs_f64();
+    let best = cands.first().filter(|c| c.iteration_time.is_some());
+    if let Some(w) = best {
+        let r = w.result.as_ref().expect("simulated");
+        let title = format!(
+            "plan: {} P={} x {} replicas, M={} | iteration {:.4} s | bubble {:.1}%",
+            w.schedule, w.depth, w.replicas, w.microbatches, w.iteration_time.unwrap(), 100.0 * w.bubble_fraction
+        );
+        if let Some(f) = &a.svg {
+            write_file(f, &r.replicas[0].timeline.to_svg(&title))?;
+        }
+        if let Some(f) = &a.trace {
+            write_file(f, &r.replicas[0].timeline.to_chrome_trace())?;
+        }
+    }
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&json!({"candidates": cands, "search_seconds": secs}))?);
+    } else {
+        println!(
+            "{} candidates for \"{}\" ({} layers) on {} devices, global batch {} micro-batches ({secs:.2} s)",
+            cands.len(), profile.model.name, profile.layers.len(), cluster.len(), a.global_batch
+        );
+        println!("{:>4} {:>5} {:>4} {:>4} {:>11} {:>14} {:>12} {:>7} {:>10}  {}", "rank", "depth", "dp", "M", "schedule", "layout", "iteration s", "bubble", "peak GiB", "lost because");
+        for (i, c) in cands.iter().take(a.top).enumerate() {
+            let layout = match c.layout { Layout::PipelineMajor => "pipeline-major", Layout::ReplicaMajor => "replica-major" };
+            let it = c.iteration_time.map_or("-".to_string(), |t| format!("{t:.4}"));
+            println!(
+                "{:>4} {:>5} {:>4} {:>4} {:>11} {:>14} {:>12} {:>6.1}% {:>10.2}  {}",
+                i + 1, c.depth, c.replicas, c.microbatches, c.schedule, layout, it, 100.0 * c.bubble_fraction,
+                c.peak_memory_bytes as f64 / (1u64 << 30) as f64, if i == 0 && c.iteration_time.is_some() { "winner" } else { c.reason.as_str() }
+            );
+        }
+        match best {
+            Some(w) => println!("winner: layers per stage {:?}; pipeline 0 on {}", w.layers_per_stage, w.devices[0].join(", ")),
+            None => return Err(BadInput(format!("no candidate fits: {}", cands[0].reason.clone() + cands[0].infeasible.as_deref().unwrap_or(""))).into()),
+        }
     }
     Ok(())
 }

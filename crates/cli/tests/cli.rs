@@ -108,3 +108,28 @@ fn bad_input_is_one_line_and_exit_2() {
     let deadlock = String::from_utf8(o.stdout).unwrap().replacen("\"op\": \"F\"", "\"op\": \"W\"", 1);
     bad(&["validate", &tmp("w.json", &deadlock)], "worker 0");
 }
+
+#[test]
+fn partition_and_plan() {
+    let vit = shared("examples/vit_b16_params.toml");
+    for (k, want) in [("8", 12.582376), ("4", 22.034152)] {
+        let j = json(&pw(&["partition", "--profile", &vit, "--stages", k, "--objective", "params", "--json"]));
+        assert!((j["bottleneck"].as_f64().unwrap() / 4e6 - want).abs() < 1e-6);
+        assert_eq!(j["boundaries"].as_array().unwrap().len(), k.parse::<usize>().unwrap());
+        assert_eq!(j["stage_cost"].as_array().unwrap().len(), k.parse::<usize>().unwrap());
+    }
+    let c = shared("examples/pipetransformer_2x8.toml");
+    let j = json(&pw(&["partition", "--profile", &vit, "--stages", "8", "--cluster", &c, "--json"]));
+    assert_eq!(j["devices"].as_array().unwrap().len(), 8);
+    assert_eq!(j["exact"], true);
+    let j = json(&pw(&["plan", "--profile", &vit, "--cluster", &c, "--json"]));
+    let cands = j["candidates"].as_array().unwrap();
+    assert!(cands.len() > 20);
+    let times: Vec<f64> = cands.iter().filter_map(|c| c["iteration_time"].as_f64()).collect();
+    assert!(times.windows(2).all(|w| w[0] <= w[1]), "ranked best first");
+    assert!(cands[1..].iter().all(|c| !c["reason"].as_str().unwrap().is_empty()));
+    // A device too small for the largest layer: named, with the bytes it needs.
+    let small = tmp("small.toml", &std::fs::read_to_string(&c).unwrap().replace("memory = 17179869184", "memory = 1000000"));
+    bad(&["partition", "--profile", &vit, "--stages", "8", "--cluster", &small], "needs 94949376 bytes");
+    bad(&["plan", "--profile", &vit, "--cluster", &small], "no candidate fits");
+}

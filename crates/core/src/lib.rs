@@ -7,6 +7,7 @@ pub mod cluster;
 pub mod error;
 pub mod ir;
 pub mod partition;
+pub mod planner;
 pub mod profile;
 pub mod schedule;
 pub mod sim;

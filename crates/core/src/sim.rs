@@ -362,3 +362,55 @@ mod tests {
         assert!(v.peak_activations.iter().all(|&x| x <= 8), "{:?}", v.peak_activations);
     }
 }
+
+/// Ring all-reduce of `bytes` over `devices` (in ring order): `2 (R - 1)` steps, each moving
+/// `bytes / R` over every ring link at once, so each step lasts as long as the slowest link.
+pub fn ring_allreduce_time(cluster: &Cluster, devices: &[usize], bytes: u64) -> f64 {
+    let r = devices.len();
+    if r < 2 {
+        return 0.0;
+    }
+    let chunk = bytes.div_ceil(r as u64);
+    let step = (0..r).map(|i| cluster.transfer_time(devices[i], devices[(i + 1) % r], chunk)).fold(0.0, f64::max);
+    2.0 * (r - 1) as f64 * step
+}
+
+/// Data-parallel iteration: every replica runs the plan on its own devices, then each stage's
+/// gradients are all-reduced across replicas as soon as all replicas finished that stage's
+/// backward (overlapping with the backward of earlier stages, as bucketed DDP does).
+#[derive(Debug, Clone, Serialize)]
+pub struct ReplicatedResult {
+    pub iteration_time: f64,
+    /// Slowest replica's pipeline makespan.
+    pub pipeline_makespan: f64,
+    /// All-reduce duration per stage.
+    pub allreduce: Vec<f64>,
+    pub replicas: Vec<SimResult>,
+}
+
+/// `replica_devices[r][w]` = cluster device of worker `w` in replica `r`.
+pub fn simulate_replicated(plan: &Plan, stages: &[StageCost], cluster: &Cluster, replica_devices: &[Vec<usize>]) -> Result<ReplicatedResult> {
+    let mut replicas = Vec::with_capacity(replica_devices.len());
+    for devs in replica_devices {
+        let sub = cluster.subset(devs);
+        replicas.push(simulate(&SimSetup { plan, stages, cluster: &sub })?);
+    }
+    let s = plan.num_stages();
+    let mut done = vec![0.0f64; s];
+    for r in &replicas {
+        for a in &r.timeline.actions {
+            if a.action.op.frees_activation() {
+                done[a.action.stage] = done[a.action.stage].max(a.end);
+            }
+        }
+    }
+    let allreduce: Vec<f64> = (0..s)
+        .map(|st| {
+            let ring: Vec<usize> = replica_devices.iter().map(|d| d[plan.placement[st]]).collect();
+            ring_allreduce_time(cluster, &ring, stages[st].params)
+        })
+        .collect();
+    let pipeline_makespan = replicas.iter().map(|r| r.makespan).fold(0.0, f64::max);
+    let iteration_time = (0..s).map(|st| done[st] + allreduce[st]).fold(pipeline_makespan, f64::max);
+    Ok(ReplicatedResult { iteration_time, pipeline_makespan, allreduce, replicas })
+}

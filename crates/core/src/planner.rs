@@ -1,0 +1,159 @@
+//! Automatic planning: search pipeline depth, replicas, micro-batches, schedule and device
+//! layout; rank candidates by simulated iteration time under memory limits.
+
+use crate::cluster::Cluster;
+use crate::error::{Error, Result};
+use crate::ir::Plan;
+use crate::partition::split_for_plan;
+use crate::profile::Profile;
+use crate::schedule::{generate, ScheduleKind};
+use crate::sim::{check_memory, memory_peaks, simulate_replicated, ReplicatedResult};
+use serde::Serialize;
+
+/// How replicas' devices are laid out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Layout {
+    /// Each pipeline takes consecutive devices (file order groups regions): pipeline
+    /// neighbours share fast links.
+    PipelineMajor,
+    /// A stage's replicas take consecutive devices: the gradient all-reduce stays local.
+    ReplicaMajor,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Candidate {
+    pub depth: usize,
+    pub replicas: usize,
+    pub microbatches: usize,
+    pub schedule: String,
+    pub chunks: usize,
+    pub layout: Layout,
+    pub layers_per_stage: Vec<usize>,
+    /// Device names per replica, per worker.
+    pub devices: Vec<Vec<String>>,
+    /// `None` when the candidate does not fit; `infeasible` says why.
+    pub iteration_time: Option<f64>,
+    pub bubble_fraction: f64,
+    pub compute: f64,
+    pub allreduce: f64,
+    pub peak_memory_bytes: u64,
+    pub infeasible: Option<String>,
+    /// Why it lost to the winner (empty for the winner).
+    pub reason: String,
+    #[serde(skip)]
+    pub plan: Option<Plan>,
+    #[serde(skip)]
+    pub result: Option<ReplicatedResult>,
+}
+
+/// Every (depth, replicas, micro-batches, schedule, layout) for `global_batch` micro-batches
+/// per iteration over all replicas, simulated and sorted best first.
+pub fn search(profile: &Profile, cluster: &Cluster, global_batch: usize) -> Result<Vec<Candidate>> {
+    let d = cluster.len();
+    let n = profile.layers.len();
+    if global_batch == 0 {
+        return Err(Error::Infeasible("--global-batch must be at least 1 micro-batch".into()));
+    }
+    let mut out = Vec::new();
+    for depth in 1..=d {
+        let replicas = d / depth;
+        if global_batch % replicas != 0 {
+            continue;
+        }
+        let m = global_batch / replicas;
+        for kind in ScheduleKind::ALL {
+            let v = kind.default_chunks();
+            if depth * v > n || (depth == 1 && kind != ScheduleKind::OneFOneB) {
+                continue;
+            }
+            let Ok(plan) = generate(kind, depth, m, v) else { continue };
+            let layouts: &[Layout] = if replicas > 1 && depth > 1 { &[Layout::PipelineMajor, Layout::ReplicaMajor] } else { &[Layout::PipelineMajor] };
+            for &layout in layouts {
+                out.push(evaluate(profile, cluster, &plan, kind, v, replicas, layout)?);
+            }
+        }
+    }
+    if out.is_empty() {
+        return Err(Error::Infeasible(format!("no (depth, replicas) divides a global batch of {global_batch} micro-batches over {d} devices")));
+    }
+    out.sort_by(|a, b| match (a.iteration_time, b.iteration_time) {
+        (Some(x), Some(y)) => x.total_cmp(&y),
+        (Some(_), None) => std::cmp::Ordering::Less,
+        (None, Some(_)) => std::cmp::Ordering::Greater,
+        (None, None) => a.peak_memory_bytes.cmp(&b.peak_memory_bytes),
+    });
+    explain(&mut out);
+    Ok(out)
+}
+
+fn evaluate(profile: &Profile, cluster: &Cluster, plan: &Plan, kind: ScheduleKind, v: usize, replicas: usize, layout: Layout) -> Result<Candidate> {
+    let depth = plan.num_workers();
+    let devs: Vec<Vec<usize>> = (0..replicas)
+        .map(|r| (0..depth).map(|w| if layout == Layout::PipelineMajor { r * depth + w } else { w * replicas + r }).collect())
+        .collect();
+    let mut c = Candidate {
+        depth,
+        replicas,
+        microbatches: plan.num_microbatches,
+        schedule: kind.name().into(),
+        chunks: v,
+        layout,
+        layers_per_stage: vec![],
+        devices: devs.iter().map(|ds| ds.iter().map(|&i| cluster.devices[i].name.clone()).collect()).collect(),
+        iteration_time: None,
+        bubble_fraction: 0.0,
+        compute: 0.0,
+        allreduce: 0.0,
+        peak_memory_bytes: 0,
+        infeasible: None,
+        reason: String::new(),
+        plan: None,
+        result: None,
+    };
+    let (split, stages) = match split_for_plan(profile, plan, &cluster.subset(&devs[0])) {
+        Ok(x) => x,
+        Err(e) => {
+            c.infeasible = Some(e.to_string());
+            return Ok(c);
+        }
+    };
+    c.layers_per_stage = split.layers_per_stage;
+    c.peak_memory_bytes = memory_peaks(plan, &stages).iter().map(|p| p.static_bytes + p.activation_bytes).max().unwrap_or(0);
+    for ds in &devs {
+        if let Err(e) = check_memory(plan, &stages, &cluster.subset(ds)) {
+            c.infeasible = Some(format!("memory: {e}"));
+            return Ok(c);
+        }
+    }
+    let r = simulate_replicated(plan, &stages, cluster, &devs)?;
+    let worst = r.replicas.iter().max_by(|a, b| a.makespan.total_cmp(&b.makespan)).expect("a replica");
+    c.iteration_time = Some(r.iteration_time);
+    c.bubble_fraction = worst.bubble_fraction;
+    c.compute = worst.busy.iter().copied().fold(0.0, f64::max);
+    c.allreduce = r.iteration_time - r.pipeline_makespan;
+    c.plan = Some(plan.clone());
+    c.result = Some(r);
+    Ok(c)
+}
+
+/// Say why each candidate lost to the winner: the part of its iteration time that grew most.
+fn explain(cands: &mut [Candidate]) {
+    let Some(best) = cands.first().filter(|c| c.iteration_time.is_some()).cloned() else { return };
+    let (bt, bc, ba) = (best.iteration_time.unwrap(), best.compute, best.allreduce);
+    let b_idle = bt - bc - ba;
+    for c in cands.iter_mut().skip(1) {
+        if let Some(why) = &c.infeasible {
+            c.reason = why.clone();
+            continue;
+        }
+        let t = c.iteration_time.unwrap();
+        let parts = [
+            ("compute: slowest stage", c.compute - bc),
+            ("bubble: idle and waiting for transfers", (t - c.compute - c.allreduce) - b_idle),
+            ("communication: gradient all-reduce", c.allreduce - ba),
+        ];
+        let (what, delta) = parts.iter().copied().max_by(|a, b| a.1.total_cmp(&b.1)).unwrap();
+        c.reason = if t <= bt { "ties with the winner".into() } else { format!("{what} (+{delta:.4} s)") };
+    }
+}
