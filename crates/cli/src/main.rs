@@ -14,7 +14,11 @@ use serde_json::json;
 use std::path::{Path, PathBuf};
 
 #[derive(Parser)]
-#[command(name = "pipewright", version, about = "Plan, simulate and run pipeline-parallel training of transformers.")]
+#[command(
+    name = "pipewright",
+    version,
+    about = "Plan, simulate and run pipeline-parallel training of transformers."
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -146,7 +150,12 @@ struct SchedArgs {
 impl SchedArgs {
     fn plan(&self) -> Result<Plan> {
         let kind: ScheduleKind = self.kind.into();
-        let plan = generate(kind, self.stages, self.microbatches, self.chunks.unwrap_or(kind.default_chunks()))?;
+        let plan = generate(
+            kind,
+            self.stages,
+            self.microbatches,
+            self.chunks.unwrap_or(kind.default_chunks()),
+        )?;
         validate(&plan).context("internal: generated plan does not validate")?;
         Ok(plan)
     }
@@ -205,18 +214,37 @@ fn main() {
         Ok(c) => c,
         Err(e) => {
             use clap::error::ErrorKind::*;
-            if matches!(e.kind(), DisplayHelp | DisplayVersion | DisplayHelpOnMissingArgumentOrSubcommand) {
+            if matches!(
+                e.kind(),
+                DisplayHelp | DisplayVersion | DisplayHelpOnMissingArgumentOrSubcommand
+            ) {
                 e.exit();
             }
             let text = e.to_string();
-            let line: Vec<&str> = text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with("For more information") && !l.starts_with("Usage:")).collect();
+            let line: Vec<&str> = text
+                .lines()
+                .map(str::trim)
+                .filter(|l| {
+                    !l.is_empty()
+                        && !l.starts_with("For more information")
+                        && !l.starts_with("Usage:")
+                })
+                .collect();
             eprintln!("{} (see --help)", line.join(" "));
             std::process::exit(2);
         }
     };
     if let Err(e) = run(cli) {
-        let bad = e.chain().any(|c| c.is::<pipewright_core::Error>() || c.is::<BadInput>());
-        eprintln!("error: {}", e.chain().map(|c| c.to_string()).collect::<Vec<_>>().join(": "));
+        let bad = e
+            .chain()
+            .any(|c| c.is::<pipewright_core::Error>() || c.is::<BadInput>());
+        eprintln!(
+            "error: {}",
+            e.chain()
+                .map(|c| c.to_string())
+                .collect::<Vec<_>>()
+                .join(": ")
+        );
         std::process::exit(if bad { 2 } else { 1 });
     }
 }
@@ -238,16 +266,28 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Validate { file } => {
             let plan = load_plan(&file)?;
             validate(&plan).map_err(|e| anyhow!(BadInput(format!("{}: {e}", file.display()))))?;
-            println!("{}: valid ({} workers, {} stages, {} micro-batches, {} actions)", file.display(), plan.num_workers(), plan.num_stages(), plan.num_microbatches, plan.workers.iter().map(Vec::len).sum::<usize>());
+            println!(
+                "{}: valid ({} workers, {} stages, {} micro-batches, {} actions)",
+                file.display(),
+                plan.num_workers(),
+                plan.num_stages(),
+                plan.num_microbatches,
+                plan.workers.iter().map(Vec::len).sum::<usize>()
+            );
             Ok(())
         }
     }
 }
 
 fn load_plan(file: &Path) -> Result<Plan> {
-    let text = std::fs::read_to_string(file).map_err(|e| BadInput(format!("{}: cannot read: {e}", file.display())))?;
+    let text = std::fs::read_to_string(file)
+        .map_err(|e| BadInput(format!("{}: cannot read: {e}", file.display())))?;
     let name = file.display().to_string();
-    Ok(if file.extension().is_some_and(|e| e == "csv") { Plan::from_csv(&name, &text)? } else { Plan::from_json(&name, &text)? })
+    Ok(if file.extension().is_some_and(|e| e == "csv") {
+        Plan::from_csv(&name, &text)?
+    } else {
+        Plan::from_json(&name, &text)?
+    })
 }
 
 fn cmd_simulate(a: SimulateArgs) -> Result<()> {
@@ -260,7 +300,11 @@ fn cmd_simulate(a: SimulateArgs) -> Result<()> {
         None => a.sched.plan()?,
     };
     let p = plan.num_workers();
-    for (flag, v) in [("--cost-f", a.cost_f), ("--cost-b", a.cost_b), ("--cost-w", a.cost_w)] {
+    for (flag, v) in [
+        ("--cost-f", a.cost_f),
+        ("--cost-b", a.cost_b),
+        ("--cost-w", a.cost_w),
+    ] {
         if let Some(v) = v {
             if !v.is_finite() || v < 0.0 {
                 return Err(BadInput(format!("{flag} {v}: costs must be finite and >= 0")).into());
@@ -274,7 +318,12 @@ fn cmd_simulate(a: SimulateArgs) -> Result<()> {
                 Some(cf) => {
                     let c = Cluster::load(cf)?;
                     if c.len() < p {
-                        return Err(BadInput(format!("{}: {} devices, but the plan needs {p} workers", cf.display(), c.len())).into());
+                        return Err(BadInput(format!(
+                            "{}: {} devices, but the plan needs {p} workers",
+                            cf.display(),
+                            c.len()
+                        ))
+                        .into());
                     }
                     c.subset(&(0..p).collect::<Vec<_>>())
                 }
@@ -284,12 +333,20 @@ fn cmd_simulate(a: SimulateArgs) -> Result<()> {
             (costs, cluster, Some(split))
         }
         None => {
-            let c = StageCost::uniform(a.cost_f.unwrap_or(1.0), a.cost_b.unwrap_or(1.0), a.cost_w.unwrap_or(1.0));
+            let c = StageCost::uniform(
+                a.cost_f.unwrap_or(1.0),
+                a.cost_b.unwrap_or(1.0),
+                a.cost_w.unwrap_or(1.0),
+            );
             (vec![c; plan.num_stages()], Cluster::uniform(p), None)
         }
     };
     check_memory(&plan, &stages, &cluster)?;
-    let r = simulate(&SimSetup { plan: &plan, stages: &stages, cluster: &cluster })?;
+    let r = simulate(&SimSetup {
+        plan: &plan,
+        stages: &stages,
+        cluster: &cluster,
+    })?;
     let title = format!(
         "{} | P={} M={} stages={} | makespan {:.4} | bubble {:.1}%",
         plan.kind,
@@ -321,7 +378,10 @@ fn cmd_simulate(a: SimulateArgs) -> Result<()> {
     if let Some(s) = &split {
         println!("layers per stage: {:?}", s.layers_per_stage);
     }
-    println!("{:>7} {:>12} {:>8} {:>14} {:>16}", "worker", "busy", "util", "peak act", "peak act bytes");
+    println!(
+        "{:>7} {:>12} {:>8} {:>14} {:>16}",
+        "worker", "busy", "util", "peak act", "peak act bytes"
+    );
     for w in 0..p {
         println!(
             "{:>7} {:>12.4} {:>7.1}% {:>14} {:>16}",
@@ -333,9 +393,18 @@ fn cmd_simulate(a: SimulateArgs) -> Result<()> {
         );
     }
     for l in &r.links {
-        println!("link w{} -> w{}: {} bytes, busy {:.4}", l.from, l.to, l.bytes, l.busy);
+        println!(
+            "link w{} -> w{}: {} bytes, busy {:.4}",
+            l.from, l.to, l.bytes, l.busy
+        );
     }
-    let unit = r.timeline.actions.iter().map(|x| x.end - x.start).filter(|d| *d > 0.0).fold(f64::INFINITY, f64::min);
+    let unit = r
+        .timeline
+        .actions
+        .iter()
+        .map(|x| x.end - x.start)
+        .filter(|d| *d > 0.0)
+        .fold(f64::INFINITY, f64::min);
     if unit.is_finite() && r.makespan / unit <= 160.0 {
         println!("\ntimeline (one column = {unit:.4}; F forward, B input grad, W weight grad, X full backward):");
         print!("{}", r.timeline.to_text(unit));
@@ -354,7 +423,12 @@ fn cmd_plan(a: PlanArgs) -> Result<()> {
         let r = w.result.as_ref().expect("simulated");
         let title = format!(
             "plan: {} P={} x {} replicas, M={} | iteration {:.4} s | bubble {:.1}%",
-            w.schedule, w.depth, w.replicas, w.microbatches, w.iteration_time.unwrap(), 100.0 * w.bubble_fraction
+            w.schedule,
+            w.depth,
+            w.replicas,
+            w.microbatches,
+            w.iteration_time.unwrap(),
+            100.0 * w.bubble_fraction
         );
         if let Some(f) = &a.svg {
             write_file(f, &r.replicas[0].timeline.to_svg(&title))?;
@@ -364,25 +438,67 @@ fn cmd_plan(a: PlanArgs) -> Result<()> {
         }
     }
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&json!({"candidates": cands, "search_seconds": secs}))?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json!({"candidates": cands, "search_seconds": secs}))?
+        );
     } else {
         println!(
             "{} candidates for \"{}\" ({} layers) on {} devices, global batch {} micro-batches ({secs:.2} s)",
             cands.len(), profile.model.name, profile.layers.len(), cluster.len(), a.global_batch
         );
-        println!("{:>4} {:>5} {:>4} {:>4} {:>11} {:>14} {:>12} {:>7} {:>10}  {}", "rank", "depth", "dp", "M", "schedule", "layout", "iteration s", "bubble", "peak GiB", "lost because");
+        println!(
+            "{:>4} {:>5} {:>4} {:>4} {:>11} {:>14} {:>12} {:>7} {:>10}  {}",
+            "rank",
+            "depth",
+            "dp",
+            "M",
+            "schedule",
+            "layout",
+            "iteration s",
+            "bubble",
+            "peak GiB",
+            "lost because"
+        );
         for (i, c) in cands.iter().take(a.top).enumerate() {
-            let layout = match c.layout { Layout::PipelineMajor => "pipeline-major", Layout::ReplicaMajor => "replica-major" };
-            let it = c.iteration_time.map_or("-".to_string(), |t| format!("{t:.4}"));
+            let layout = match c.layout {
+                Layout::PipelineMajor => "pipeline-major",
+                Layout::ReplicaMajor => "replica-major",
+            };
+            let it = c
+                .iteration_time
+                .map_or("-".to_string(), |t| format!("{t:.4}"));
             println!(
                 "{:>4} {:>5} {:>4} {:>4} {:>11} {:>14} {:>12} {:>6.1}% {:>10.2}  {}",
-                i + 1, c.depth, c.replicas, c.microbatches, c.schedule, layout, it, 100.0 * c.bubble_fraction,
-                c.peak_memory_bytes as f64 / (1u64 << 30) as f64, if i == 0 && c.iteration_time.is_some() { "winner" } else { c.reason.as_str() }
+                i + 1,
+                c.depth,
+                c.replicas,
+                c.microbatches,
+                c.schedule,
+                layout,
+                it,
+                100.0 * c.bubble_fraction,
+                c.peak_memory_bytes as f64 / (1u64 << 30) as f64,
+                if i == 0 && c.iteration_time.is_some() {
+                    "winner"
+                } else {
+                    c.reason.as_str()
+                }
             );
         }
         match best {
-            Some(w) => println!("winner: layers per stage {:?}; pipeline 0 on {}", w.layers_per_stage, w.devices[0].join(", ")),
-            None => return Err(BadInput(format!("no candidate fits: {}", cands[0].reason.clone() + cands[0].infeasible.as_deref().unwrap_or(""))).into()),
+            Some(w) => println!(
+                "winner: layers per stage {:?}; pipeline 0 on {}",
+                w.layers_per_stage,
+                w.devices[0].join(", ")
+            ),
+            None => {
+                return Err(BadInput(format!(
+                    "no candidate fits; the smallest: {}",
+                    cands[0].reason
+                ))
+                .into())
+            }
         }
     }
     Ok(())
@@ -403,14 +519,27 @@ fn cmd_partition(a: PartitionArgs) -> Result<()> {
         vec![]
     } else {
         let plan = generate(kind, a.stages, m, 1)?;
-        memory_peaks(&plan, &vec![StageCost::default(); a.stages]).iter().map(|p| p.microbatches).collect()
+        memory_peaks(&plan, &vec![StageCost::default(); a.stages])
+            .iter()
+            .map(|p| p.microbatches)
+            .collect()
     };
     let objective = match a.objective {
         ObjectiveArg::Time => Objective::Time,
         ObjectiveArg::Params => Objective::Params,
     };
-    let r = partition(&PartitionProblem { profile: &profile, cluster: &cluster, stages: a.stages, objective, in_flight: in_flight.clone() })?;
-    let names: Vec<&str> = r.devices.iter().map(|&d| cluster.devices[d].name.as_str()).collect();
+    let r = partition(&PartitionProblem {
+        profile: &profile,
+        cluster: &cluster,
+        stages: a.stages,
+        objective,
+        in_flight: in_flight.clone(),
+    })?;
+    let names: Vec<&str> = r
+        .devices
+        .iter()
+        .map(|&d| cluster.devices[d].name.as_str())
+        .collect();
     if a.json {
         let j = json!({
             "boundaries": r.split.layers_per_stage,
@@ -424,15 +553,40 @@ fn cmd_partition(a: PartitionArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&j)?);
         return Ok(());
     }
-    let unit = if objective == Objective::Params { "bytes of parameters" } else { "s per micro-batch (forward + backward + send)" };
-    println!("{} layers of \"{}\" into {} stages; bottleneck {:.6} {unit}{}", profile.layers.len(), profile.model.name, a.stages, r.split.bottleneck, if r.exact { "" } else { " (heuristic device order: cluster too large for the exact search)" });
-    println!("{:>6} {:>14} {:>18} {:>16}", "stage", "layers", "device", "cost");
+    let unit = if objective == Objective::Params {
+        "bytes of parameters"
+    } else {
+        "s per micro-batch (forward + backward + send)"
+    };
+    println!(
+        "{} layers of \"{}\" into {} stages; bottleneck {:.6} {unit}{}",
+        profile.layers.len(),
+        profile.model.name,
+        a.stages,
+        r.split.bottleneck,
+        if r.exact {
+            ""
+        } else {
+            " (heuristic device order: cluster too large for the exact search)"
+        }
+    );
+    println!(
+        "{:>6} {:>14} {:>18} {:>16}",
+        "stage", "layers", "device", "cost"
+    );
     let mut lo = 0;
     for (st, &n) in r.split.layers_per_stage.iter().enumerate() {
         let span = format!("{}..{} ({n})", lo, lo + n - 1);
         lo += n;
-        let dev = if objective == Objective::Params { "-" } else { names[st] };
-        println!("{st:>6} {span:>14} {dev:>18} {:>16.6}", r.split.stage_cost[st]);
+        let dev = if objective == Objective::Params {
+            "-"
+        } else {
+            names[st]
+        };
+        println!(
+            "{st:>6} {span:>14} {dev:>18} {:>16.6}",
+            r.split.stage_cost[st]
+        );
     }
     Ok(())
 }

@@ -4,11 +4,16 @@ use std::path::PathBuf;
 use std::process::{Command, Output};
 
 fn pw(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_pipewright")).args(args).output().expect("runs")
+    Command::new(env!("CARGO_BIN_EXE_pipewright"))
+        .args(args)
+        .output()
+        .expect("runs")
 }
 
 fn shared(rel: &str) -> String {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..").join(rel);
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .join(rel);
     p.to_str().unwrap().to_string()
 }
 
@@ -21,7 +26,11 @@ fn tmp(name: &str, text: &str) -> String {
 }
 
 fn json(out: &Output) -> serde_json::Value {
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     serde_json::from_slice(&out.stdout).expect("one JSON object")
 }
 
@@ -30,15 +39,33 @@ fn bad(args: &[&str], want: &str) {
     let o = pw(args);
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
-    assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: not one line: {err}");
+    assert_eq!(
+        err.trim_end().lines().count(),
+        1,
+        "{args:?}: not one line: {err}"
+    );
     assert!(err.contains(want), "{args:?}: {err:?} lacks {want:?}");
     assert!(!err.contains("panicked"));
 }
 
 #[test]
 fn acceptance_figures_from_the_cli() {
-    let base = ["simulate", "--stages", "4", "--microbatches", "8", "--cost-f", "1", "--cost-b", "1", "--cost-w", "1", "--json"];
-    let run = |kind: &str, extra: &[&str]| json(&pw(&[&base[..], &["--kind", kind], extra].concat()));
+    let base = [
+        "simulate",
+        "--stages",
+        "4",
+        "--microbatches",
+        "8",
+        "--cost-f",
+        "1",
+        "--cost-b",
+        "1",
+        "--cost-w",
+        "1",
+        "--json",
+    ];
+    let run =
+        |kind: &str, extra: &[&str]| json(&pw(&[&base[..], &["--kind", kind], extra].concat()));
     let g = run("gpipe", &[]);
     assert_eq!(g["makespan"], 33.0);
     assert_eq!(g["peak_activations"], serde_json::json!([8, 8, 8, 8]));
@@ -57,25 +84,72 @@ fn examples_load_and_simulate_with_files() {
     std::fs::create_dir_all(&dir).unwrap();
     let (trace, svg) = (dir.join("t.json"), dir.join("t.svg"));
     let j = json(&pw(&[
-        "simulate", "--kind", "1f1b", "--stages", "8", "--microbatches", "16",
-        "--profile", &shared("examples/vit_b16_params.toml"), "--cluster", &shared("examples/pipetransformer_2x8.toml"),
-        "--json", "--trace", trace.to_str().unwrap(), "--svg", svg.to_str().unwrap(),
+        "simulate",
+        "--kind",
+        "1f1b",
+        "--stages",
+        "8",
+        "--microbatches",
+        "16",
+        "--profile",
+        &shared("examples/vit_b16_params.toml"),
+        "--cluster",
+        &shared("examples/pipetransformer_2x8.toml"),
+        "--json",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--svg",
+        svg.to_str().unwrap(),
     ]));
-    assert_eq!(j["layers_per_stage"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).sum::<u64>(), 27);
+    assert_eq!(
+        j["layers_per_stage"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .sum::<u64>(),
+        27
+    );
     assert!(j["links"].as_array().unwrap().len() >= 7);
-    let t: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let t: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
     assert!(t["traceEvents"].as_array().unwrap().len() > 16 * 8 * 2);
     assert!(std::fs::read_to_string(&svg).unwrap().starts_with("<svg"));
-    json(&pw(&["simulate", "--kind", "gpipe", "--stages", "4", "--profile", &shared("examples/llama500m_skippipe.toml"),
-        "--cluster", &shared("examples/geo20_skippipe.toml"), "--microbatches", "3", "--json"]));
+    json(&pw(&[
+        "simulate",
+        "--kind",
+        "gpipe",
+        "--stages",
+        "4",
+        "--profile",
+        &shared("examples/llama500m_skippipe.toml"),
+        "--cluster",
+        &shared("examples/geo20_skippipe.toml"),
+        "--microbatches",
+        "3",
+        "--json",
+    ]));
 }
 
 #[test]
 fn plan_files_round_trip_through_the_cli() {
     for fmt in ["json", "csv"] {
-        let o = pw(&["schedule", "--kind", "zbv", "--stages", "3", "--microbatches", "5", "--format", fmt]);
+        let o = pw(&[
+            "schedule",
+            "--kind",
+            "zbv",
+            "--stages",
+            "3",
+            "--microbatches",
+            "5",
+            "--format",
+            fmt,
+        ]);
         assert!(o.status.success());
-        let f = tmp(&format!("plan.{fmt}"), &String::from_utf8(o.stdout).unwrap());
+        let f = tmp(
+            &format!("plan.{fmt}"),
+            &String::from_utf8(o.stdout).unwrap(),
+        );
         let v = pw(&["validate", &f]);
         assert!(v.status.success(), "{}", String::from_utf8_lossy(&v.stderr));
         let j = json(&pw(&["simulate", "--plan", &f, "--json"]));
@@ -85,27 +159,67 @@ fn plan_files_round_trip_through_the_cli() {
 
 #[test]
 fn bad_input_is_one_line_and_exit_2() {
-    bad(&["simulate", "--kind", "pipedream"], "invalid value 'pipedream'");
+    bad(
+        &["simulate", "--kind", "pipedream"],
+        "invalid value 'pipedream'",
+    );
     bad(&["simulate", "--stages", "0"], "--stages 0");
     bad(&["simulate", "--cost-b", "-1"], "--cost-b -1");
-    bad(&["schedule", "--kind", "zbv", "--chunks", "3"], "exactly 2 chunks");
+    bad(
+        &["schedule", "--kind", "zbv", "--chunks", "3"],
+        "exactly 2 chunks",
+    );
     let good = std::fs::read_to_string(shared("examples/pipetransformer_2x8.toml")).unwrap();
     let prof = shared("examples/vit_b16_params.toml");
     let c = tmp("twice.toml", &good.replace("node0-gpu1", "node0-gpu0"));
-    bad(&["simulate", "--profile", &prof, "--cluster", &c], "device \"node0-gpu0\" is named twice");
-    let c = tmp("unknown.toml", &good.replace("overhead = 0.0", "overhed = 0.0"));
-    bad(&["simulate", "--profile", &prof, "--cluster", &c], "unknown field `overhed`");
+    bad(
+        &["simulate", "--profile", &prof, "--cluster", &c],
+        "device \"node0-gpu0\" is named twice",
+    );
+    let c = tmp(
+        "unknown.toml",
+        &good.replace("overhead = 0.0", "overhed = 0.0"),
+    );
+    bad(
+        &["simulate", "--profile", &prof, "--cluster", &c],
+        "unknown field `overhed`",
+    );
     let c = tmp("broken.toml", &good.replace("[[links]]", "[[links]"));
     bad(&["simulate", "--profile", &prof, "--cluster", &c], "line ");
     let pf = std::fs::read_to_string(&prof).unwrap();
-    let p = tmp("neg.toml", &pf.replacen("forward = 2.363904", "forward = -2.363904", 1));
-    bad(&["simulate", "--profile", &p], "layers[1] (\"att0\"): forward = -2.363904 must be a finite number >= 0");
-    bad(&["simulate", "--profile", "/nonexistent/p.toml"], "/nonexistent/p.toml: cannot read");
-    bad(&["simulate", "--profile", &prof, "--stages", "30"], "cannot cut 27 layers into 30");
+    let p = tmp(
+        "neg.toml",
+        &pf.replacen("forward = 2.363904", "forward = -2.363904", 1),
+    );
+    bad(
+        &["simulate", "--profile", &p],
+        "layers[1] (\"att0\"): forward = -2.363904 must be a finite number >= 0",
+    );
+    bad(
+        &["simulate", "--profile", "/nonexistent/p.toml"],
+        "/nonexistent/p.toml: cannot read",
+    );
+    bad(
+        &["simulate", "--profile", &prof, "--stages", "30"],
+        "cannot cut 27 layers into 30",
+    );
     let broken = tmp("broken.json", "{\"kind\": \"x\"");
     bad(&["validate", &broken], "broken.json");
-    let o = pw(&["schedule", "--kind", "1f1b", "--stages", "2", "--microbatches", "2", "--format", "json"]);
-    let deadlock = String::from_utf8(o.stdout).unwrap().replacen("\"op\": \"F\"", "\"op\": \"W\"", 1);
+    let o = pw(&[
+        "schedule",
+        "--kind",
+        "1f1b",
+        "--stages",
+        "2",
+        "--microbatches",
+        "2",
+        "--format",
+        "json",
+    ]);
+    let deadlock =
+        String::from_utf8(o.stdout)
+            .unwrap()
+            .replacen("\"op\": \"F\"", "\"op\": \"W\"", 1);
     bad(&["validate", &tmp("w.json", &deadlock)], "worker 0");
 }
 
@@ -113,23 +227,71 @@ fn bad_input_is_one_line_and_exit_2() {
 fn partition_and_plan() {
     let vit = shared("examples/vit_b16_params.toml");
     for (k, want) in [("8", 12.582376), ("4", 22.034152)] {
-        let j = json(&pw(&["partition", "--profile", &vit, "--stages", k, "--objective", "params", "--json"]));
+        let j = json(&pw(&[
+            "partition",
+            "--profile",
+            &vit,
+            "--stages",
+            k,
+            "--objective",
+            "params",
+            "--json",
+        ]));
         assert!((j["bottleneck"].as_f64().unwrap() / 4e6 - want).abs() < 1e-6);
-        assert_eq!(j["boundaries"].as_array().unwrap().len(), k.parse::<usize>().unwrap());
-        assert_eq!(j["stage_cost"].as_array().unwrap().len(), k.parse::<usize>().unwrap());
+        assert_eq!(
+            j["boundaries"].as_array().unwrap().len(),
+            k.parse::<usize>().unwrap()
+        );
+        assert_eq!(
+            j["stage_cost"].as_array().unwrap().len(),
+            k.parse::<usize>().unwrap()
+        );
     }
     let c = shared("examples/pipetransformer_2x8.toml");
-    let j = json(&pw(&["partition", "--profile", &vit, "--stages", "8", "--cluster", &c, "--json"]));
+    let j = json(&pw(&[
+        "partition",
+        "--profile",
+        &vit,
+        "--stages",
+        "8",
+        "--cluster",
+        &c,
+        "--json",
+    ]));
     assert_eq!(j["devices"].as_array().unwrap().len(), 8);
     assert_eq!(j["exact"], true);
     let j = json(&pw(&["plan", "--profile", &vit, "--cluster", &c, "--json"]));
     let cands = j["candidates"].as_array().unwrap();
     assert!(cands.len() > 20);
-    let times: Vec<f64> = cands.iter().filter_map(|c| c["iteration_time"].as_f64()).collect();
+    let times: Vec<f64> = cands
+        .iter()
+        .filter_map(|c| c["iteration_time"].as_f64())
+        .collect();
     assert!(times.windows(2).all(|w| w[0] <= w[1]), "ranked best first");
-    assert!(cands[1..].iter().all(|c| !c["reason"].as_str().unwrap().is_empty()));
+    assert!(cands[1..]
+        .iter()
+        .all(|c| !c["reason"].as_str().unwrap().is_empty()));
     // A device too small for the largest layer: named, with the bytes it needs.
-    let small = tmp("small.toml", &std::fs::read_to_string(&c).unwrap().replace("memory = 17179869184", "memory = 1000000"));
-    bad(&["partition", "--profile", &vit, "--stages", "8", "--cluster", &small], "needs 94949376 bytes");
-    bad(&["plan", "--profile", &vit, "--cluster", &small], "no candidate fits");
+    let small = tmp(
+        "small.toml",
+        &std::fs::read_to_string(&c)
+            .unwrap()
+            .replace("memory = 17179869184", "memory = 1000000"),
+    );
+    bad(
+        &[
+            "partition",
+            "--profile",
+            &vit,
+            "--stages",
+            "8",
+            "--cluster",
+            &small,
+        ],
+        "needs 94949376 bytes",
+    );
+    bad(
+        &["plan", "--profile", &vit, "--cluster", &small],
+        "no candidate fits",
+    );
 }

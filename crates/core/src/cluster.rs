@@ -40,7 +40,14 @@ fn infinite() -> f64 {
 
 impl Default for Defaults {
     fn default() -> Self {
-        Defaults { speed: 1.0, memory: None, memory_microbatches: None, latency: 0.0, bandwidth: f64::INFINITY, overhead: 0.0 }
+        Defaults {
+            speed: 1.0,
+            memory: None,
+            memory_microbatches: None,
+            latency: 0.0,
+            bandwidth: f64::INFINITY,
+            overhead: 0.0,
+        }
     }
 }
 
@@ -83,7 +90,11 @@ pub struct Link {
 }
 
 impl Link {
-    pub const FREE: Link = Link { latency: 0.0, bandwidth: f64::INFINITY, overhead: 0.0 };
+    pub const FREE: Link = Link {
+        latency: 0.0,
+        bandwidth: f64::INFINITY,
+        overhead: 0.0,
+    };
 
     /// `latency + bytes / bandwidth + overhead` (FORMATS.md).
     pub fn transfer_time(&self, bytes: u64) -> f64 {
@@ -112,9 +123,18 @@ impl Cluster {
     /// `n` identical devices of speed 1 joined by free links: what uniform-cost runs assume.
     pub fn uniform(n: usize) -> Self {
         let devices = (0..n)
-            .map(|i| Device { name: format!("w{i}"), region: String::new(), speed: 1.0, memory: None, memory_microbatches: None })
+            .map(|i| Device {
+                name: format!("w{i}"),
+                region: String::new(),
+                speed: 1.0,
+                memory: None,
+                memory_microbatches: None,
+            })
             .collect();
-        Cluster { devices, links: vec![Link::FREE; n * n] }
+        Cluster {
+            devices,
+            links: vec![Link::FREE; n * n],
+        }
     }
 
     /// `n` identical devices sharing one link model between every pair.
@@ -137,16 +157,30 @@ impl Cluster {
         check_num(file, "defaults.overhead", d.overhead, false)?;
         check_bw(file, "defaults.bandwidth", d.bandwidth)?;
         if f.devices.is_empty() {
-            return Err(Error::input(file, "no [[devices]]: a cluster needs at least one device"));
+            return Err(Error::input(
+                file,
+                "no [[devices]]: a cluster needs at least one device",
+            ));
         }
         let mut seen: HashMap<&str, usize> = HashMap::new();
         let mut devices = Vec::new();
         for (i, s) in f.devices.iter().enumerate() {
             if let Some(first) = seen.insert(s.name.as_str(), i) {
-                return Err(Error::input(file, format!("devices[{i}]: device \"{}\" is named twice (first at devices[{first}])", s.name)));
+                return Err(Error::input(
+                    file,
+                    format!(
+                        "devices[{i}]: device \"{}\" is named twice (first at devices[{first}])",
+                        s.name
+                    ),
+                ));
             }
             let speed = s.speed.unwrap_or(d.speed);
-            check_num(file, &format!("devices[{i}] (\"{}\").speed", s.name), speed, true)?;
+            check_num(
+                file,
+                &format!("devices[{i}] (\"{}\").speed", s.name),
+                speed,
+                true,
+            )?;
             devices.push(Device {
                 name: s.name.clone(),
                 region: s.region.clone().unwrap_or_else(|| s.name.clone()),
@@ -155,15 +189,23 @@ impl Cluster {
                 memory_microbatches: s.memory_microbatches.or(d.memory_microbatches),
             });
         }
-        let regions: std::collections::HashSet<&str> = devices.iter().map(|d| d.region.as_str()).collect();
-        let default_link = Link { latency: d.latency, bandwidth: d.bandwidth, overhead: d.overhead };
+        let regions: std::collections::HashSet<&str> =
+            devices.iter().map(|d| d.region.as_str()).collect();
+        let default_link = Link {
+            latency: d.latency,
+            bandwidth: d.bandwidth,
+            overhead: d.overhead,
+        };
         let n = devices.len();
         let mut links = vec![default_link; n * n];
         // Region-pair links first, then device-pair links, which are more specific.
         for (k, l) in f.links.iter().enumerate() {
             for end in [&l.a, &l.b] {
                 if !regions.contains(end.as_str()) && !seen.contains_key(end.as_str()) {
-                    return Err(Error::input(file, format!("links[{k}]: \"{end}\" is neither a device nor a region")));
+                    return Err(Error::input(
+                        file,
+                        format!("links[{k}]: \"{end}\" is neither a device nor a region"),
+                    ));
                 }
             }
         }
@@ -174,9 +216,19 @@ impl Cluster {
                 if device_pass != is_dev {
                     continue;
                 }
-                let key = if l.a <= l.b { (l.a.clone(), l.b.clone()) } else { (l.b.clone(), l.a.clone()) };
+                let key = if l.a <= l.b {
+                    (l.a.clone(), l.b.clone())
+                } else {
+                    (l.b.clone(), l.a.clone())
+                };
                 if let Some(first) = set_by.insert(key, k) {
-                    return Err(Error::input(file, format!("links[{k}]: link {}-{} is given twice (first at links[{first}])", l.a, l.b)));
+                    return Err(Error::input(
+                        file,
+                        format!(
+                            "links[{k}]: link {}-{} is given twice (first at links[{first}])",
+                            l.a, l.b
+                        ),
+                    ));
                 }
                 let at = format!("links[{k}] ({}-{})", l.a, l.b);
                 let link = Link {
@@ -189,7 +241,11 @@ impl Cluster {
                 check_bw(file, &format!("{at}.bandwidth"), link.bandwidth)?;
                 for i in 0..n {
                     for j in 0..n {
-                        let (ki, kj) = if is_dev { (&devices[i].name, &devices[j].name) } else { (&devices[i].region, &devices[j].region) };
+                        let (ki, kj) = if is_dev {
+                            (&devices[i].name, &devices[j].name)
+                        } else {
+                            (&devices[i].region, &devices[j].region)
+                        };
                         if (ki == &l.a && kj == &l.b) || (ki == &l.b && kj == &l.a) {
                             links[i * n + j] = link;
                         }
@@ -226,7 +282,11 @@ impl Cluster {
     /// The cluster restricted to the given devices, in that order.
     pub fn subset(&self, ids: &[usize]) -> Cluster {
         let devices = ids.iter().map(|&i| self.devices[i].clone()).collect();
-        let links = ids.iter().flat_map(|&i| ids.iter().map(move |&j| (i, j))).map(|(i, j)| self.link(i, j)).collect();
+        let links = ids
+            .iter()
+            .flat_map(|&i| ids.iter().map(move |&j| (i, j)))
+            .map(|(i, j)| self.link(i, j))
+            .collect();
         Cluster { devices, links }
     }
 }
@@ -237,13 +297,19 @@ fn check_num(file: &str, key: &str, v: f64, positive: bool) -> Result<()> {
         Ok(())
     } else {
         let want = if positive { "> 0" } else { ">= 0" };
-        Err(Error::input(file, format!("{key} = {v} must be a finite number {want}")))
+        Err(Error::input(
+            file,
+            format!("{key} = {v} must be a finite number {want}"),
+        ))
     }
 }
 
 fn check_bw(file: &str, key: &str, v: f64) -> Result<()> {
     if v.is_nan() || v <= 0.0 {
-        Err(Error::input(file, format!("{key} = {v} must be > 0 bytes per second")))
+        Err(Error::input(
+            file,
+            format!("{key} = {v} must be > 0 bytes per second"),
+        ))
     } else {
         Ok(())
     }
@@ -287,20 +353,37 @@ bandwidth = 10.0
     #[test]
     fn device_named_twice() {
         let e = Cluster::parse("c.toml", &TWO_NODES.replace("\"b0\"", "\"a0\"")).unwrap_err();
-        assert_eq!(e.to_string(), "c.toml: devices[2]: device \"a0\" is named twice (first at devices[0])");
+        assert_eq!(
+            e.to_string(),
+            "c.toml: devices[2]: device \"a0\" is named twice (first at devices[0])"
+        );
     }
 
     #[test]
     fn unknown_key_and_unknown_link_end() {
-        let e = Cluster::parse("c.toml", &TWO_NODES.replace("speed = 2.0", "sped = 2.0")).unwrap_err().to_string();
+        let e = Cluster::parse("c.toml", &TWO_NODES.replace("speed = 2.0", "sped = 2.0"))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("sped") && e.contains("line 11"), "{e}");
-        let e = Cluster::parse("c.toml", &TWO_NODES.replace("b = \"r1\"", "b = \"r9\"")).unwrap_err().to_string();
-        assert_eq!(e, "c.toml: links[0]: \"r9\" is neither a device nor a region");
+        let e = Cluster::parse("c.toml", &TWO_NODES.replace("b = \"r1\"", "b = \"r9\""))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "c.toml: links[0]: \"r9\" is neither a device nor a region"
+        );
     }
 
     #[test]
     fn negative_values_are_rejected() {
-        let e = Cluster::parse("c.toml", &TWO_NODES.replace("latency = 0.1", "latency = -0.1")).unwrap_err();
-        assert_eq!(e.to_string(), "c.toml: links[0] (r0-r1).latency = -0.1 must be a finite number >= 0");
+        let e = Cluster::parse(
+            "c.toml",
+            &TWO_NODES.replace("latency = 0.1", "latency = -0.1"),
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "c.toml: links[0] (r0-r1).latency = -0.1 must be a finite number >= 0"
+        );
     }
 }

@@ -22,7 +22,10 @@ pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
     pub fn input(file: impl Into<String>, msg: impl Into<String>) -> Self {
-        Error::Input { file: file.into(), msg: msg.into() }
+        Error::Input {
+            file: file.into(),
+            msg: msg.into(),
+        }
     }
 }
 

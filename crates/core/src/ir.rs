@@ -67,7 +67,13 @@ impl Action {
 
 impl fmt::Display for Action {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}(stage {}, mb {})", self.op.as_str(), self.stage, self.mb)
+        write!(
+            f,
+            "{}(stage {}, mb {})",
+            self.op.as_str(),
+            self.stage,
+            self.mb
+        )
     }
 }
 
@@ -128,17 +134,23 @@ impl Plan {
     }
     /// Stages held by worker `w`, in model order.
     pub fn stages_of(&self, w: usize) -> Vec<usize> {
-        (0..self.num_stages()).filter(|&s| self.placement[s] == w).collect()
+        (0..self.num_stages())
+            .filter(|&s| self.placement[s] == w)
+            .collect()
     }
     /// Stage after `stage` on `mb`'s route.
     pub fn next_stage(&self, mb: usize, stage: usize) -> Option<usize> {
         let r = &self.routes[mb];
-        r.iter().position(|&s| s == stage).and_then(|i| r.get(i + 1).copied())
+        r.iter()
+            .position(|&s| s == stage)
+            .and_then(|i| r.get(i + 1).copied())
     }
     /// Stage before `stage` on `mb`'s route.
     pub fn prev_stage(&self, mb: usize, stage: usize) -> Option<usize> {
         let r = &self.routes[mb];
-        r.iter().position(|&s| s == stage).and_then(|i| i.checked_sub(1).map(|j| r[j]))
+        r.iter()
+            .position(|&s| s == stage)
+            .and_then(|i| i.checked_sub(1).map(|j| r[j]))
     }
     /// Does the plan split backward into `B` and `W`?
     pub fn splits_backward(&self) -> bool {
@@ -152,7 +164,12 @@ impl Plan {
     }
 
     pub fn from_json(file: &str, text: &str) -> Result<Self> {
-        serde_json::from_str(text).map_err(|e| Error::input(file, format!("line {}, column {}: {e}", e.line(), e.column())))
+        serde_json::from_str(text).map_err(|e| {
+            Error::input(
+                file,
+                format!("line {}, column {}: {e}", e.line(), e.column()),
+            )
+        })
     }
 
     /// CSV, one record per row: `record,worker,step,op,stage,microbatch`. A `plan` row carries
@@ -160,15 +177,36 @@ impl Plan {
     pub fn to_csv(&self) -> String {
         let mut w = csv::Writer::from_writer(Vec::new());
         let mut row = |r: CsvRow| w.serialize(r).expect("csv in memory");
-        row(CsvRow { record: "plan".into(), worker: self.num_workers(), step: self.num_stages(), op: self.kind.clone(), stage: 0, microbatch: self.num_microbatches });
+        row(CsvRow {
+            record: "plan".into(),
+            worker: self.num_workers(),
+            step: self.num_stages(),
+            op: self.kind.clone(),
+            stage: 0,
+            microbatch: self.num_microbatches,
+        });
         for (m, r) in self.routes.iter().enumerate() {
             for (i, &s) in r.iter().enumerate() {
-                row(CsvRow { record: "route".into(), worker: self.placement[s], step: i, op: String::new(), stage: s, microbatch: m });
+                row(CsvRow {
+                    record: "route".into(),
+                    worker: self.placement[s],
+                    step: i,
+                    op: String::new(),
+                    stage: s,
+                    microbatch: m,
+                });
             }
         }
         for (wk, acts) in self.workers.iter().enumerate() {
             for (i, a) in acts.iter().enumerate() {
-                row(CsvRow { record: "action".into(), worker: wk, step: i, op: a.op.as_str().into(), stage: a.stage, microbatch: a.mb });
+                row(CsvRow {
+                    record: "action".into(),
+                    worker: wk,
+                    step: i,
+                    op: a.op.as_str().into(),
+                    stage: a.stage,
+                    microbatch: a.mb,
+                });
             }
         }
         String::from_utf8(w.into_inner().expect("csv flush")).expect("csv is utf-8")
@@ -194,28 +232,54 @@ impl Plan {
                 ("plan", Some(_)) => return Err(bad("a second `plan` record".into())),
                 (_, None) => return Err(bad("the first record must be `plan`".into())),
                 ("route", Some(p)) => {
-                    if r.stage >= p.placement.len() || r.microbatch >= p.routes.len() || r.worker >= p.workers.len() {
-                        return Err(bad(format!("route record out of range (stage {}, mb {}, worker {})", r.stage, r.microbatch, r.worker)));
+                    if r.stage >= p.placement.len()
+                        || r.microbatch >= p.routes.len()
+                        || r.worker >= p.workers.len()
+                    {
+                        return Err(bad(format!(
+                            "route record out of range (stage {}, mb {}, worker {})",
+                            r.stage, r.microbatch, r.worker
+                        )));
                     }
                     if r.step != p.routes[r.microbatch].len() {
-                        return Err(bad(format!("route of mb {} skips position {}", r.microbatch, p.routes[r.microbatch].len())));
+                        return Err(bad(format!(
+                            "route of mb {} skips position {}",
+                            r.microbatch,
+                            p.routes[r.microbatch].len()
+                        )));
                     }
                     p.routes[r.microbatch].push(r.stage);
                     let old = p.placement[r.stage];
                     if old != usize::MAX && old != r.worker {
-                        return Err(bad(format!("stage {} placed on worker {} and {}", r.stage, old, r.worker)));
+                        return Err(bad(format!(
+                            "stage {} placed on worker {} and {}",
+                            r.stage, old, r.worker
+                        )));
                     }
                     p.placement[r.stage] = r.worker;
                 }
                 ("action", Some(p)) => {
-                    let op = Op::parse(&r.op).ok_or_else(|| bad(format!("unknown op {:?} (expected F, B, W or BW)", r.op)))?;
-                    let acts = p.workers.get_mut(r.worker).ok_or_else(|| bad(format!("worker {} out of range", r.worker)))?;
+                    let op = Op::parse(&r.op).ok_or_else(|| {
+                        bad(format!("unknown op {:?} (expected F, B, W or BW)", r.op))
+                    })?;
+                    let acts = p
+                        .workers
+                        .get_mut(r.worker)
+                        .ok_or_else(|| bad(format!("worker {} out of range", r.worker)))?;
                     if r.step != acts.len() {
-                        return Err(bad(format!("worker {} skips step {}", r.worker, acts.len())));
+                        return Err(bad(format!(
+                            "worker {} skips step {}",
+                            r.worker,
+                            acts.len()
+                        )));
                     }
                     acts.push(Action::new(op, r.stage, r.microbatch));
                 }
-                (other, _) => return Err(bad(format!("unknown record {other:?} (expected plan, route or action)"))),
+                (other, _) => {
+                    return Err(bad(format!(
+                        "unknown record {other:?} (expected plan, route or action)"
+                    )))
+                }
             }
         }
         let mut p = plan.ok_or_else(|| Error::input(file, "empty: no `plan` record"))?;
@@ -245,7 +309,14 @@ impl Plan {
             }
         };
         let steps = self.workers.iter().map(Vec::len).max().unwrap_or(0);
-        let width = self.workers.iter().flatten().map(|a| cell(a).len()).max().unwrap_or(2).max(3);
+        let width = self
+            .workers
+            .iter()
+            .flatten()
+            .map(|a| cell(a).len())
+            .max()
+            .unwrap_or(2)
+            .max(3);
         let mut out = format!("{:>5} ", "step");
         for w in 0..self.num_workers() {
             out += &format!(" {:>width$}", format!("w{w}"));

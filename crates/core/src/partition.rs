@@ -16,12 +16,18 @@ pub struct Split {
 
 /// Cut `n` layers into `k` non-empty contiguous stages minimising the maximum of
 /// `cost(stage, lo, hi)`. `O(k n^2)` evaluations of `cost`.
-pub fn min_max_split(n: usize, k: usize, cost: impl Fn(usize, usize, usize) -> f64) -> Result<Split> {
+pub fn min_max_split(
+    n: usize,
+    k: usize,
+    cost: impl Fn(usize, usize, usize) -> f64,
+) -> Result<Split> {
     if k == 0 {
         return Err(Error::Infeasible("cannot cut a model into 0 stages".into()));
     }
     if k > n {
-        return Err(Error::Infeasible(format!("cannot cut {n} layers into {k} non-empty stages")));
+        return Err(Error::Infeasible(format!(
+            "cannot cut {n} layers into {k} non-empty stages"
+        )));
     }
     let inf = f64::INFINITY;
     // best[i] for the current k; cut[k][i] = where the last stage starts.
@@ -49,7 +55,9 @@ pub fn min_max_split(n: usize, k: usize, cost: impl Fn(usize, usize, usize) -> f
         best = next;
     }
     if !best[n].is_finite() {
-        return Err(Error::Infeasible(format!("no way to cut {n} layers into {k} stages within the limits")));
+        return Err(Error::Infeasible(format!(
+            "no way to cut {n} layers into {k} stages within the limits"
+        )));
     }
     let mut bounds = vec![n];
     let mut hi = n;
@@ -59,8 +67,16 @@ pub fn min_max_split(n: usize, k: usize, cost: impl Fn(usize, usize, usize) -> f
     }
     bounds.reverse();
     let layers_per_stage: Vec<usize> = bounds.windows(2).map(|w| w[1] - w[0]).collect();
-    let stage_cost: Vec<f64> = bounds.windows(2).enumerate().map(|(s, w)| cost(s, w[0], w[1])).collect();
-    Ok(Split { bottleneck: stage_cost.iter().copied().fold(0.0, f64::max), layers_per_stage, stage_cost })
+    let stage_cost: Vec<f64> = bounds
+        .windows(2)
+        .enumerate()
+        .map(|(s, w)| cost(s, w[0], w[1]))
+        .collect();
+    Ok(Split {
+        bottleneck: stage_cost.iter().copied().fold(0.0, f64::max),
+        layers_per_stage,
+        stage_cost,
+    })
 }
 
 /// Prefix sums, so a stage's total is two lookups.
@@ -81,10 +97,16 @@ mod tests {
         if k == 1 {
             return vec![vec![n]];
         }
-        (1..=n - (k - 1)).flat_map(|first| compositions(n - first, k - 1).into_iter().map(move |mut r| {
-            r.insert(0, first);
-            r
-        })).collect()
+        (1..=n - (k - 1))
+            .flat_map(|first| {
+                compositions(n - first, k - 1)
+                    .into_iter()
+                    .map(move |mut r| {
+                        r.insert(0, first);
+                        r
+                    })
+            })
+            .collect()
     }
 
     #[test]
@@ -97,7 +119,12 @@ mod tests {
                 .iter()
                 .map(|c| {
                     let mut lo = 0;
-                    c.iter().map(|&n| { lo += n; pre[lo] - pre[lo - n] }).fold(0.0, f64::max)
+                    c.iter()
+                        .map(|&n| {
+                            lo += n;
+                            pre[lo] - pre[lo - n]
+                        })
+                        .fold(0.0, f64::max)
                 })
                 .fold(f64::INFINITY, f64::min);
             assert_eq!(s.bottleneck, brute, "k={k}");
@@ -107,7 +134,10 @@ mod tests {
 
     #[test]
     fn too_many_stages() {
-        assert!(min_max_split(3, 4, |_, _, _| 1.0).unwrap_err().to_string().contains("cannot cut 3 layers into 4"));
+        assert!(min_max_split(3, 4, |_, _, _| 1.0)
+            .unwrap_err()
+            .to_string()
+            .contains("cannot cut 3 layers into 4"));
     }
 }
 
@@ -124,7 +154,11 @@ pub fn split_for_plan(
     let dev = |st: usize| plan.placement[st];
     let split = min_max_split(layers.len(), s, |st, lo, hi| {
         let compute = (work[hi] - work[lo]) / cluster.devices[dev(st)].speed;
-        let send = if st + 1 < s { cluster.transfer_time(dev(st), dev(st + 1), layers[hi - 1].activation) } else { 0.0 };
+        let send = if st + 1 < s {
+            cluster.transfer_time(dev(st), dev(st + 1), layers[hi - 1].activation)
+        } else {
+            0.0
+        };
         compute + send
     })
     .map_err(|e| Error::Infeasible(format!("profile \"{}\": {e}", profile.model.name)))?;
@@ -171,7 +205,12 @@ fn device_classes(cluster: &crate::cluster::Cluster) -> Vec<Vec<usize>> {
         x.speed == y.speed
             && x.memory == y.memory
             && x.memory_microbatches == y.memory_microbatches
-            && (0..n).all(|k| k == a || k == b || (cluster.link(a, k) == cluster.link(b, k) && cluster.link(k, a) == cluster.link(k, b)))
+            && (0..n).all(|k| {
+                k == a
+                    || k == b
+                    || (cluster.link(a, k) == cluster.link(b, k)
+                        && cluster.link(k, a) == cluster.link(k, b))
+            })
     };
     for d in 0..n {
         match classes.iter_mut().find(|c| same(c[0], d)) {
@@ -200,15 +239,24 @@ pub fn partition(pr: &PartitionProblem) -> Result<Assignment> {
         return Err(Error::Infeasible("cannot cut a model into 0 stages".into()));
     }
     if k > n {
-        return Err(Error::Infeasible(format!("cannot cut {n} layers into {k} non-empty stages")));
+        return Err(Error::Infeasible(format!(
+            "cannot cut {n} layers into {k} non-empty stages"
+        )));
     }
     if pr.objective == Objective::Params {
         let pre = prefix(layers.iter().map(|l| l.params as f64));
         let split = min_max_split(n, k, |_, lo, hi| pre[hi] - pre[lo])?;
-        return Ok(Assignment { split, devices: (0..k).map(|s| s % cl.len().max(1)).collect(), exact: true });
+        return Ok(Assignment {
+            split,
+            devices: (0..k).map(|s| s % cl.len().max(1)).collect(),
+            exact: true,
+        });
     }
     if k > cl.len() {
-        return Err(Error::Infeasible(format!("{k} stages need {k} devices; the cluster has {}", cl.len())));
+        return Err(Error::Infeasible(format!(
+            "{k} stages need {k} devices; the cluster has {}",
+            cl.len()
+        )));
     }
     let work = prefix(layers.iter().map(|l| l.forward + l.backward()));
     let params = prefix(layers.iter().map(|l| l.params as f64));
@@ -235,19 +283,36 @@ pub fn partition(pr: &PartitionProblem) -> Result<Assignment> {
     let c = classes.len();
     // Mixed-radix encoding of "devices used per class".
     let caps: Vec<usize> = classes.iter().map(|x| x.len().min(k)).collect();
-    let states: f64 = (n * n) as f64 / 2.0 * caps.iter().map(|&x| (x + 1) as f64).product::<f64>() * c as f64;
+    let states: f64 =
+        (n * n) as f64 / 2.0 * caps.iter().map(|&x| (x + 1) as f64).product::<f64>() * c as f64;
     if c == 1 || states > EXACT_STATE_LIMIT {
         // Fixed device order: the fastest devices, kept in file order (file order groups regions).
         let mut ids: Vec<usize> = (0..cl.len()).collect();
-        ids.sort_by(|&a, &b| cl.devices[b].speed.total_cmp(&cl.devices[a].speed).then(a.cmp(&b)));
+        ids.sort_by(|&a, &b| {
+            cl.devices[b]
+                .speed
+                .total_cmp(&cl.devices[a].speed)
+                .then(a.cmp(&b))
+        });
         ids.truncate(k);
         ids.sort_unstable();
-        let split = min_max_split(n, k, |st, lo, hi| compute(st, ids[st], lo, hi) + if st + 1 < k { send(ids[st], ids[st + 1], hi) } else { 0.0 })
-            .map_err(|_| infeasible(pr, &ids))?;
+        let split = min_max_split(n, k, |st, lo, hi| {
+            compute(st, ids[st], lo, hi)
+                + if st + 1 < k {
+                    send(ids[st], ids[st + 1], hi)
+                } else {
+                    0.0
+                }
+        })
+        .map_err(|_| infeasible(pr, &ids))?;
         if !split.bottleneck.is_finite() {
             return Err(infeasible(pr, &ids));
         }
-        return Ok(Assignment { split, devices: ids, exact: c == 1 });
+        return Ok(Assignment {
+            split,
+            devices: ids,
+            exact: c == 1,
+        });
     }
     let mut radix = vec![1usize; c];
     for i in 1..c {
@@ -312,26 +377,50 @@ pub fn partition(pr: &PartitionProblem) -> Result<Assignment> {
         keys.push(key);
     }
     keys.reverse();
-    let devices: Vec<usize> = keys.iter().map(|&(_, _, code, cj)| classes[cj][count(code, cj) - 1]).collect();
+    let devices: Vec<usize> = keys
+        .iter()
+        .map(|&(_, _, code, cj)| classes[cj][count(code, cj) - 1])
+        .collect();
     let bounds: Vec<usize> = keys.iter().map(|&(lo, _, _, _)| lo).chain([n]).collect();
     let stage_cost: Vec<f64> = (0..k)
-        .map(|st| compute(st, devices[st], bounds[st], bounds[st + 1]) + if st + 1 < k { send(devices[st], devices[st + 1], bounds[st + 1]) } else { 0.0 })
+        .map(|st| {
+            compute(st, devices[st], bounds[st], bounds[st + 1])
+                + if st + 1 < k {
+                    send(devices[st], devices[st + 1], bounds[st + 1])
+                } else {
+                    0.0
+                }
+        })
         .collect();
     let split = Split {
         layers_per_stage: bounds.windows(2).map(|w| w[1] - w[0]).collect(),
         bottleneck: stage_cost.iter().copied().fold(0.0, f64::max),
         stage_cost,
     };
-    Ok(Assignment { split, devices, exact: true })
+    Ok(Assignment {
+        split,
+        devices,
+        exact: true,
+    })
 }
 
 /// Name the device and bytes when nothing fits: the largest layer's needs on the roomiest device.
 fn infeasible(pr: &PartitionProblem, _ids: &[usize]) -> Error {
     let cl = pr.cluster;
-    let (li, layer) = pr.profile.layers.iter().enumerate().max_by_key(|(_, l)| 4 * l.params + l.activation).expect("layers");
+    let (li, layer) = pr
+        .profile
+        .layers
+        .iter()
+        .enumerate()
+        .max_by_key(|(_, l)| 4 * l.params + l.activation)
+        .expect("layers");
     let inflight = pr.in_flight.iter().copied().min().unwrap_or(1).max(1) as u64;
     let need = 4 * layer.params + inflight * layer.activation;
-    let roomiest = cl.devices.iter().rev().max_by_key(|d| d.memory.unwrap_or(u64::MAX));
+    let roomiest = cl
+        .devices
+        .iter()
+        .rev()
+        .max_by_key(|d| d.memory.unwrap_or(u64::MAX));
     match roomiest {
         Some(d) if d.memory.is_some_and(|m| m < need) => Error::Infeasible(format!(
             "layer {li} (\"{}\") needs {need} bytes ({} weights+grads+AdamW, {} activations for {inflight} micro-batches in flight) but the largest device, \"{}\", has {}",

@@ -53,7 +53,9 @@ pub fn search(profile: &Profile, cluster: &Cluster, global_batch: usize) -> Resu
     let d = cluster.len();
     let n = profile.layers.len();
     if global_batch == 0 {
-        return Err(Error::Infeasible("--global-batch must be at least 1 micro-batch".into()));
+        return Err(Error::Infeasible(
+            "--global-batch must be at least 1 micro-batch".into(),
+        ));
     }
     let mut out = Vec::new();
     for depth in 1..=d {
@@ -67,10 +69,18 @@ pub fn search(profile: &Profile, cluster: &Cluster, global_batch: usize) -> Resu
             if depth * v > n || (depth == 1 && kind != ScheduleKind::OneFOneB) {
                 continue;
             }
-            let Ok(plan) = generate(kind, depth, m, v) else { continue };
-            let layouts: &[Layout] = if replicas > 1 && depth > 1 { &[Layout::PipelineMajor, Layout::ReplicaMajor] } else { &[Layout::PipelineMajor] };
+            let Ok(plan) = generate(kind, depth, m, v) else {
+                continue;
+            };
+            let layouts: &[Layout] = if replicas > 1 && depth > 1 {
+                &[Layout::PipelineMajor, Layout::ReplicaMajor]
+            } else {
+                &[Layout::PipelineMajor]
+            };
             for &layout in layouts {
-                out.push(evaluate(profile, cluster, &plan, kind, v, replicas, layout)?);
+                out.push(evaluate(
+                    profile, cluster, &plan, kind, v, replicas, layout,
+                )?);
             }
         }
     }
@@ -87,10 +97,28 @@ pub fn search(profile: &Profile, cluster: &Cluster, global_batch: usize) -> Resu
     Ok(out)
 }
 
-fn evaluate(profile: &Profile, cluster: &Cluster, plan: &Plan, kind: ScheduleKind, v: usize, replicas: usize, layout: Layout) -> Result<Candidate> {
+fn evaluate(
+    profile: &Profile,
+    cluster: &Cluster,
+    plan: &Plan,
+    kind: ScheduleKind,
+    v: usize,
+    replicas: usize,
+    layout: Layout,
+) -> Result<Candidate> {
     let depth = plan.num_workers();
     let devs: Vec<Vec<usize>> = (0..replicas)
-        .map(|r| (0..depth).map(|w| if layout == Layout::PipelineMajor { r * depth + w } else { w * replicas + r }).collect())
+        .map(|r| {
+            (0..depth)
+                .map(|w| {
+                    if layout == Layout::PipelineMajor {
+                        r * depth + w
+                    } else {
+                        w * replicas + r
+                    }
+                })
+                .collect()
+        })
         .collect();
     let mut c = Candidate {
         depth,
@@ -100,7 +128,14 @@ fn evaluate(profile: &Profile, cluster: &Cluster, plan: &Plan, kind: ScheduleKin
         chunks: v,
         layout,
         layers_per_stage: vec![],
-        devices: devs.iter().map(|ds| ds.iter().map(|&i| cluster.devices[i].name.clone()).collect()).collect(),
+        devices: devs
+            .iter()
+            .map(|ds| {
+                ds.iter()
+                    .map(|&i| cluster.devices[i].name.clone())
+                    .collect()
+            })
+            .collect(),
         iteration_time: None,
         bubble_fraction: 0.0,
         compute: 0.0,
@@ -119,7 +154,11 @@ fn evaluate(profile: &Profile, cluster: &Cluster, plan: &Plan, kind: ScheduleKin
         }
     };
     c.layers_per_stage = split.layers_per_stage;
-    c.peak_memory_bytes = memory_peaks(plan, &stages).iter().map(|p| p.static_bytes + p.activation_bytes).max().unwrap_or(0);
+    c.peak_memory_bytes = memory_peaks(plan, &stages)
+        .iter()
+        .map(|p| p.static_bytes + p.activation_bytes)
+        .max()
+        .unwrap_or(0);
     for ds in &devs {
         if let Err(e) = check_memory(plan, &stages, &cluster.subset(ds)) {
             c.infeasible = Some(format!("memory: {e}"));
@@ -127,7 +166,11 @@ fn evaluate(profile: &Profile, cluster: &Cluster, plan: &Plan, kind: ScheduleKin
         }
     }
     let r = simulate_replicated(plan, &stages, cluster, &devs)?;
-    let worst = r.replicas.iter().max_by(|a, b| a.makespan.total_cmp(&b.makespan)).expect("a replica");
+    let worst = r
+        .replicas
+        .iter()
+        .max_by(|a, b| a.makespan.total_cmp(&b.makespan))
+        .expect("a replica");
     c.iteration_time = Some(r.iteration_time);
     c.bubble_fraction = worst.bubble_fraction;
     c.compute = worst.busy.iter().copied().fold(0.0, f64::max);
@@ -139,7 +182,16 @@ fn evaluate(profile: &Profile, cluster: &Cluster, plan: &Plan, kind: ScheduleKin
 
 /// Say why each candidate lost to the winner: the part of its iteration time that grew most.
 fn explain(cands: &mut [Candidate]) {
-    let Some(best) = cands.first().filter(|c| c.iteration_time.is_some()).cloned() else { return };
+    let Some(best) = cands
+        .first()
+        .filter(|c| c.iteration_time.is_some())
+        .cloned()
+    else {
+        for c in cands.iter_mut() {
+            c.reason = c.infeasible.clone().unwrap_or_default();
+        }
+        return;
+    };
     let (bt, bc, ba) = (best.iteration_time.unwrap(), best.compute, best.allreduce);
     let b_idle = bt - bc - ba;
     for c in cands.iter_mut().skip(1) {
@@ -150,10 +202,21 @@ fn explain(cands: &mut [Candidate]) {
         let t = c.iteration_time.unwrap();
         let parts = [
             ("compute: slowest stage", c.compute - bc),
-            ("bubble: idle and waiting for transfers", (t - c.compute - c.allreduce) - b_idle),
+            (
+                "bubble: idle and waiting for transfers",
+                (t - c.compute - c.allreduce) - b_idle,
+            ),
             ("communication: gradient all-reduce", c.allreduce - ba),
         ];
-        let (what, delta) = parts.iter().copied().max_by(|a, b| a.1.total_cmp(&b.1)).unwrap();
-        c.reason = if t <= bt { "ties with the winner".into() } else { format!("{what} (+{delta:.4} s)") };
+        let (what, delta) = parts
+            .iter()
+            .copied()
+            .max_by(|a, b| a.1.total_cmp(&b.1))
+            .unwrap();
+        c.reason = if t <= bt {
+            "ties with the winner".into()
+        } else {
+            format!("{what} (+{delta:.4} s)")
+        };
     }
 }

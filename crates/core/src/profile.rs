@@ -70,7 +70,12 @@ pub struct StageCost {
 impl StageCost {
     /// Uniform costs, the same for every stage (the `--cost-f/b/w` flags).
     pub fn uniform(f: f64, b: f64, w: f64) -> Self {
-        StageCost { forward: f, backward_input: b, backward_weight: w, ..Default::default() }
+        StageCost {
+            forward: f,
+            backward_input: b,
+            backward_weight: w,
+            ..Default::default()
+        }
     }
     pub fn full_backward(&self) -> f64 {
         self.backward_input + self.backward_weight
@@ -92,21 +97,35 @@ impl Profile {
     /// Rules TOML types cannot express: non-negative, finite costs; W within the backward.
     pub fn check(&self, file: &str) -> Result<()> {
         if self.layers.is_empty() {
-            return Err(Error::input(file, "no [[layers]]: a profile needs at least one layer"));
+            return Err(Error::input(
+                file,
+                "no [[layers]]: a profile needs at least one layer",
+            ));
         }
         for (i, l) in self.layers.iter().enumerate() {
             let at = format!("layers[{i}] (\"{}\")", l.name);
-            for (key, v) in [("forward", Some(l.forward)), ("backward", l.backward), ("weight_grad", l.weight_grad)] {
+            for (key, v) in [
+                ("forward", Some(l.forward)),
+                ("backward", l.backward),
+                ("weight_grad", l.weight_grad),
+            ] {
                 if let Some(v) = v {
                     if !v.is_finite() || v < 0.0 {
-                        return Err(Error::input(file, format!("{at}: {key} = {v} must be a finite number >= 0")));
+                        return Err(Error::input(
+                            file,
+                            format!("{at}: {key} = {v} must be a finite number >= 0"),
+                        ));
                     }
                 }
             }
             if l.weight_grad() > l.backward() + 1e-12 {
                 return Err(Error::input(
                     file,
-                    format!("{at}: weight_grad = {} exceeds backward = {}", l.weight_grad(), l.backward()),
+                    format!(
+                        "{at}: weight_grad = {} exceeds backward = {}",
+                        l.weight_grad(),
+                        l.backward()
+                    ),
                 ));
             }
         }
@@ -167,7 +186,10 @@ activation = 8
         assert_eq!(p.layers[0].weight_grad(), 1.0);
         assert_eq!(p.layers[1].input_grad(), 2.0);
         let c = p.stage_cost(0, 2);
-        assert_eq!((c.forward, c.backward_input, c.backward_weight), (3.0, 3.0, 2.0));
+        assert_eq!(
+            (c.forward, c.backward_input, c.backward_weight),
+            (3.0, 3.0, 2.0)
+        );
         assert_eq!((c.params, c.activation_kept, c.activation_out), (10, 12, 8));
     }
 
@@ -182,13 +204,19 @@ activation = 8
 
     #[test]
     fn negative_cost_is_rejected() {
-        let e = Profile::parse("p.toml", &SMALL.replace("forward = 2.0", "forward = -2.0")).unwrap_err();
-        assert_eq!(e.to_string(), "p.toml: layers[1] (\"b\"): forward = -2 must be a finite number >= 0");
+        let e = Profile::parse("p.toml", &SMALL.replace("forward = 2.0", "forward = -2.0"))
+            .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "p.toml: layers[1] (\"b\"): forward = -2 must be a finite number >= 0"
+        );
     }
 
     #[test]
     fn malformed_toml_is_one_line() {
-        let e = Profile::parse("p.toml", "[model\nname = 1").unwrap_err().to_string();
+        let e = Profile::parse("p.toml", "[model\nname = 1")
+            .unwrap_err()
+            .to_string();
         assert!(e.starts_with("p.toml: line 1"), "{e}");
         assert!(!e.contains('\n'));
     }

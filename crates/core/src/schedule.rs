@@ -23,7 +23,13 @@ pub enum ScheduleKind {
 }
 
 impl ScheduleKind {
-    pub const ALL: [ScheduleKind; 5] = [Self::GPipe, Self::OneFOneB, Self::Interleaved, Self::ZbH1, Self::ZbV];
+    pub const ALL: [ScheduleKind; 5] = [
+        Self::GPipe,
+        Self::OneFOneB,
+        Self::Interleaved,
+        Self::ZbH1,
+        Self::ZbV,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -56,15 +62,25 @@ impl fmt::Display for ScheduleKind {
 impl FromStr for ScheduleKind {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
-        Self::ALL.into_iter().find(|k| k.name() == s.to_ascii_lowercase()).ok_or_else(|| {
-            Error::Schedule(format!("unknown schedule {s:?} (expected one of gpipe, 1f1b, interleaved, zbh1, zbv)"))
-        })
+        Self::ALL
+            .into_iter()
+            .find(|k| k.name() == s.to_ascii_lowercase())
+            .ok_or_else(|| {
+                Error::Schedule(format!(
+                    "unknown schedule {s:?} (expected one of gpipe, 1f1b, interleaved, zbh1, zbv)"
+                ))
+            })
     }
 }
 
 /// Build the plan of `kind` for `workers` pipeline workers, `microbatches` micro-batches and
 /// `chunks` stages per worker (interleaved: any V >= 1; ZB-V: 2; others: 1).
-pub fn generate(kind: ScheduleKind, workers: usize, microbatches: usize, chunks: usize) -> Result<Plan> {
+pub fn generate(
+    kind: ScheduleKind,
+    workers: usize,
+    microbatches: usize,
+    chunks: usize,
+) -> Result<Plan> {
     let err = |m: String| Err(Error::Schedule(format!("{kind}: {m}")));
     if workers == 0 {
         return err("needs at least 1 stage (got --stages 0)".into());
@@ -96,9 +112,20 @@ pub fn generate(kind: ScheduleKind, workers: usize, microbatches: usize, chunks:
 
 fn gpipe(p: usize, m: usize) -> Plan {
     let workers = (0..p)
-        .map(|s| (0..m).map(|mb| Action::new(Op::F, s, mb)).chain((0..m).map(|mb| Action::new(Op::BW, s, mb))).collect())
+        .map(|s| {
+            (0..m)
+                .map(|mb| Action::new(Op::F, s, mb))
+                .chain((0..m).map(|mb| Action::new(Op::BW, s, mb)))
+                .collect()
+        })
         .collect();
-    Plan { kind: "gpipe".into(), num_microbatches: m, placement: (0..p).collect(), routes: Plan::full_routes(p, m), workers }
+    Plan {
+        kind: "gpipe".into(),
+        num_microbatches: m,
+        placement: (0..p).collect(),
+        routes: Plan::full_routes(p, m),
+        workers,
+    }
 }
 
 /// Interleaved 1F1B with `v` chunks per worker (Megatron-LM's order); `v = 1` is plain 1F1B.
@@ -116,7 +143,11 @@ fn interleaved(p: usize, m: usize, v: usize, kind: &str) -> Plan {
     };
     let workers = (0..p)
         .map(|w| {
-            let warmup = if v == 1 { (p - w - 1).min(m) } else { ((p - w - 1) * 2 + (v - 1) * p).min(total) };
+            let warmup = if v == 1 {
+                (p - w - 1).min(m)
+            } else {
+                ((p - w - 1) * 2 + (v - 1) * p).min(total)
+            };
             let mut acts = Vec::with_capacity(2 * total);
             let fwd = |k: usize| {
                 let (c, mb) = unit(k, false);
@@ -136,7 +167,13 @@ fn interleaved(p: usize, m: usize, v: usize, kind: &str) -> Plan {
         })
         .collect();
     let s = p * v;
-    Plan { kind: kind.into(), num_microbatches: m, placement: (0..s).map(|s| s % p).collect(), routes: Plan::full_routes(s, m), workers }
+    Plan {
+        kind: kind.into(),
+        num_microbatches: m,
+        placement: (0..s).map(|s| s % p).collect(),
+        routes: Plan::full_routes(s, m),
+        workers,
+    }
 }
 
 /// ZB-H1: the 1F1B order with each backward split in two; worker `w` runs the `W` of
@@ -184,7 +221,12 @@ pub fn greedy(kind: &str, placement: Vec<usize>, m: usize, limit: &[usize]) -> R
     for (mb, r) in routes.iter().enumerate() {
         ready_f[placement[r[0]]].insert((mb, r[0]));
     }
-    let pos = |mb: usize, s: usize| routes[mb].iter().position(|&x| x == s).expect("stage on route");
+    let pos = |mb: usize, s: usize| {
+        routes[mb]
+            .iter()
+            .position(|&x| x == s)
+            .expect("stage on route")
+    };
     let mut events: BinaryHeap<Reverse<(u64, usize, usize)>> = BinaryHeap::new(); // (time, worker, index)
     let total = 3 * m * s_count;
     let mut done = 0;
@@ -197,7 +239,10 @@ pub fn greedy(kind: &str, placement: Vec<usize>, m: usize, limit: &[usize]) -> R
             let pick = if let Some(&(mb, Reverse(s))) = ready_b[w].iter().next() {
                 ready_b[w].remove(&(mb, Reverse(s)));
                 Some(Action::new(Op::B, s, mb))
-            } else if let Some(&(mb, s)) = ready_f[w].iter().find(|&&(mb, _)| chunks_in_flight[w * m + mb] > 0 || mbs_in_flight[w] < limit[w]) {
+            } else if let Some(&(mb, s)) = ready_f[w]
+                .iter()
+                .find(|&&(mb, _)| chunks_in_flight[w * m + mb] > 0 || mbs_in_flight[w] < limit[w])
+            {
                 ready_f[w].remove(&(mb, s));
                 if chunks_in_flight[w * m + mb] == 0 {
                     mbs_in_flight[w] += 1;
@@ -216,7 +261,9 @@ pub fn greedy(kind: &str, placement: Vec<usize>, m: usize, limit: &[usize]) -> R
                 events.push(Reverse((t + 1, w, workers[w].len() - 1)));
             }
         }
-        let Some(Reverse((t1, _, _))) = events.peek().copied() else { break };
+        let Some(Reverse((t1, _, _))) = events.peek().copied() else {
+            break;
+        };
         t = t1;
         while let Some(&Reverse((te, w, i))) = events.peek() {
             if te != t {
@@ -256,7 +303,13 @@ pub fn greedy(kind: &str, placement: Vec<usize>, m: usize, limit: &[usize]) -> R
     if done != total {
         return Err(Error::Schedule(format!("{kind}: greedy schedule stalled after {done} of {total} actions (memory limit too tight)")));
     }
-    Ok(Plan { kind: kind.into(), num_microbatches: m, placement, routes, workers })
+    Ok(Plan {
+        kind: kind.into(),
+        num_microbatches: m,
+        placement,
+        routes,
+        workers,
+    })
 }
 
 #[cfg(test)]
@@ -266,9 +319,16 @@ mod tests {
     #[test]
     fn one_f_one_b_shape() {
         let p = generate(ScheduleKind::OneFOneB, 4, 8, 1).unwrap();
-        let w0: Vec<String> = p.workers[0].iter().map(|a| format!("{}{}", a.op.as_str(), a.mb)).collect();
+        let w0: Vec<String> = p.workers[0]
+            .iter()
+            .map(|a| format!("{}{}", a.op.as_str(), a.mb))
+            .collect();
         assert_eq!(w0[..6], ["F0", "F1", "F2", "F3", "BW0", "F4"]);
-        let w3: Vec<String> = p.workers[3].iter().take(4).map(|a| format!("{}{}", a.op.as_str(), a.mb)).collect();
+        let w3: Vec<String> = p.workers[3]
+            .iter()
+            .take(4)
+            .map(|a| format!("{}{}", a.op.as_str(), a.mb))
+            .collect();
         assert_eq!(w3, ["F0", "BW0", "F1", "BW1"]);
     }
 
@@ -279,6 +339,10 @@ mod tests {
         assert!(e(ScheduleKind::ZbV, 4, 8, 3).contains("exactly 2 chunks"));
         assert!(e(ScheduleKind::OneFOneB, 4, 8, 2).contains("one stage per worker"));
         assert!(e(ScheduleKind::GPipe, 0, 8, 1).contains("--stages 0"));
-        assert!("pipedream".parse::<ScheduleKind>().unwrap_err().to_string().contains("unknown schedule"));
+        assert!("pipedream"
+            .parse::<ScheduleKind>()
+            .unwrap_err()
+            .to_string()
+            .contains("unknown schedule"));
     }
 }

@@ -95,7 +95,11 @@ pub fn memory_peaks(plan: &Plan, stages: &[StageCost]) -> Vec<MemoryPeak> {
                     }
                 }
             }
-            peak.static_bytes = plan.stages_of(w).iter().map(|&s| stages.get(s).map_or(0, |c| static_memory_bytes(c.params))).sum();
+            peak.static_bytes = plan
+                .stages_of(w)
+                .iter()
+                .map(|&s| stages.get(s).map_or(0, |c| static_memory_bytes(c.params)))
+                .sum();
             peak
         })
         .collect()
@@ -175,17 +179,35 @@ const UNKNOWN: f64 = f64::INFINITY;
 
 /// Simulate; the plan should have been validated (a stuck plan is still reported, not hung).
 pub fn simulate(setup: &SimSetup) -> Result<SimResult> {
-    let SimSetup { plan, stages, cluster } = *setup;
+    let SimSetup {
+        plan,
+        stages,
+        cluster,
+    } = *setup;
     let (p, s, m) = (plan.num_workers(), plan.num_stages(), plan.num_microbatches);
     if stages.len() != s {
-        return Err(Error::Invalid(format!("{} stage costs for a plan of {s} stages", stages.len())));
+        return Err(Error::Invalid(format!(
+            "{} stage costs for a plan of {s} stages",
+            stages.len()
+        )));
     }
     if cluster.len() < p {
-        return Err(Error::Invalid(format!("the plan needs {p} workers but the cluster has {} devices", cluster.len())));
+        return Err(Error::Invalid(format!(
+            "the plan needs {p} workers but the cluster has {} devices",
+            cluster.len()
+        )));
     }
     let routes = RouteIndex::new(plan);
-    let next = |mb: usize, st: usize| routes.position(mb, st).and_then(|i| plan.routes[mb].get(i + 1).copied());
-    let prev = |mb: usize, st: usize| routes.position(mb, st).and_then(|i| i.checked_sub(1).map(|j| plan.routes[mb][j]));
+    let next = |mb: usize, st: usize| {
+        routes
+            .position(mb, st)
+            .and_then(|i| plan.routes[mb].get(i + 1).copied())
+    };
+    let prev = |mb: usize, st: usize| {
+        routes
+            .position(mb, st)
+            .and_then(|i| i.checked_sub(1).map(|j| plan.routes[mb][j]))
+    };
     // Arrival times at the consuming worker: input activation of F(s, m), gradient for B(s, m).
     let mut input_at = vec![UNKNOWN; s * m];
     let mut grad_at = vec![UNKNOWN; s * m];
@@ -232,7 +254,9 @@ pub fn simulate(setup: &SimSetup) -> Result<SimResult> {
                      grad_at: &[f64],
                      f_done: &[f64],
                      b_done: &[f64]| {
-        let Some(a) = plan.workers[w].get(head[w]) else { return };
+        let Some(a) = plan.workers[w].get(head[w]) else {
+            return;
+        };
         let k = a.stage * m + a.mb;
         let ready = match a.op {
             Op::F => input_at[k],
@@ -247,43 +271,77 @@ pub fn simulate(setup: &SimSetup) -> Result<SimResult> {
         let end = start + duration(w, a);
         busy[w] += end - start;
         free_at[w] = end;
-        timeline.actions.push(TimedAction { worker: w, action: *a, start, end });
+        timeline.actions.push(TimedAction {
+            worker: w,
+            action: *a,
+            start,
+            end,
+        });
         events.push(Reverse((Time(end), timeline.actions.len() - 1)));
     };
 
     for w in 0..p {
-        try_start(w, &mut head, &mut free_at, &mut busy, &mut timeline, &mut events, &mut waiting, &input_at, &grad_at, &f_done, &b_done);
+        try_start(
+            w,
+            &mut head,
+            &mut free_at,
+            &mut busy,
+            &mut timeline,
+            &mut events,
+            &mut waiting,
+            &input_at,
+            &grad_at,
+            &f_done,
+            &b_done,
+        );
     }
     let mut completed = 0usize;
     while let Some(Reverse((Time(t), idx))) = events.pop() {
         completed += 1;
-        let TimedAction { worker: w, action: a, .. } = timeline.actions[idx];
+        let TimedAction {
+            worker: w,
+            action: a,
+            ..
+        } = timeline.actions[idx];
         let k = a.stage * m + a.mb;
         // Results and the messages that carry them.
-        let mut send = |to_stage: usize, bytes: u64, arrive: &mut Vec<f64>, timeline: &mut Timeline| {
-            let to = plan.placement[to_stage];
-            let at = if to == w {
-                t
-            } else {
-                let l = w * p + to;
-                let start = t.max(link_free[l]);
-                let end = start + cluster.transfer_time(w, to, bytes);
-                link_free[l] = end;
-                link_bytes[l] += bytes;
-                link_busy[l] += end - start;
-                timeline.transfers.push(TimedTransfer { from: w, to, action: a, bytes, start, end });
-                end
+        let mut send =
+            |to_stage: usize, bytes: u64, arrive: &mut Vec<f64>, timeline: &mut Timeline| {
+                let to = plan.placement[to_stage];
+                let at = if to == w {
+                    t
+                } else {
+                    let l = w * p + to;
+                    let start = t.max(link_free[l]);
+                    let end = start + cluster.transfer_time(w, to, bytes);
+                    link_free[l] = end;
+                    link_bytes[l] += bytes;
+                    link_busy[l] += end - start;
+                    timeline.transfers.push(TimedTransfer {
+                        from: w,
+                        to,
+                        action: a,
+                        bytes,
+                        start,
+                        end,
+                    });
+                    end
+                };
+                arrive[to_stage * m + a.mb] = at;
+                to_stage * m + a.mb
             };
-            arrive[to_stage * m + a.mb] = at;
-            to_stage * m + a.mb
-        };
         let mut wake = Vec::new();
         match a.op {
             Op::F => {
                 f_done[k] = t;
                 wake.push(k);
                 match next(a.mb, a.stage) {
-                    Some(n) => wake.push(send(n, stages[a.stage].activation_out, &mut input_at, &mut timeline)),
+                    Some(n) => wake.push(send(
+                        n,
+                        stages[a.stage].activation_out,
+                        &mut input_at,
+                        &mut timeline,
+                    )),
                     None => grad_at[k] = t,
                 }
             }
@@ -293,31 +351,80 @@ pub fn simulate(setup: &SimSetup) -> Result<SimResult> {
                     wake.push(k);
                 }
                 if let Some(pv) = prev(a.mb, a.stage) {
-                    wake.push(send(pv, stages[pv].activation_out, &mut grad_at, &mut timeline));
+                    wake.push(send(
+                        pv,
+                        stages[pv].activation_out,
+                        &mut grad_at,
+                        &mut timeline,
+                    ));
                 }
             }
             Op::W => {}
         }
         head[w] += 1;
-        try_start(w, &mut head, &mut free_at, &mut busy, &mut timeline, &mut events, &mut waiting, &input_at, &grad_at, &f_done, &b_done);
+        try_start(
+            w,
+            &mut head,
+            &mut free_at,
+            &mut busy,
+            &mut timeline,
+            &mut events,
+            &mut waiting,
+            &input_at,
+            &grad_at,
+            &f_done,
+            &b_done,
+        );
         for key in wake {
             for v in std::mem::take(&mut waiting[key]) {
-                try_start(v, &mut head, &mut free_at, &mut busy, &mut timeline, &mut events, &mut waiting, &input_at, &grad_at, &f_done, &b_done);
+                try_start(
+                    v,
+                    &mut head,
+                    &mut free_at,
+                    &mut busy,
+                    &mut timeline,
+                    &mut events,
+                    &mut waiting,
+                    &input_at,
+                    &grad_at,
+                    &f_done,
+                    &b_done,
+                );
             }
         }
     }
     let total: usize = plan.workers.iter().map(Vec::len).sum();
     if completed != total {
-        let stuck: Vec<String> = (0..p).filter(|&w| head[w] < plan.workers[w].len()).map(|w| format!("worker {w} at step {} {}", head[w], plan.workers[w][head[w]])).collect();
-        return Err(Error::Invalid(format!("simulation stuck after {completed} of {total} actions: {}", stuck.join(", "))));
+        let stuck: Vec<String> = (0..p)
+            .filter(|&w| head[w] < plan.workers[w].len())
+            .map(|w| {
+                format!(
+                    "worker {w} at step {} {}",
+                    head[w], plan.workers[w][head[w]]
+                )
+            })
+            .collect();
+        return Err(Error::Invalid(format!(
+            "simulation stuck after {completed} of {total} actions: {}",
+            stuck.join(", ")
+        )));
     }
     let makespan = timeline.actions.iter().map(|a| a.end).fold(0.0, f64::max);
     let work: f64 = busy.iter().sum();
-    let bubble_fraction = if makespan > 0.0 { 1.0 - work / (p as f64 * makespan) } else { 0.0 };
+    let bubble_fraction = if makespan > 0.0 {
+        1.0 - work / (p as f64 * makespan)
+    } else {
+        0.0
+    };
     let peaks = memory_peaks(plan, stages);
     let links = (0..p * p)
         .filter(|&l| link_bytes[l] > 0 || link_busy[l] > 0.0)
-        .map(|l| LinkUse { from: l / p, to: l % p, bytes: link_bytes[l], busy: link_busy[l] })
+        .map(|l| LinkUse {
+            from: l / p,
+            to: l % p,
+            bytes: link_bytes[l],
+            busy: link_busy[l],
+        })
         .collect();
     Ok(SimResult {
         makespan,
@@ -325,7 +432,10 @@ pub fn simulate(setup: &SimSetup) -> Result<SimResult> {
         bubble_fraction,
         peak_activations: peaks.iter().map(|x| x.chunks).collect(),
         peak_activation_bytes: peaks.iter().map(|x| x.activation_bytes).collect(),
-        peak_memory_bytes: peaks.iter().map(|x| x.activation_bytes + x.static_bytes).collect(),
+        peak_memory_bytes: peaks
+            .iter()
+            .map(|x| x.activation_bytes + x.static_bytes)
+            .collect(),
         links,
         timeline,
     })
@@ -339,7 +449,12 @@ mod tests {
     fn unit(kind: ScheduleKind, p: usize, m: usize, v: usize) -> SimResult {
         let plan = generate(kind, p, m, v).unwrap();
         let stages = vec![StageCost::uniform(1.0, 1.0, 1.0); plan.num_stages()];
-        simulate(&SimSetup { plan: &plan, stages: &stages, cluster: &Cluster::uniform(p) }).unwrap()
+        simulate(&SimSetup {
+            plan: &plan,
+            stages: &stages,
+            cluster: &Cluster::uniform(p),
+        })
+        .unwrap()
     }
 
     #[test]
@@ -354,12 +469,25 @@ mod tests {
         assert_eq!(o.peak_activations, [4, 3, 2, 1]);
         let z = unit(ScheduleKind::ZbH1, 4, 8, 1);
         assert_eq!(z.makespan, 27.0, "{:?}", z.busy);
-        assert!(z.peak_activations.iter().all(|&x| x <= 4), "{:?}", z.peak_activations);
+        assert!(
+            z.peak_activations.iter().all(|&x| x <= 4),
+            "{:?}",
+            z.peak_activations
+        );
         let i = unit(ScheduleKind::Interleaved, 4, 8, 2);
         assert_eq!(i.makespan, 57.0);
         let v = unit(ScheduleKind::ZbV, 4, 8, 2);
-        assert!(v.bubble_fraction <= 0.06, "zbv bubble {} makespan {}", v.bubble_fraction, v.makespan);
-        assert!(v.peak_activations.iter().all(|&x| x <= 8), "{:?}", v.peak_activations);
+        assert!(
+            v.bubble_fraction <= 0.06,
+            "zbv bubble {} makespan {}",
+            v.bubble_fraction,
+            v.makespan
+        );
+        assert!(
+            v.peak_activations.iter().all(|&x| x <= 8),
+            "{:?}",
+            v.peak_activations
+        );
     }
 }
 
@@ -371,7 +499,9 @@ pub fn ring_allreduce_time(cluster: &Cluster, devices: &[usize], bytes: u64) -> 
         return 0.0;
     }
     let chunk = bytes.div_ceil(r as u64);
-    let step = (0..r).map(|i| cluster.transfer_time(devices[i], devices[(i + 1) % r], chunk)).fold(0.0, f64::max);
+    let step = (0..r)
+        .map(|i| cluster.transfer_time(devices[i], devices[(i + 1) % r], chunk))
+        .fold(0.0, f64::max);
     2.0 * (r - 1) as f64 * step
 }
 
@@ -389,11 +519,20 @@ pub struct ReplicatedResult {
 }
 
 /// `replica_devices[r][w]` = cluster device of worker `w` in replica `r`.
-pub fn simulate_replicated(plan: &Plan, stages: &[StageCost], cluster: &Cluster, replica_devices: &[Vec<usize>]) -> Result<ReplicatedResult> {
+pub fn simulate_replicated(
+    plan: &Plan,
+    stages: &[StageCost],
+    cluster: &Cluster,
+    replica_devices: &[Vec<usize>],
+) -> Result<ReplicatedResult> {
     let mut replicas = Vec::with_capacity(replica_devices.len());
     for devs in replica_devices {
         let sub = cluster.subset(devs);
-        replicas.push(simulate(&SimSetup { plan, stages, cluster: &sub })?);
+        replicas.push(simulate(&SimSetup {
+            plan,
+            stages,
+            cluster: &sub,
+        })?);
     }
     let s = plan.num_stages();
     let mut done = vec![0.0f64; s];
@@ -406,11 +545,21 @@ pub fn simulate_replicated(plan: &Plan, stages: &[StageCost], cluster: &Cluster,
     }
     let allreduce: Vec<f64> = (0..s)
         .map(|st| {
-            let ring: Vec<usize> = replica_devices.iter().map(|d| d[plan.placement[st]]).collect();
+            let ring: Vec<usize> = replica_devices
+                .iter()
+                .map(|d| d[plan.placement[st]])
+                .collect();
             ring_allreduce_time(cluster, &ring, stages[st].params)
         })
         .collect();
     let pipeline_makespan = replicas.iter().map(|r| r.makespan).fold(0.0, f64::max);
-    let iteration_time = (0..s).map(|st| done[st] + allreduce[st]).fold(pipeline_makespan, f64::max);
-    Ok(ReplicatedResult { iteration_time, pipeline_makespan, allreduce, replicas })
+    let iteration_time = (0..s)
+        .map(|st| done[st] + allreduce[st])
+        .fold(pipeline_makespan, f64::max);
+    Ok(ReplicatedResult {
+        iteration_time,
+        pipeline_makespan,
+        allreduce,
+        replicas,
+    })
 }

@@ -11,7 +11,11 @@ const US: f64 = 1e6;
 
 impl Timeline {
     pub fn makespan(&self) -> f64 {
-        self.actions.iter().map(|a| a.end).chain(self.transfers.iter().map(|t| t.end)).fold(0.0, f64::max)
+        self.actions
+            .iter()
+            .map(|a| a.end)
+            .chain(self.transfers.iter().map(|t| t.end))
+            .fold(0.0, f64::max)
     }
 
     /// Chrome trace: compute on process 0 (a thread per worker), transfers on process 1 (a
@@ -47,22 +51,30 @@ impl Timeline {
                 "args": {"from": t.from, "to": t.to, "bytes": t.bytes, "op": t.action.op.as_str(), "stage": t.action.stage, "mb": t.action.mb},
             }));
         }
-        serde_json::to_string(&json!({"traceEvents": ev, "displayTimeUnit": "ms"})).expect("trace serialises")
+        serde_json::to_string(&json!({"traceEvents": ev, "displayTimeUnit": "ms"}))
+            .expect("trace serialises")
     }
 
     /// Read back a trace written by [`Timeline::to_chrome_trace`] (simulated or measured).
     pub fn from_chrome_trace(file: &str, text: &str) -> Result<Self> {
         let bad = |m: String| Error::input(file, m);
-        let v: Value = serde_json::from_str(text).map_err(|e| bad(format!("line {}: {e}", e.line())))?;
-        let events = v.get("traceEvents").and_then(Value::as_array).ok_or_else(|| bad("no traceEvents array".into()))?;
+        let v: Value =
+            serde_json::from_str(text).map_err(|e| bad(format!("line {}: {e}", e.line())))?;
+        let events = v
+            .get("traceEvents")
+            .and_then(Value::as_array)
+            .ok_or_else(|| bad("no traceEvents array".into()))?;
         let mut tl = Timeline::default();
         for (i, e) in events.iter().enumerate() {
             let ph = e.get("ph").and_then(Value::as_str).unwrap_or("");
             let pid = e.get("pid").and_then(Value::as_u64).unwrap_or(0);
             let tid = e.get("tid").and_then(Value::as_u64).unwrap_or(0) as usize;
-            if ph == "M" && pid == 0 && e.get("name").and_then(Value::as_str) == Some("thread_name") {
+            if ph == "M" && pid == 0 && e.get("name").and_then(Value::as_str) == Some("thread_name")
+            {
                 let name = e["args"]["name"].as_str().unwrap_or("").to_string();
-                let short = name.split_once('(').map_or(name.clone(), |(_, r)| r.trim_end_matches(')').to_string());
+                let short = name
+                    .split_once('(')
+                    .map_or(name.clone(), |(_, r)| r.trim_end_matches(')').to_string());
                 if tl.worker_names.len() <= tid {
                     tl.worker_names.resize(tid + 1, String::new());
                 }
@@ -72,15 +84,35 @@ impl Timeline {
                 continue;
             }
             let args = &e["args"];
-            let num = |k: &str| args.get(k).and_then(Value::as_u64).ok_or_else(|| bad(format!("traceEvents[{i}]: args.{k} missing")));
-            let op = args.get("op").and_then(Value::as_str).and_then(Op::parse).ok_or_else(|| bad(format!("traceEvents[{i}]: args.op missing or unknown")))?;
+            let num = |k: &str| {
+                args.get(k)
+                    .and_then(Value::as_u64)
+                    .ok_or_else(|| bad(format!("traceEvents[{i}]: args.{k} missing")))
+            };
+            let op = args
+                .get("op")
+                .and_then(Value::as_str)
+                .and_then(Op::parse)
+                .ok_or_else(|| bad(format!("traceEvents[{i}]: args.op missing or unknown")))?;
             let action = Action::new(op, num("stage")? as usize, num("mb")? as usize);
             let start = e.get("ts").and_then(Value::as_f64).unwrap_or(0.0) / US;
             let end = start + e.get("dur").and_then(Value::as_f64).unwrap_or(0.0) / US;
             if pid == 0 {
-                tl.actions.push(TimedAction { worker: tid, action, start, end });
+                tl.actions.push(TimedAction {
+                    worker: tid,
+                    action,
+                    start,
+                    end,
+                });
             } else {
-                tl.transfers.push(TimedTransfer { from: num("from")? as usize, to: num("to")? as usize, action, bytes: num("bytes")?, start, end });
+                tl.transfers.push(TimedTransfer {
+                    from: num("from")? as usize,
+                    to: num("to")? as usize,
+                    action,
+                    bytes: num("bytes")?,
+                    start,
+                    end,
+                });
             }
         }
         let workers = tl.actions.iter().map(|a| a.worker + 1).max().unwrap_or(0);
@@ -95,9 +127,18 @@ impl Timeline {
     pub fn to_svg(&self, title: &str) -> String {
         let span = self.makespan().max(1e-12);
         let p = self.worker_names.len();
-        let min_dur = self.actions.iter().map(|a| a.end - a.start).filter(|d| *d > 0.0).fold(f64::INFINITY, f64::min);
+        let min_dur = self
+            .actions
+            .iter()
+            .map(|a| a.end - a.start)
+            .filter(|d| *d > 0.0)
+            .fold(f64::INFINITY, f64::min);
         // Wide enough that the shortest action can carry a two-digit label, within reason.
-        let plot_w = if min_dur.is_finite() { (18.0 * span / min_dur).clamp(1000.0, 6000.0) } else { 1000.0 };
+        let plot_w = if min_dur.is_finite() {
+            (18.0 * span / min_dur).clamp(1000.0, 6000.0)
+        } else {
+            1000.0
+        };
         let (left, top, row_h, bar_h, lane_h) = (120.0, 70.0, 34.0, 24.0, 5.0);
         let x = |t: f64| left + t / span * plot_w;
         let width = left + plot_w + 30.0;
@@ -120,16 +161,35 @@ impl Timeline {
             ("BW full backward", colour(Op::BW), 12.0),
             ("transfer (activation / gradient)", TRANSFER_F, 4.0),
         ] {
-            let _ = writeln!(s, r#"<rect x="{lx}" y="{:.1}" width="14" height="{h}" fill="{colour}"/><text x="{}" y="46" font-size="12">{label}</text>"#, 42.0 - h / 2.0, lx + 18.0);
+            let _ = writeln!(
+                s,
+                r#"<rect x="{lx}" y="{:.1}" width="14" height="{h}" fill="{colour}"/><text x="{}" y="46" font-size="12">{label}</text>"#,
+                42.0 - h / 2.0,
+                lx + 18.0
+            );
             lx += 30.0 + 7.0 * label.len() as f64;
         }
         // Rows.
         for (w, name) in self.worker_names.iter().enumerate() {
             let y = top + w as f64 * row_h;
             let fill = if w % 2 == 0 { "#f6f6f6" } else { "#ffffff" };
-            let _ = writeln!(s, r#"<rect x="{left}" y="{y}" width="{plot_w:.1}" height="{row_h}" fill="{fill}"/>"#);
-            let _ = writeln!(s, r#"<text x="{}" y="{:.1}" font-size="12" text-anchor="end">worker {w}</text>"#, left - 8.0, y + 14.0);
-            let _ = writeln!(s, r##"<text x="{}" y="{:.1}" font-size="10" fill="#666" text-anchor="end">{}</text>"##, left - 8.0, y + 27.0, xml_escape(name));
+            let _ = writeln!(
+                s,
+                r#"<rect x="{left}" y="{y}" width="{plot_w:.1}" height="{row_h}" fill="{fill}"/>"#
+            );
+            let _ = writeln!(
+                s,
+                r#"<text x="{}" y="{:.1}" font-size="12" text-anchor="end">worker {w}</text>"#,
+                left - 8.0,
+                y + 14.0
+            );
+            let _ = writeln!(
+                s,
+                r##"<text x="{}" y="{:.1}" font-size="10" fill="#666" text-anchor="end">{}</text>"##,
+                left - 8.0,
+                y + 27.0,
+                xml_escape(name)
+            );
         }
         for a in &self.actions {
             let y = top + a.worker as f64 * row_h + 2.0;
@@ -148,19 +208,32 @@ impl Timeline {
             let label = a.action.mb.to_string();
             let fs = 10.0f64.min(bar_h * 0.6);
             if w >= fs * 0.62 * label.len() as f64 + 2.0 {
-                let _ = write!(s, r#"<text x="{:.2}" y="{:.1}" font-size="{fs}" fill="white" text-anchor="middle">{label}</text>"#, x0 + w / 2.0, y + bar_h / 2.0 + fs * 0.35);
+                let _ = write!(
+                    s,
+                    r#"<text x="{:.2}" y="{:.1}" font-size="{fs}" fill="white" text-anchor="middle">{label}</text>"#,
+                    x0 + w / 2.0,
+                    y + bar_h / 2.0 + fs * 0.35
+                );
             }
             s.push('\n');
         }
         for t in &self.transfers {
             let y = top + t.from as f64 * row_h + 2.0 + bar_h + 1.5;
             let (x0, x1) = (x(t.start), x(t.end));
-            let fill = if t.action.op == Op::F { TRANSFER_F } else { TRANSFER_B };
+            let fill = if t.action.op == Op::F {
+                TRANSFER_F
+            } else {
+                TRANSFER_B
+            };
             let _ = writeln!(
                 s,
                 r#"<rect x="{x0:.2}" y="{y:.1}" width="{:.2}" height="{lane_h}" fill="{fill}"><title>{} mb {} stage {}: w{} -> w{}, {} bytes, {:.6} - {:.6}</title></rect>"#,
                 (x1 - x0).max(0.5),
-                if t.action.op == Op::F { "activation" } else { "gradient" },
+                if t.action.op == Op::F {
+                    "activation"
+                } else {
+                    "gradient"
+                },
                 t.action.mb,
                 t.action.stage,
                 t.from,
@@ -172,7 +245,11 @@ impl Timeline {
         }
         // Axis with round ticks.
         let ay = top + p as f64 * row_h + 6.0;
-        let _ = writeln!(s, r##"<line x1="{left}" y1="{ay}" x2="{:.1}" y2="{ay}" stroke="#333"/>"##, left + plot_w);
+        let _ = writeln!(
+            s,
+            r##"<line x1="{left}" y1="{ay}" x2="{:.1}" y2="{ay}" stroke="#333"/>"##,
+            left + plot_w
+        );
         let step = nice_step(span / (plot_w / 90.0));
         let mut t = 0.0;
         while t <= span * (1.0 + 1e-9) {
@@ -186,7 +263,12 @@ impl Timeline {
             );
             t += step;
         }
-        let _ = writeln!(s, r#"<text x="{:.1}" y="{:.1}" font-size="12" text-anchor="middle">time (s)</text>"#, left + plot_w / 2.0, ay + 36.0);
+        let _ = writeln!(
+            s,
+            r#"<text x="{:.1}" y="{:.1}" font-size="12" text-anchor="middle">time (s)</text>"#,
+            left + plot_w / 2.0,
+            ay + 36.0
+        );
         s.push_str("</svg>\n");
         s
     }
@@ -198,14 +280,19 @@ impl Timeline {
         for w in 0..self.worker_names.len() {
             let mut row = vec!['.'; cols];
             for a in self.actions.iter().filter(|a| a.worker == w) {
-                let (c0, c1) = ((a.start / unit).round() as usize, ((a.end / unit).round() as usize).min(cols));
+                let (c0, c1) = (
+                    (a.start / unit).round() as usize,
+                    ((a.end / unit).round() as usize).min(cols),
+                );
                 let ch = match a.action.op {
                     Op::F => 'F',
                     Op::B => 'B',
                     Op::W => 'W',
                     Op::BW => 'X',
                 };
-                row[c0.min(cols.saturating_sub(1))..c1.max(c0 + 1).min(cols)].iter_mut().for_each(|c| *c = ch);
+                row[c0.min(cols.saturating_sub(1))..c1.max(c0 + 1).min(cols)]
+                    .iter_mut()
+                    .for_each(|c| *c = ch);
             }
             let _ = writeln!(out, "w{w:<3} {}", row.into_iter().collect::<String>());
         }
@@ -228,17 +315,31 @@ fn colour(op: Op) -> &'static str {
 fn nice_step(raw: f64) -> f64 {
     let mag = 10f64.powf(raw.log10().floor());
     let f = raw / mag;
-    let n = if f <= 1.0 { 1.0 } else if f <= 2.0 { 2.0 } else if f <= 5.0 { 5.0 } else { 10.0 };
+    let n = if f <= 1.0 {
+        1.0
+    } else if f <= 2.0 {
+        2.0
+    } else if f <= 5.0 {
+        5.0
+    } else {
+        10.0
+    };
     n * mag
 }
 
 fn fmt_tick(t: f64, step: f64) -> String {
-    let decimals = if step >= 1.0 { 0 } else { (-step.log10().floor()) as usize };
+    let decimals = if step >= 1.0 {
+        0
+    } else {
+        (-step.log10().floor()) as usize
+    };
     format!("{t:.decimals$}")
 }
 
 fn xml_escape(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
 }
 
 #[cfg(test)]
@@ -252,9 +353,27 @@ mod tests {
     #[test]
     fn trace_round_trips_and_svg_has_every_action() {
         let plan = generate(ScheduleKind::ZbH1, 3, 4, 1).unwrap();
-        let stages = vec![StageCost { activation_out: 1000, ..StageCost::uniform(1.0, 1.0, 1.0) }; 3];
-        let cluster = Cluster::homogeneous(3, Link { latency: 0.1, bandwidth: 1e4, overhead: 0.0 });
-        let r = simulate(&SimSetup { plan: &plan, stages: &stages, cluster: &cluster }).unwrap();
+        let stages = vec![
+            StageCost {
+                activation_out: 1000,
+                ..StageCost::uniform(1.0, 1.0, 1.0)
+            };
+            3
+        ];
+        let cluster = Cluster::homogeneous(
+            3,
+            Link {
+                latency: 0.1,
+                bandwidth: 1e4,
+                overhead: 0.0,
+            },
+        );
+        let r = simulate(&SimSetup {
+            plan: &plan,
+            stages: &stages,
+            cluster: &cluster,
+        })
+        .unwrap();
         let back = Timeline::from_chrome_trace("t.json", &r.timeline.to_chrome_trace()).unwrap();
         assert_eq!(back.actions.len(), r.timeline.actions.len());
         assert_eq!(back.transfers.len(), r.timeline.transfers.len());
@@ -263,7 +382,10 @@ mod tests {
             assert!((a.start - b.start).abs() < 1e-9 && (a.end - b.end).abs() < 1e-9);
         }
         let svg = r.timeline.to_svg("zbh1");
-        assert_eq!(svg.matches("<title>").count(), r.timeline.actions.len() + r.timeline.transfers.len());
+        assert_eq!(
+            svg.matches("<title>").count(),
+            r.timeline.actions.len() + r.timeline.transfers.len()
+        );
         assert!(svg.contains("W weight grad"));
     }
 }

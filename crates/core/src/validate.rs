@@ -22,7 +22,10 @@ pub(crate) enum Slot {
 pub(crate) fn deps(plan: &Plan, a: &Action) -> [Option<(Slot, usize)>; 2] {
     match a.op {
         Op::F => [plan.prev_stage(a.mb, a.stage).map(|p| (Slot::F, p)), None],
-        Op::B | Op::BW => [Some((Slot::F, a.stage)), plan.next_stage(a.mb, a.stage).map(|n| (Slot::Grad, n))],
+        Op::B | Op::BW => [
+            Some((Slot::F, a.stage)),
+            plan.next_stage(a.mb, a.stage).map(|n| (Slot::Grad, n)),
+        ],
         Op::W => [Some((Slot::Grad, a.stage)), None],
     }
 }
@@ -41,13 +44,20 @@ fn bad(msg: String) -> Error {
 fn check_structure(plan: &Plan) -> Result<()> {
     let (s, m, p) = (plan.num_stages(), plan.num_microbatches, plan.num_workers());
     if s == 0 || p == 0 || m == 0 {
-        return Err(bad(format!("plan needs stages, workers and micro-batches (got {s}, {p}, {m})")));
+        return Err(bad(format!(
+            "plan needs stages, workers and micro-batches (got {s}, {p}, {m})"
+        )));
     }
     if let Some((st, &w)) = plan.placement.iter().enumerate().find(|(_, &w)| w >= p) {
-        return Err(bad(format!("stage {st} is placed on worker {w}, but the plan has {p} workers")));
+        return Err(bad(format!(
+            "stage {st} is placed on worker {w}, but the plan has {p} workers"
+        )));
     }
     if plan.routes.len() != m {
-        return Err(bad(format!("{} routes for {m} micro-batches", plan.routes.len())));
+        return Err(bad(format!(
+            "{} routes for {m} micro-batches",
+            plan.routes.len()
+        )));
     }
     for (mb, r) in plan.routes.iter().enumerate() {
         if r.is_empty() {
@@ -56,7 +66,9 @@ fn check_structure(plan: &Plan) -> Result<()> {
         let mut seen = vec![false; s];
         for &st in r {
             if st >= s {
-                return Err(bad(format!("route of mb {mb} visits stage {st}, but the plan has {s} stages")));
+                return Err(bad(format!(
+                    "route of mb {mb} visits stage {st}, but the plan has {s} stages"
+                )));
             }
             if std::mem::replace(&mut seen[st], true) {
                 return Err(bad(format!("route of mb {mb} visits stage {st} twice")));
@@ -66,10 +78,15 @@ fn check_structure(plan: &Plan) -> Result<()> {
     for (w, acts) in plan.workers.iter().enumerate() {
         for (i, a) in acts.iter().enumerate() {
             if a.stage >= s || a.mb >= m {
-                return Err(bad(format!("worker {w}, step {i}: {a} is out of range ({s} stages, {m} micro-batches)")));
+                return Err(bad(format!(
+                    "worker {w}, step {i}: {a} is out of range ({s} stages, {m} micro-batches)"
+                )));
             }
             if plan.placement[a.stage] != w {
-                return Err(bad(format!("worker {w}, step {i}: {a} belongs to worker {}", plan.placement[a.stage])));
+                return Err(bad(format!(
+                    "worker {w}, step {i}: {a} belongs to worker {}",
+                    plan.placement[a.stage]
+                )));
             }
         }
     }
@@ -95,11 +112,17 @@ fn check_complete(plan: &Plan) -> Result<Sites> {
     for (w, acts) in plan.workers.iter().enumerate() {
         for (i, a) in acts.iter().enumerate() {
             if !idx.visits(a.mb, a.stage) {
-                return Err(bad(format!("worker {w}, step {i}: {a} but mb {} does not visit stage {} on its route", a.mb, a.stage)));
+                return Err(bad(format!(
+                    "worker {w}, step {i}: {a} but mb {} does not visit stage {} on its route",
+                    a.mb, a.stage
+                )));
             }
             let slot = &mut at[a.stage * m + a.mb][a.op as usize];
             if let Some(first) = slot {
-                return Err(bad(format!("worker {w}, step {i}: {a} is a duplicate (first at step {})", first.step)));
+                return Err(bad(format!(
+                    "worker {w}, step {i}: {a} is a duplicate (first at step {})",
+                    first.step
+                )));
             }
             *slot = Some(Site { worker: w, step: i });
         }
@@ -108,7 +131,12 @@ fn check_complete(plan: &Plan) -> Result<Sites> {
         for &st in r {
             let w = plan.placement[st];
             let [f, b, wg, bw] = at[st * m + mb];
-            let missing = |op| bad(format!("worker {w}: missing {} (the schedule never runs it)", Action::new(op, st, mb)));
+            let missing = |op| {
+                bad(format!(
+                    "worker {w}: missing {} (the schedule never runs it)",
+                    Action::new(op, st, mb)
+                ))
+            };
             if f.is_none() {
                 return Err(missing(Op::F));
             }
@@ -158,7 +186,13 @@ fn check_runs(plan: &Plan, sites: &Sites) -> Result<()> {
                 Op::B | Op::BW => done_grad[a.stage * m + a.mb] = true,
                 Op::W => {}
             }
-            let slot = if a.op == Op::F { Some(Slot::F) } else if a.op.sends_grad() { Some(Slot::Grad) } else { None };
+            let slot = if a.op == Op::F {
+                Some(Slot::F)
+            } else if a.op.sends_grad() {
+                Some(Slot::Grad)
+            } else {
+                None
+            };
             if let Some(slot) = slot {
                 if let Some(v) = waiting[key(slot, a.stage, a.mb)].take() {
                     queue.push(v);
@@ -167,7 +201,9 @@ fn check_runs(plan: &Plan, sites: &Sites) -> Result<()> {
             head[w] += 1;
         }
     }
-    let stuck: Vec<usize> = (0..p).filter(|&w| head[w] < plan.workers[w].len()).collect();
+    let stuck: Vec<usize> = (0..p)
+        .filter(|&w| head[w] < plan.workers[w].len())
+        .collect();
     if stuck.is_empty() {
         return Ok(());
     }
@@ -177,7 +213,9 @@ fn check_runs(plan: &Plan, sites: &Sites) -> Result<()> {
         let (slot, st) = deps(plan, &a)
             .into_iter()
             .flatten()
-            .find(|&(slot, st)| !(if slot == Slot::F { &done_f } else { &done_grad })[st * m + a.mb])
+            .find(|&(slot, st)| {
+                !(if slot == Slot::F { &done_f } else { &done_grad })[st * m + a.mb]
+            })
             .expect("a stuck action has a missing dependency");
         let op = match slot {
             Slot::F => Op::F,
@@ -185,16 +223,26 @@ fn check_runs(plan: &Plan, sites: &Sites) -> Result<()> {
             Slot::Grad => Op::B,
         };
         let need = Action::new(op, st, a.mb);
-        (a, need, sites.get(op, st, a.mb).expect("completeness checked"))
+        (
+            a,
+            need,
+            sites.get(op, st, a.mb).expect("completeness checked"),
+        )
     };
     // An action placed after the one that needs it on the same worker is an order error.
     if let Some(w) = stuck.iter().copied().find(|&w| need(w).2.worker == w) {
         let (a, need, site) = need(w);
-        return Err(bad(format!("worker {w}, step {}: {a} comes before {need} (step {}) that it needs", head[w], site.step)));
+        return Err(bad(format!(
+            "worker {w}, step {}: {a} comes before {need} (step {}) that it needs",
+            head[w], site.step
+        )));
     }
     let w = stuck[0];
     let (a, need, site) = need(w);
-    let chain: Vec<String> = stuck.iter().map(|&v| format!("worker {v} step {} {}", head[v], plan.workers[v][head[v]])).collect();
+    let chain: Vec<String> = stuck
+        .iter()
+        .map(|&v| format!("worker {v} step {} {}", head[v], plan.workers[v][head[v]]))
+        .collect();
     Err(bad(format!(
         "deadlock: worker {w}, step {}: {a} waits for {need} (worker {}, step {}); stuck: {}",
         head[w],
@@ -225,7 +273,10 @@ mod tests {
     fn missing_action() {
         let mut p = plan();
         p.workers[1].retain(|a| !(a.op == Op::BW && a.mb == 1));
-        assert_eq!(validate(&p).unwrap_err().to_string(), "worker 1: missing BW(stage 1, mb 1) (the schedule never runs it)");
+        assert_eq!(
+            validate(&p).unwrap_err().to_string(),
+            "worker 1: missing BW(stage 1, mb 1) (the schedule never runs it)"
+        );
     }
 
     #[test]
@@ -244,8 +295,18 @@ mod tests {
         let mut p = plan();
         // worker 0 runs F0 F1 BW0 BW1; make it wait for BW1's gradient before running F1.
         // worker 0 finishes mb 0 before starting mb 1; worker 1 insists on mb 1 first.
-        p.workers[0] = vec![Action::new(Op::F, 0, 0), Action::new(Op::BW, 0, 0), Action::new(Op::F, 0, 1), Action::new(Op::BW, 0, 1)];
-        p.workers[1] = vec![Action::new(Op::F, 1, 1), Action::new(Op::F, 1, 0), Action::new(Op::BW, 1, 0), Action::new(Op::BW, 1, 1)];
+        p.workers[0] = vec![
+            Action::new(Op::F, 0, 0),
+            Action::new(Op::BW, 0, 0),
+            Action::new(Op::F, 0, 1),
+            Action::new(Op::BW, 0, 1),
+        ];
+        p.workers[1] = vec![
+            Action::new(Op::F, 1, 1),
+            Action::new(Op::F, 1, 0),
+            Action::new(Op::BW, 1, 0),
+            Action::new(Op::BW, 1, 1),
+        ];
         assert_eq!(
             validate(&p).unwrap_err().to_string(),
             "deadlock: worker 0, step 1: BW(stage 0, mb 0) waits for BW(stage 1, mb 0) (worker 1, step 2); \
@@ -257,9 +318,15 @@ mod tests {
     fn duplicate_and_misplaced() {
         let mut p = plan();
         p.workers[0].push(Action::new(Op::F, 0, 0));
-        assert!(validate(&p).unwrap_err().to_string().contains("worker 0, step 4: F(stage 0, mb 0) is a duplicate (first at step 0)"));
+        assert!(validate(&p)
+            .unwrap_err()
+            .to_string()
+            .contains("worker 0, step 4: F(stage 0, mb 0) is a duplicate (first at step 0)"));
         let mut p = plan();
         p.workers[0][0].stage = 1;
-        assert_eq!(validate(&p).unwrap_err().to_string(), "worker 0, step 0: F(stage 1, mb 0) belongs to worker 1");
+        assert_eq!(
+            validate(&p).unwrap_err().to_string(),
+            "worker 0, step 0: F(stage 1, mb 0) belongs to worker 1"
+        );
     }
 }

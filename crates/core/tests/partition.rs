@@ -8,7 +8,9 @@ use proptest::prelude::*;
 fn profile(layers: &[(f64, u64, u64)]) -> Profile {
     let mut t = String::from("[model]\nname = \"rand\"\n");
     for (i, (f, p, a)) in layers.iter().enumerate() {
-        t += &format!("[[layers]]\nname = \"l{i}\"\nforward = {f}\nparams = {p}\nactivation = {a}\n");
+        t += &format!(
+            "[[layers]]\nname = \"l{i}\"\nforward = {f}\nparams = {p}\nactivation = {a}\n"
+        );
     }
     Profile::parse("rand.toml", &t).unwrap()
 }
@@ -57,7 +59,10 @@ fn brute(p: &Profile, c: &Cluster, k: usize, in_flight: &[usize]) -> f64 {
             for st in 0..k {
                 let ls = &p.layers[cuts[st]..cuts[st + 1]];
                 let dev = &c.devices[devs[st]];
-                let need: f64 = ls.iter().map(|l| 4.0 * l.params as f64 + in_flight[st] as f64 * l.activation as f64).sum();
+                let need: f64 = ls
+                    .iter()
+                    .map(|l| 4.0 * l.params as f64 + in_flight[st] as f64 * l.activation as f64)
+                    .sum();
                 if need > dev.memory.unwrap() as f64 {
                     worst = f64::INFINITY;
                     break;
@@ -111,8 +116,19 @@ fn vit_b16_params_matches_the_optimum() {
     let p = Profile::parse("vit", include_str!("../../../examples/vit_b16_params.toml")).unwrap();
     let c = Cluster::uniform(8);
     for (k, want) in [(8, 12.582376), (4, 22.034152)] {
-        let a = partition(&PartitionProblem { profile: &p, cluster: &c, stages: k, objective: Objective::Params, in_flight: vec![] }).unwrap();
-        assert!((a.split.bottleneck / 4e6 - want).abs() < 1e-6, "K={k}: {}", a.split.bottleneck / 4e6);
+        let a = partition(&PartitionProblem {
+            profile: &p,
+            cluster: &c,
+            stages: k,
+            objective: Objective::Params,
+            in_flight: vec![],
+        })
+        .unwrap();
+        assert!(
+            (a.split.bottleneck / 4e6 - want).abs() < 1e-6,
+            "K={k}: {}",
+            a.split.bottleneck / 4e6
+        );
     }
 }
 
@@ -120,7 +136,14 @@ fn vit_b16_params_matches_the_optimum() {
 fn a_layer_too_large_names_device_and_bytes() {
     let p = profile(&[(1.0, 1000, 10), (1.0, 10, 10)]);
     let c = cluster(&[1.0, 1.0], &[0, 1], 2000);
-    let e = partition(&PartitionProblem { profile: &p, cluster: &c, stages: 2, objective: Objective::Time, in_flight: vec![2, 1] }).unwrap_err();
+    let e = partition(&PartitionProblem {
+        profile: &p,
+        cluster: &c,
+        stages: 2,
+        objective: Objective::Time,
+        in_flight: vec![2, 1],
+    })
+    .unwrap_err();
     assert_eq!(
         e.to_string(),
         "layer 0 (\"l0\") needs 4010 bytes (4000 weights+grads+AdamW, 10 activations for 1 micro-batches in flight) but the largest device, \"d0\", has 2000"

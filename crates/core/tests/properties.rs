@@ -9,23 +9,41 @@ use pipewright_core::validate::validate;
 use proptest::prelude::*;
 
 fn arb_plan() -> impl Strategy<Value = Plan> {
-    (0usize..5, 1usize..7, 1usize..13, 1usize..4).prop_filter_map("valid combination", |(k, p, m, v)| {
-        let kind = ScheduleKind::ALL[k];
-        let v = match kind {
-            ScheduleKind::Interleaved => v,
-            ScheduleKind::ZbV => 2,
-            _ => 1,
-        };
-        let m = if kind == ScheduleKind::Interleaved { m.div_ceil(p) * p } else { m };
-        generate(kind, p, m, v).ok()
-    })
+    (0usize..5, 1usize..7, 1usize..13, 1usize..4).prop_filter_map(
+        "valid combination",
+        |(k, p, m, v)| {
+            let kind = ScheduleKind::ALL[k];
+            let v = match kind {
+                ScheduleKind::Interleaved => v,
+                ScheduleKind::ZbV => 2,
+                _ => 1,
+            };
+            let m = if kind == ScheduleKind::Interleaved {
+                m.div_ceil(p) * p
+            } else {
+                m
+            };
+            generate(kind, p, m, v).ok()
+        },
+    )
 }
 
 fn run(plan: &Plan, f: f64, b: f64, w: f64, link: Option<Link>) -> SimResult {
-    let stages = vec![StageCost { activation_out: 1 << 20, ..StageCost::uniform(f, b, w) }; plan.num_stages()];
+    let stages = vec![
+        StageCost {
+            activation_out: 1 << 20,
+            ..StageCost::uniform(f, b, w)
+        };
+        plan.num_stages()
+    ];
     let p = plan.num_workers();
     let cluster = link.map_or_else(|| Cluster::uniform(p), |l| Cluster::homogeneous(p, l));
-    simulate(&SimSetup { plan, stages: &stages, cluster: &cluster }).unwrap()
+    simulate(&SimSetup {
+        plan,
+        stages: &stages,
+        cluster: &cluster,
+    })
+    .unwrap()
 }
 
 proptest! {
@@ -82,7 +100,13 @@ proptest! {
 fn zb_h1_closed_form_when_w_fits() {
     // Bubble (P - 1)(F + B - W) for F = B = W (Qi et al. 2024, table 1).
     for (p, m) in [(2, 4), (4, 8), (4, 16), (8, 32)] {
-        let r = run(&generate(ScheduleKind::ZbH1, p, m, 1).unwrap(), 1.0, 1.0, 1.0, None);
+        let r = run(
+            &generate(ScheduleKind::ZbH1, p, m, 1).unwrap(),
+            1.0,
+            1.0,
+            1.0,
+            None,
+        );
         assert_eq!(r.makespan, (3 * m + p - 1) as f64, "P={p} M={m}");
     }
 }
@@ -91,7 +115,17 @@ fn zb_h1_closed_form_when_w_fits() {
 fn interleaved_bubble_shrinks_by_v() {
     // Megatron-LM: bubble time (P - 1)(f + b) per chunk, with chunks costing 1/V of a stage.
     for (p, m, v) in [(2, 4, 2), (4, 8, 2), (4, 8, 4), (4, 12, 3)] {
-        let r = run(&generate(ScheduleKind::Interleaved, p, m, v).unwrap(), 1.0, 1.0, 1.0, None);
-        assert_eq!(r.makespan, (3 * m * v + 3 * (p - 1)) as f64, "P={p} M={m} V={v}");
+        let r = run(
+            &generate(ScheduleKind::Interleaved, p, m, v).unwrap(),
+            1.0,
+            1.0,
+            1.0,
+            None,
+        );
+        assert_eq!(
+            r.makespan,
+            (3 * m * v + 3 * (p - 1)) as f64,
+            "P={p} M={m} V={v}"
+        );
     }
 }
