@@ -286,28 +286,59 @@ pub fn partition(pr: &PartitionProblem) -> Result<Assignment> {
     let states: f64 =
         (n * n) as f64 / 2.0 * caps.iter().map(|&x| (x + 1) as f64).product::<f64>() * c as f64;
     if c == 1 || states > EXACT_STATE_LIMIT {
-        // Fixed device order: the fastest devices, kept in file order (file order groups regions).
-        let mut ids: Vec<usize> = (0..cl.len()).collect();
-        ids.sort_by(|&a, &b| {
+        // Fixed device orders: the fastest devices in file order (file order groups regions),
+        // and, when the search is too large, a nearest-neighbour chain from every device (each
+        // next device the one reached fastest); the best of them wins.
+        let eval = |ids: &[usize]| {
+            min_max_split(n, k, |st, lo, hi| {
+                compute(st, ids[st], lo, hi)
+                    + if st + 1 < k {
+                        send(ids[st], ids[st + 1], hi)
+                    } else {
+                        0.0
+                    }
+            })
+            .ok()
+            .filter(|s| s.bottleneck.is_finite())
+        };
+        let mut orders = Vec::new();
+        let mut fastest: Vec<usize> = (0..cl.len()).collect();
+        fastest.sort_by(|&a, &b| {
             cl.devices[b]
                 .speed
                 .total_cmp(&cl.devices[a].speed)
                 .then(a.cmp(&b))
         });
-        ids.truncate(k);
-        ids.sort_unstable();
-        let split = min_max_split(n, k, |st, lo, hi| {
-            compute(st, ids[st], lo, hi)
-                + if st + 1 < k {
-                    send(ids[st], ids[st + 1], hi)
-                } else {
-                    0.0
+        fastest.truncate(k);
+        fastest.sort_unstable();
+        orders.push(fastest);
+        if c > 1 {
+            let bytes = layers.iter().map(|l| l.activation).max().unwrap_or(0);
+            for start in 0..cl.len() {
+                let mut chain = vec![start];
+                while chain.len() < k {
+                    let last = *chain.last().unwrap();
+                    let next = (0..cl.len())
+                        .filter(|d| !chain.contains(d))
+                        .min_by(|&a, &b| {
+                            let ta = cl.transfer_time(last, a, bytes) - 1e-9 * cl.devices[a].speed;
+                            let tb = cl.transfer_time(last, b, bytes) - 1e-9 * cl.devices[b].speed;
+                            ta.total_cmp(&tb)
+                        })
+                        .expect("k <= devices");
+                    chain.push(next);
                 }
-        })
-        .map_err(|_| infeasible(pr, &ids))?;
-        if !split.bottleneck.is_finite() {
-            return Err(infeasible(pr, &ids));
+                orders.push(chain);
+            }
         }
+        let best = orders
+            .into_iter()
+            .filter_map(|ids| eval(&ids).map(|s| (s, ids)))
+            .min_by(|a, b| a.0.bottleneck.total_cmp(&b.0.bottleneck));
+        let Some((split, ids)) = best else {
+            let ids: Vec<usize> = (0..k).collect();
+            return Err(infeasible(pr, &ids));
+        };
         return Ok(Assignment {
             split,
             devices: ids,
