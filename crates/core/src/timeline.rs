@@ -159,7 +159,8 @@ impl Timeline {
             ("B input grad", colour(Op::B), 12.0),
             ("W weight grad", colour(Op::W), 12.0),
             ("BW full backward", colour(Op::BW), 12.0),
-            ("transfer (activation / gradient)", TRANSFER_F, 4.0),
+            ("activation transfer", TRANSFER_F, 4.0),
+            ("gradient transfer", TRANSFER_B, 4.0),
         ] {
             let _ = writeln!(
                 s,
