@@ -177,6 +177,194 @@ impl Ord for Time {
 
 const UNKNOWN: f64 = f64::INFINITY;
 
+/// Mutable state of one simulation run.
+struct State<'a> {
+    plan: &'a Plan,
+    stages: &'a [StageCost],
+    cluster: &'a Cluster,
+    routes: RouteIndex,
+    m: usize,
+    /// Arrival at the consuming worker: input activation of F(s, m); gradient for B(s, m).
+    input_at: Vec<f64>,
+    grad_at: Vec<f64>,
+    f_done: Vec<f64>,
+    b_done: Vec<f64>,
+    head: Vec<usize>,
+    free_at: Vec<f64>,
+    busy: Vec<f64>,
+    link_free: Vec<f64>,
+    link_bytes: Vec<u64>,
+    link_busy: Vec<f64>,
+    timeline: Timeline,
+    events: BinaryHeap<Reverse<(Time, usize)>>,
+    /// Workers whose next action waits on (stage, mb)'s results.
+    waiting: Vec<Vec<usize>>,
+}
+
+impl<'a> State<'a> {
+    fn new(plan: &'a Plan, stages: &'a [StageCost], cluster: &'a Cluster) -> Self {
+        let (p, s, m) = (plan.num_workers(), plan.num_stages(), plan.num_microbatches);
+        let mut input_at = vec![UNKNOWN; s * m];
+        for (mb, r) in plan.routes.iter().enumerate() {
+            input_at[r[0] * m + mb] = 0.0;
+        }
+        State {
+            plan,
+            stages,
+            cluster,
+            routes: RouteIndex::new(plan),
+            m,
+            input_at,
+            grad_at: vec![UNKNOWN; s * m],
+            f_done: vec![UNKNOWN; s * m],
+            b_done: vec![UNKNOWN; s * m],
+            head: vec![0; p],
+            free_at: vec![0.0; p],
+            busy: vec![0.0; p],
+            link_free: vec![0.0; p * p],
+            link_bytes: vec![0; p * p],
+            link_busy: vec![0.0; p * p],
+            timeline: Timeline {
+                worker_names: (0..p).map(|w| cluster.devices[w].name.clone()).collect(),
+                actions: Vec::with_capacity(plan.workers.iter().map(Vec::len).sum()),
+                transfers: Vec::new(),
+            },
+            events: BinaryHeap::new(),
+            waiting: vec![Vec::new(); s * m],
+        }
+    }
+
+    fn duration(&self, w: usize, a: &Action) -> f64 {
+        let c = &self.stages[a.stage];
+        let work = match a.op {
+            Op::F => c.forward,
+            Op::B => c.backward_input,
+            Op::W => c.backward_weight,
+            Op::BW => c.full_backward(),
+        };
+        work / self.cluster.devices[w].speed
+    }
+
+    /// Start worker w's next action if its inputs' arrival times are known; else wait.
+    fn try_start(&mut self, w: usize) {
+        let Some(a) = self.plan.workers[w].get(self.head[w]).copied() else {
+            return;
+        };
+        let k = a.stage * self.m + a.mb;
+        let ready = match a.op {
+            Op::F => self.input_at[k],
+            Op::B | Op::BW => self.grad_at[k].max(self.f_done[k]),
+            Op::W => self.b_done[k],
+        };
+        if ready == UNKNOWN {
+            self.waiting[k].push(w);
+            return;
+        }
+        let start = ready.max(self.free_at[w]);
+        let end = start + self.duration(w, &a);
+        self.busy[w] += end - start;
+        self.free_at[w] = end;
+        self.timeline.actions.push(TimedAction {
+            worker: w,
+            action: a,
+            start,
+            end,
+        });
+        self.events
+            .push(Reverse((Time(end), self.timeline.actions.len() - 1)));
+    }
+
+    /// Send `a`'s result from worker `w` at time `t` to the worker of `to_stage` over the
+    /// directed link's FIFO; returns the (stage, mb) key whose arrival time is now known.
+    fn send(
+        &mut self,
+        w: usize,
+        t: f64,
+        a: Action,
+        to_stage: usize,
+        bytes: u64,
+        gradient: bool,
+    ) -> usize {
+        let p = self.plan.num_workers();
+        let to = self.plan.placement[to_stage];
+        let at = if to == w {
+            t
+        } else {
+            let l = w * p + to;
+            let start = t.max(self.link_free[l]);
+            let end = start + self.cluster.transfer_time(w, to, bytes);
+            self.link_free[l] = end;
+            self.link_bytes[l] += bytes;
+            self.link_busy[l] += end - start;
+            self.timeline.transfers.push(TimedTransfer {
+                from: w,
+                to,
+                action: a,
+                bytes,
+                start,
+                end,
+            });
+            end
+        };
+        let key = to_stage * self.m + a.mb;
+        if gradient {
+            self.grad_at[key] = at;
+        } else {
+            self.input_at[key] = at;
+        }
+        key
+    }
+
+    /// Action `idx` ended at `t`: record its results, send them on, wake who waits.
+    fn complete(&mut self, t: f64, idx: usize) {
+        let TimedAction {
+            worker: w,
+            action: a,
+            ..
+        } = self.timeline.actions[idx];
+        let k = a.stage * self.m + a.mb;
+        let pos = self
+            .routes
+            .position(a.mb, a.stage)
+            .expect("validated: stage on route");
+        let route = &self.plan.routes[a.mb];
+        let (next, prev) = (
+            route.get(pos + 1).copied(),
+            pos.checked_sub(1).map(|i| route[i]),
+        );
+        let mut wake = Vec::with_capacity(2);
+        match a.op {
+            Op::F => {
+                self.f_done[k] = t;
+                wake.push(k);
+                match next {
+                    Some(n) => {
+                        wake.push(self.send(w, t, a, n, self.stages[a.stage].activation_out, false))
+                    }
+                    None => self.grad_at[k] = t,
+                }
+            }
+            Op::B | Op::BW => {
+                if a.op == Op::B {
+                    self.b_done[k] = t;
+                    wake.push(k);
+                }
+                if let Some(pv) = prev {
+                    wake.push(self.send(w, t, a, pv, self.stages[pv].activation_out, true));
+                }
+            }
+            Op::W => {}
+        }
+        self.head[w] += 1;
+        self.try_start(w);
+        for key in wake {
+            for v in std::mem::take(&mut self.waiting[key]) {
+                self.try_start(v);
+            }
+        }
+    }
+}
+
 /// Simulate; the plan should have been validated (a stuck plan is still reported, not hung).
 pub fn simulate(setup: &SimSetup) -> Result<SimResult> {
     let SimSetup {
@@ -184,7 +372,7 @@ pub fn simulate(setup: &SimSetup) -> Result<SimResult> {
         stages,
         cluster,
     } = *setup;
-    let (p, s, m) = (plan.num_workers(), plan.num_stages(), plan.num_microbatches);
+    let (p, s) = (plan.num_workers(), plan.num_stages());
     if stages.len() != s {
         return Err(Error::Invalid(format!(
             "{} stage costs for a plan of {s} stages",
@@ -197,202 +385,23 @@ pub fn simulate(setup: &SimSetup) -> Result<SimResult> {
             cluster.len()
         )));
     }
-    let routes = RouteIndex::new(plan);
-    let next = |mb: usize, st: usize| {
-        routes
-            .position(mb, st)
-            .and_then(|i| plan.routes[mb].get(i + 1).copied())
-    };
-    let prev = |mb: usize, st: usize| {
-        routes
-            .position(mb, st)
-            .and_then(|i| i.checked_sub(1).map(|j| plan.routes[mb][j]))
-    };
-    // Arrival times at the consuming worker: input activation of F(s, m), gradient for B(s, m).
-    let mut input_at = vec![UNKNOWN; s * m];
-    let mut grad_at = vec![UNKNOWN; s * m];
-    let mut f_done = vec![UNKNOWN; s * m];
-    let mut b_done = vec![UNKNOWN; s * m];
-    for (mb, r) in plan.routes.iter().enumerate() {
-        input_at[r[0] * m + mb] = 0.0;
-    }
-    let mut head = vec![0usize; p];
-    let mut free_at = vec![0.0f64; p];
-    let mut busy = vec![0.0f64; p];
-    let mut link_free = vec![0.0f64; p * p];
-    let mut link_bytes = vec![0u64; p * p];
-    let mut link_busy = vec![0.0f64; p * p];
-    let mut timeline = Timeline {
-        worker_names: (0..p).map(|w| cluster.devices[w].name.clone()).collect(),
-        actions: Vec::with_capacity(plan.workers.iter().map(Vec::len).sum()),
-        transfers: Vec::new(),
-    };
-    let mut events: BinaryHeap<Reverse<(Time, usize)>> = BinaryHeap::new();
-    // Worker w waits on one unknown time; it is retried when any of its deps' arrays change.
-    let mut waiting: Vec<Vec<usize>> = vec![Vec::new(); s * m];
-
-    let duration = |w: usize, a: &Action| {
-        let c = &stages[a.stage];
-        let work = match a.op {
-            Op::F => c.forward,
-            Op::B => c.backward_input,
-            Op::W => c.backward_weight,
-            Op::BW => c.full_backward(),
-        };
-        work / cluster.devices[w].speed
-    };
-
-    // Try to start worker w's next action; returns false if it must wait.
-    let try_start = |w: usize,
-                     head: &mut Vec<usize>,
-                     free_at: &mut Vec<f64>,
-                     busy: &mut Vec<f64>,
-                     timeline: &mut Timeline,
-                     events: &mut BinaryHeap<Reverse<(Time, usize)>>,
-                     waiting: &mut Vec<Vec<usize>>,
-                     input_at: &[f64],
-                     grad_at: &[f64],
-                     f_done: &[f64],
-                     b_done: &[f64]| {
-        let Some(a) = plan.workers[w].get(head[w]) else {
-            return;
-        };
-        let k = a.stage * m + a.mb;
-        let ready = match a.op {
-            Op::F => input_at[k],
-            Op::B | Op::BW => grad_at[k].max(f_done[k]),
-            Op::W => b_done[k],
-        };
-        if ready == UNKNOWN {
-            waiting[k].push(w);
-            return;
-        }
-        let start = ready.max(free_at[w]);
-        let end = start + duration(w, a);
-        busy[w] += end - start;
-        free_at[w] = end;
-        timeline.actions.push(TimedAction {
-            worker: w,
-            action: *a,
-            start,
-            end,
-        });
-        events.push(Reverse((Time(end), timeline.actions.len() - 1)));
-    };
-
+    let mut st = State::new(plan, stages, cluster);
     for w in 0..p {
-        try_start(
-            w,
-            &mut head,
-            &mut free_at,
-            &mut busy,
-            &mut timeline,
-            &mut events,
-            &mut waiting,
-            &input_at,
-            &grad_at,
-            &f_done,
-            &b_done,
-        );
+        st.try_start(w);
     }
     let mut completed = 0usize;
-    while let Some(Reverse((Time(t), idx))) = events.pop() {
+    while let Some(Reverse((Time(t), idx))) = st.events.pop() {
         completed += 1;
-        let TimedAction {
-            worker: w,
-            action: a,
-            ..
-        } = timeline.actions[idx];
-        let k = a.stage * m + a.mb;
-        // Results and the messages that carry them.
-        let mut send =
-            |to_stage: usize, bytes: u64, arrive: &mut Vec<f64>, timeline: &mut Timeline| {
-                let to = plan.placement[to_stage];
-                let at = if to == w {
-                    t
-                } else {
-                    let l = w * p + to;
-                    let start = t.max(link_free[l]);
-                    let end = start + cluster.transfer_time(w, to, bytes);
-                    link_free[l] = end;
-                    link_bytes[l] += bytes;
-                    link_busy[l] += end - start;
-                    timeline.transfers.push(TimedTransfer {
-                        from: w,
-                        to,
-                        action: a,
-                        bytes,
-                        start,
-                        end,
-                    });
-                    end
-                };
-                arrive[to_stage * m + a.mb] = at;
-                to_stage * m + a.mb
-            };
-        let mut wake = Vec::new();
-        match a.op {
-            Op::F => {
-                f_done[k] = t;
-                wake.push(k);
-                match next(a.mb, a.stage) {
-                    Some(n) => wake.push(send(
-                        n,
-                        stages[a.stage].activation_out,
-                        &mut input_at,
-                        &mut timeline,
-                    )),
-                    None => grad_at[k] = t,
-                }
-            }
-            Op::B | Op::BW => {
-                if a.op == Op::B {
-                    b_done[k] = t;
-                    wake.push(k);
-                }
-                if let Some(pv) = prev(a.mb, a.stage) {
-                    wake.push(send(
-                        pv,
-                        stages[pv].activation_out,
-                        &mut grad_at,
-                        &mut timeline,
-                    ));
-                }
-            }
-            Op::W => {}
-        }
-        head[w] += 1;
-        try_start(
-            w,
-            &mut head,
-            &mut free_at,
-            &mut busy,
-            &mut timeline,
-            &mut events,
-            &mut waiting,
-            &input_at,
-            &grad_at,
-            &f_done,
-            &b_done,
-        );
-        for key in wake {
-            for v in std::mem::take(&mut waiting[key]) {
-                try_start(
-                    v,
-                    &mut head,
-                    &mut free_at,
-                    &mut busy,
-                    &mut timeline,
-                    &mut events,
-                    &mut waiting,
-                    &input_at,
-                    &grad_at,
-                    &f_done,
-                    &b_done,
-                );
-            }
-        }
+        st.complete(t, idx);
     }
+    let State {
+        head,
+        busy,
+        link_bytes,
+        link_busy,
+        timeline,
+        ..
+    } = st;
     let total: usize = plan.workers.iter().map(Vec::len).sum();
     if completed != total {
         let stuck: Vec<String> = (0..p)
