@@ -448,17 +448,8 @@ fn cmd_plan(a: PlanArgs) -> Result<()> {
             cands.len(), profile.model.name, profile.layers.len(), cluster.len(), a.global_batch
         );
         println!(
-            "{:>4} {:>5} {:>4} {:>4} {:>11} {:>14} {:>12} {:>7} {:>10}  {}",
-            "rank",
-            "depth",
-            "dp",
-            "M",
-            "schedule",
-            "layout",
-            "iteration s",
-            "bubble",
-            "peak GiB",
-            "lost because"
+            "{:>4} {:>5} {:>4} {:>4} {:>11} {:>14} {:>12} {:>7} {:>10}  lost because",
+            "rank", "depth", "dp", "M", "schedule", "layout", "iteration s", "bubble", "peak GiB"
         );
         for (i, c) in cands.iter().take(a.top).enumerate() {
             let layout = match c.layout {

@@ -16,6 +16,7 @@ pub struct Split {
 
 /// Cut `n` layers into `k` non-empty contiguous stages minimising the maximum of
 /// `cost(stage, lo, hi)`. `O(k n^2)` evaluations of `cost`.
+#[allow(clippy::needless_range_loop)] // DP tables read clearest by index.
 pub fn min_max_split(
     n: usize,
     k: usize,
@@ -230,6 +231,7 @@ const EXACT_STATE_LIMIT: f64 = 4e6;
 /// Exact: a dynamic program over (start and end of the last stage, how many devices of each
 /// interchangeable class are used, class of the last stage's device). With one class it reduces
 /// to the `O(K n^2)` [`min_max_split`].
+#[allow(clippy::needless_range_loop)]
 pub fn partition(pr: &PartitionProblem) -> Result<Assignment> {
     let layers = &pr.profile.layers;
     let n = layers.len();

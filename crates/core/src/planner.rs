@@ -60,7 +60,7 @@ pub fn search(profile: &Profile, cluster: &Cluster, global_batch: usize) -> Resu
     let mut out = Vec::new();
     for depth in 1..=d {
         let replicas = d / depth;
-        if global_batch % replicas != 0 {
+        if !global_batch.is_multiple_of(replicas) {
             continue;
         }
         let m = global_batch / replicas;

@@ -96,7 +96,7 @@ pub fn generate(
             err(format!("places one stage per worker; --chunks {chunks} needs interleaved or zbv"))
         }
         ScheduleKind::ZbV if chunks != 2 => err(format!("places exactly 2 chunks per worker in a V; got --chunks {chunks}")),
-        ScheduleKind::Interleaved if microbatches % workers != 0 => err(format!(
+        ScheduleKind::Interleaved if !microbatches.is_multiple_of(workers) => err(format!(
             "needs --microbatches to be a multiple of --stages (micro-batches go round in groups of P); got M={microbatches}, P={workers}"
         )),
         ScheduleKind::GPipe => Ok(gpipe(workers, microbatches)),
