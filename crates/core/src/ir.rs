@@ -116,6 +116,16 @@ impl RouteIndex {
         let p = self.pos[mb * self.num_stages + stage];
         (p != usize::MAX).then_some(p)
     }
+    /// Stage after `stage` on `mb`'s route, in O(1).
+    pub fn next(&self, plan: &Plan, mb: usize, stage: usize) -> Option<usize> {
+        self.position(mb, stage)
+            .and_then(|i| plan.routes[mb].get(i + 1).copied())
+    }
+    /// Stage before `stage` on `mb`'s route, in O(1).
+    pub fn prev(&self, plan: &Plan, mb: usize, stage: usize) -> Option<usize> {
+        self.position(mb, stage)
+            .and_then(|i| i.checked_sub(1).map(|j| plan.routes[mb][j]))
+    }
     pub fn visits(&self, mb: usize, stage: usize) -> bool {
         self.position(mb, stage).is_some()
     }

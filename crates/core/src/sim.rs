@@ -323,15 +323,8 @@ impl<'a> State<'a> {
             ..
         } = self.timeline.actions[idx];
         let k = a.stage * self.m + a.mb;
-        let pos = self
-            .routes
-            .position(a.mb, a.stage)
-            .expect("validated: stage on route");
-        let route = &self.plan.routes[a.mb];
-        let (next, prev) = (
-            route.get(pos + 1).copied(),
-            pos.checked_sub(1).map(|i| route[i]),
-        );
+        let next = self.routes.next(self.plan, a.mb, a.stage);
+        let prev = self.routes.prev(self.plan, a.mb, a.stage);
         let mut wake = Vec::with_capacity(2);
         match a.op {
             Op::F => {

@@ -19,12 +19,12 @@ pub(crate) enum Slot {
 }
 
 /// What `a` waits for (besides its worker reaching it): a list of (slot, stage).
-pub(crate) fn deps(plan: &Plan, a: &Action) -> [Option<(Slot, usize)>; 2] {
+pub(crate) fn deps(plan: &Plan, routes: &RouteIndex, a: &Action) -> [Option<(Slot, usize)>; 2] {
     match a.op {
-        Op::F => [plan.prev_stage(a.mb, a.stage).map(|p| (Slot::F, p)), None],
+        Op::F => [routes.prev(plan, a.mb, a.stage).map(|p| (Slot::F, p)), None],
         Op::B | Op::BW => [
             Some((Slot::F, a.stage)),
-            plan.next_stage(a.mb, a.stage).map(|n| (Slot::Grad, n)),
+            routes.next(plan, a.mb, a.stage).map(|n| (Slot::Grad, n)),
         ],
         Op::W => [Some((Slot::Grad, a.stage)), None],
     }
@@ -166,6 +166,7 @@ fn check_runs(plan: &Plan, sites: &Sites) -> Result<()> {
     let p = plan.num_workers();
     let mut done_f = vec![false; s * m];
     let mut done_grad = vec![false; s * m];
+    let routes = RouteIndex::new(plan);
     let mut head = vec![0usize; p];
     // Worker waiting on (slot, stage, mb), if any.
     let mut waiting: Vec<Option<usize>> = vec![None; 2 * s * m];
@@ -173,10 +174,13 @@ fn check_runs(plan: &Plan, sites: &Sites) -> Result<()> {
     let mut queue: Vec<usize> = (0..p).collect();
     while let Some(w) = queue.pop() {
         while let Some(a) = plan.workers[w].get(head[w]) {
-            let missing = deps(plan, a).into_iter().flatten().find(|&(slot, st)| {
-                let d = if slot == Slot::F { &done_f } else { &done_grad };
-                !d[st * m + a.mb]
-            });
+            let missing = deps(plan, &routes, a)
+                .into_iter()
+                .flatten()
+                .find(|&(slot, st)| {
+                    let d = if slot == Slot::F { &done_f } else { &done_grad };
+                    !d[st * m + a.mb]
+                });
             if let Some((slot, st)) = missing {
                 waiting[key(slot, st, a.mb)] = Some(w);
                 break;
@@ -210,7 +214,7 @@ fn check_runs(plan: &Plan, sites: &Sites) -> Result<()> {
     // What each stuck head needs, and where that action sits.
     let need = |w: usize| {
         let a = plan.workers[w][head[w]];
-        let (slot, st) = deps(plan, &a)
+        let (slot, st) = deps(plan, &routes, &a)
             .into_iter()
             .flatten()
             .find(|&(slot, st)| {
