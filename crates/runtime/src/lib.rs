@@ -1,0 +1,10 @@
+//! pipewright-runtime: trains a real model from a Plan IR with burn.
+
+pub mod backend;
+pub mod data;
+pub mod exec;
+pub mod model;
+pub mod train;
+pub mod transport;
+
+pub use burn;

@@ -1,0 +1,279 @@
+//! A GPT-style decoder as a sequence of layer blocks that a plan cuts into stages:
+//! layer 0 = token + position embedding, layers 1..=L = pre-LayerNorm transformer blocks
+//! (causal multi-head attention, GELU MLP), layer L+1 = final norm + LM head.
+
+use burn::module::Module;
+use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use burn::tensor::activation::{gelu, log_softmax, softmax};
+use burn::tensor::{Bool, Device, Int, Tensor};
+use serde::{Deserialize, Serialize};
+
+/// Model size. Vocabulary 256: bytes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GptConfig {
+    pub vocab: usize,
+    pub d_model: usize,
+    pub heads: usize,
+    pub layers: usize,
+    pub seq_len: usize,
+}
+
+impl Default for GptConfig {
+    fn default() -> Self {
+        GptConfig {
+            vocab: 256,
+            d_model: 64,
+            heads: 4,
+            layers: 4,
+            seq_len: 64,
+        }
+    }
+}
+
+impl GptConfig {
+    /// Layer blocks a plan can cut: embedding, the transformer blocks, the head.
+    pub fn num_blocks(&self) -> usize {
+        self.layers + 2
+    }
+    pub fn check(&self) -> Result<(), String> {
+        if self.d_model == 0 || self.heads == 0 || self.d_model % self.heads != 0 {
+            return Err(format!(
+                "d_model {} must be a positive multiple of heads {}",
+                self.d_model, self.heads
+            ));
+        }
+        if self.seq_len == 0 || self.vocab == 0 {
+            return Err("seq_len and vocab must be positive".into());
+        }
+        Ok(())
+    }
+}
+
+#[derive(Module, Debug)]
+pub struct Embed {
+    tok: Embedding,
+    pos: Embedding,
+}
+
+impl Embed {
+    pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        let [b, t] = tokens.dims();
+        let pos = Tensor::<1, Int>::arange(0..t as i64, &tokens.device())
+            .reshape([1, t])
+            .repeat_dim(0, b);
+        self.tok.forward(tokens) + self.pos.forward(pos)
+    }
+}
+
+#[derive(Module, Debug)]
+pub struct Block {
+    ln1: LayerNorm,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    ln2: LayerNorm,
+    fc: Linear,
+    proj: Linear,
+    #[module(skip)]
+    heads: usize,
+}
+
+impl Block {
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let [b, t, d] = x.dims();
+        let (h, dh) = (self.heads, d / self.heads);
+        let a = self.ln1.forward(x.clone());
+        let split = |y: Tensor<3>| y.reshape([b, t, h, dh]).swap_dims(1, 2);
+        let (q, k, v) = (
+            split(self.q.forward(a.clone())),
+            split(self.k.forward(a.clone())),
+            split(self.v.forward(a)),
+        );
+        let scores = q.matmul(k.swap_dims(2, 3)) / (dh as f64).sqrt();
+        let mask = Tensor::<2, Bool>::tril_mask([t, t], 0, &x.device());
+        let bias = Tensor::<2>::zeros([t, t], &x.device())
+            .mask_fill(mask, -1e9)
+            .reshape([1, 1, t, t]);
+        let att = softmax(scores + bias, 3)
+            .matmul(v)
+            .swap_dims(1, 2)
+            .reshape([b, t, d]);
+        let x = x + self.o.forward(att);
+        let m = self
+            .proj
+            .forward(gelu(self.fc.forward(self.ln2.forward(x.clone()))));
+        x + m
+    }
+}
+
+#[derive(Module, Debug)]
+pub struct Head {
+    ln: LayerNorm,
+    out: Linear,
+}
+
+impl Head {
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        self.out.forward(self.ln.forward(x))
+    }
+}
+
+/// Mean cross-entropy of next-byte prediction.
+pub fn loss(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
+    let logp = log_softmax(logits, 2);
+    logp.gather(2, targets.unsqueeze_dim(2)).mean().neg()
+}
+
+/// The whole model's layer blocks, in order; built once from a seed so that every way of
+/// cutting it starts from the same weights.
+#[derive(Module, Debug)]
+pub struct Layers {
+    pub embed: Embed,
+    pub blocks: Vec<Block>,
+    pub head: Head,
+}
+
+impl Layers {
+    pub fn new(cfg: &GptConfig, seed: u64, device: &Device) -> Self {
+        device.seed(seed); // burn draws its initial values first; ours replace them below
+        let d = cfg.d_model;
+        let lin = |i: usize, o: usize| LinearConfig::new(i, o).init(device);
+        let embed = Embed {
+            tok: EmbeddingConfig::new(cfg.vocab, d).init(device),
+            pos: EmbeddingConfig::new(cfg.seq_len, d).init(device),
+        };
+        let blocks = (0..cfg.layers)
+            .map(|_| Block {
+                ln1: LayerNormConfig::new(d).init(device),
+                q: lin(d, d),
+                k: lin(d, d),
+                v: lin(d, d),
+                o: lin(d, d),
+                ln2: LayerNormConfig::new(d).init(device),
+                fc: lin(d, 4 * d),
+                proj: lin(4 * d, d),
+                heads: cfg.heads,
+            })
+            .collect();
+        let head = Head {
+            ln: LayerNormConfig::new(d).init(device),
+            out: lin(d, cfg.vocab),
+        };
+        let layers = Layers {
+            embed,
+            blocks,
+            head,
+        };
+        // burn's initialisers draw from a process-wide generator that other threads share, so
+        // weights are set here from our own generator: GPT-2 style N(0, 0.02)-like uniform for
+        // matrices, zero biases, LayerNorm's ones and zeros as burn made them.
+        layers.map(&mut Init {
+            rng: crate::data::Rng::new(seed),
+            path: Vec::new(),
+        })
+    }
+
+    /// Layer blocks `lo..hi` as one stage module (clones share parameter ids with `self`).
+    pub fn stage(&self, lo: usize, hi: usize) -> Stage {
+        let last = self.blocks.len() + 1;
+        Stage {
+            embed: (lo == 0).then(|| self.embed.clone()),
+            blocks: (lo.max(1)..hi.min(last))
+                .map(|i| self.blocks[i - 1].clone())
+                .collect(),
+            head: (hi > last).then(|| self.head.clone()),
+        }
+    }
+}
+
+/// A copy with its own autodiff leaves. Clones share parameter nodes, and burn's autodiff merges
+/// graphs that share nodes: two replicas training on clones in two threads would share (and
+/// deadlock on) one graph. Parameter ids are kept.
+pub fn fresh_copy<M: Module>(m: M) -> M {
+    struct Fresh;
+    impl burn::module::ModuleMapper for Fresh {
+        fn map_float<const D: usize>(
+            &mut self,
+            p: burn::module::Param<Tensor<D>>,
+        ) -> burn::module::Param<Tensor<D>> {
+            p.map(|t| {
+                let device = t.device();
+                Tensor::<D>::from_data(t.into_data(), &device).require_grad()
+            })
+        }
+    }
+    m.map(&mut Fresh)
+}
+
+struct Init {
+    rng: crate::data::Rng,
+    path: Vec<String>,
+}
+
+impl burn::module::ModuleMapper for Init {
+    fn enter_module(&mut self, name: &str, _: &str) {
+        self.path.push(name.to_string());
+    }
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.path.pop();
+    }
+    fn map_float<const D: usize>(
+        &mut self,
+        p: burn::module::Param<Tensor<D>>,
+    ) -> burn::module::Param<Tensor<D>> {
+        let in_norm = self.path.iter().any(|n| n.starts_with("ln"));
+        let t = p.val();
+        let (shape, device) = (t.shape(), t.device());
+        if in_norm {
+            return p;
+        }
+        let n = shape.num_elements();
+        let a = 0.02f32 * 3f32.sqrt();
+        let vals: Vec<f32> = if D >= 2 {
+            (0..n)
+                .map(|_| ((self.rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * a)
+                .collect()
+        } else {
+            vec![0.0; n]
+        };
+        p.map(|_| {
+            Tensor::<D>::from_data(burn::tensor::TensorData::new(vals, shape), &device)
+                .require_grad()
+        })
+    }
+}
+
+/// A contiguous run of layer blocks: what one stage of a plan runs.
+#[derive(Module, Debug)]
+pub struct Stage {
+    pub embed: Option<Embed>,
+    pub blocks: Vec<Block>,
+    pub head: Option<Head>,
+}
+
+/// What enters a stage: tokens (first stage) or hidden states.
+pub enum StageInput {
+    Tokens(Tensor<2, Int>),
+    Hidden(Tensor<3>),
+}
+
+impl Stage {
+    /// Hidden states out, or logits if the stage holds the head.
+    pub fn forward(&self, input: StageInput) -> Tensor<3> {
+        let mut x = match (input, &self.embed) {
+            (StageInput::Tokens(t), Some(e)) => e.forward(t),
+            (StageInput::Hidden(h), None) => h,
+            (StageInput::Tokens(_), None) => panic!("stage without embedding got tokens"),
+            (StageInput::Hidden(_), Some(_)) => panic!("embedding stage got hidden states"),
+        };
+        for b in &self.blocks {
+            x = b.forward(x);
+        }
+        match &self.head {
+            Some(h) => h.forward(x),
+            None => x,
+        }
+    }
+}
