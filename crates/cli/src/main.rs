@@ -39,6 +39,8 @@ enum Cmd {
     Partition(PartitionArgs),
     /// Search depth, replicas, micro-batches, schedule and layout for a model on a cluster.
     Plan(PlanArgs),
+    /// Train a GPT-style byte-level model with a pipeline plan (built-in corpus by default).
+    Train(Box<TrainArgs>),
     /// Check a plan file (JSON or CSV as written by `schedule`) and say what is wrong, if anything.
     Validate {
         /// Plan file (.json or .csv).
@@ -69,6 +71,66 @@ struct PartitionArgs {
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
+}
+
+#[derive(Args)]
+struct TrainArgs {
+    /// TOML with any TrainConfig fields (model, schedule, stages, ...); flags override it.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Pipeline schedule (gpipe, 1f1b, interleaved).
+    #[arg(long)]
+    schedule: Option<String>,
+    /// Pipeline depth P (workers per pipeline).
+    #[arg(long)]
+    stages: Option<usize>,
+    /// Stage chunks per worker (interleaved).
+    #[arg(long)]
+    chunks: Option<usize>,
+    /// Data-parallel replicas D.
+    #[arg(long)]
+    replicas: Option<usize>,
+    /// Micro-batches M per replica per step.
+    #[arg(long)]
+    microbatches: Option<usize>,
+    /// Sequences per micro-batch.
+    #[arg(long)]
+    rows: Option<usize>,
+    /// Optimizer steps.
+    #[arg(long)]
+    steps: Option<u64>,
+    /// Peak learning rate (warmup, then cosine).
+    #[arg(long)]
+    lr: Option<f64>,
+    #[arg(long)]
+    seed: Option<u64>,
+    /// UTF-8 text file to learn (default: the built-in synthetic corpus).
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Write metrics as JSON lines.
+    #[arg(long)]
+    metrics: Option<PathBuf>,
+    /// Validate every N steps (and before the first and after the last).
+    #[arg(long, default_value_t = 10)]
+    eval_every: u64,
+    /// Held-out micro-batches per validation.
+    #[arg(long, default_value_t = 8)]
+    eval_batches: usize,
+    /// Directory for checkpoints.
+    #[arg(long, default_value = "checkpoints")]
+    checkpoint_dir: PathBuf,
+    /// Write a checkpoint every N steps (0: only at the end).
+    #[arg(long, default_value_t = 0)]
+    checkpoint_every: u64,
+    /// Do not write checkpoints.
+    #[arg(long)]
+    no_checkpoint: bool,
+    /// Continue from the latest checkpoint in --checkpoint-dir.
+    #[arg(long)]
+    resume: bool,
+    /// Write the last step's measured timeline as a Chrome trace.
+    #[arg(long)]
+    trace: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -263,6 +325,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Simulate(a) => cmd_simulate(a),
         Cmd::Partition(a) => cmd_partition(a),
         Cmd::Plan(a) => cmd_plan(a),
+        Cmd::Train(a) => cmd_train(*a),
         Cmd::Validate { file } => {
             let plan = load_plan(&file)?;
             validate(&plan).map_err(|e| anyhow!(BadInput(format!("{}: {e}", file.display()))))?;
@@ -409,6 +472,87 @@ fn cmd_simulate(a: SimulateArgs) -> Result<()> {
         println!("\ntimeline (one column = {unit:.4}; F forward, B input grad, W weight grad, X full backward):");
         print!("{}", r.timeline.to_text(unit));
     }
+    Ok(())
+}
+
+fn cmd_train(a: TrainArgs) -> Result<()> {
+    use pipewright_runtime::data::Corpus;
+    use pipewright_runtime::train::{TrainConfig, Trainer};
+    let mut cfg = match &a.config {
+        Some(f) => {
+            let text = std::fs::read_to_string(f).map_err(|e| BadInput(format!("{}: cannot read: {e}", f.display())))?;
+            pipewright_core::error::parse_toml::<TrainConfig>(&f.display().to_string(), &text)?
+        }
+        None => TrainConfig::default(),
+    };
+    macro_rules! set {
+        ($($f:ident),*) => { $(if let Some(v) = a.$f.clone() { cfg.$f = v; })* };
+    }
+    set!(schedule, stages, chunks, replicas, microbatches, rows, steps, lr, seed);
+    if a.chunks.is_none() && a.config.is_none() {
+        cfg.chunks = cfg.kind().map_err(BadInput)?.default_chunks();
+    }
+    let corpus = match &a.data {
+        Some(f) => Corpus::load(f).map_err(BadInput)?,
+        None => Corpus::builtin(),
+    };
+    corpus.check(cfg.model.seq_len).map_err(BadInput)?;
+    let mut trainer = Trainer::new(cfg.clone()).map_err(BadInput)?;
+    if a.resume {
+        trainer.load_checkpoint(&a.checkpoint_dir).map_err(BadInput)?;
+        eprintln!("resumed from {} at step {}", a.checkpoint_dir.display(), trainer.step);
+    }
+    let baseline = corpus.unigram_baseline();
+    eprintln!(
+        "training {} ({} blocks, d_model {}) on {}: {} x P={} (layer blocks per stage {:?}), D={}, M={}, {} steps; unigram baseline {:.3}",
+        "gpt", cfg.model.num_blocks(), cfg.model.d_model, corpus.name, cfg.schedule, cfg.stages, trainer.boundaries, cfg.replicas, cfg.microbatches, cfg.steps, baseline
+    );
+    let mut metrics = match &a.metrics {
+        Some(f) => Some(std::io::BufWriter::new(std::fs::File::create(f).with_context(|| format!("cannot write {}", f.display()))?)),
+        None => None,
+    };
+    let mut emit = |row: serde_json::Value| -> Result<()> {
+        if let Some(m) = metrics.as_mut() {
+            use std::io::Write;
+            writeln!(m, "{row}")?;
+            m.flush()?;
+        }
+        Ok(())
+    };
+    let first_val = trainer.evaluate(&corpus, a.eval_batches);
+    emit(json!({"step": trainer.step, "loss": null, "val_loss": first_val, "val_perplexity": first_val.exp(), "tokens_per_s": null}))?;
+    let bar = indicatif::ProgressBar::new(cfg.steps);
+    bar.set_style(indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} ETA {eta}").expect("template"));
+    bar.set_position(trainer.step);
+    let mut last = None;
+    let mut last_val = first_val;
+    while trainer.step < cfg.steps {
+        let r = trainer.train_step(&corpus).map_err(|e| anyhow!("step {}: {e}", trainer.step + 1))?;
+        let tps = r.tokens as f64 / r.seconds;
+        let val = (r.step % a.eval_every.max(1) == 0 || r.step == cfg.steps).then(|| trainer.evaluate(&corpus, a.eval_batches));
+        if let Some(v) = val {
+            last_val = v;
+        }
+        emit(json!({"step": r.step, "loss": r.loss, "val_loss": val, "val_perplexity": val.map(f64::exp), "tokens_per_s": tps, "lr": r.lr, "grad_norm": r.grad_norm, "busy": r.busy, "seconds": r.seconds}))?;
+        bar.set_message(format!("loss {:.3} val {:.3} {:.0} tok/s", r.loss, last_val, tps));
+        bar.inc(1);
+        if !a.no_checkpoint && a.checkpoint_every > 0 && r.step % a.checkpoint_every == 0 && r.step < cfg.steps {
+            trainer.save_checkpoint(&a.checkpoint_dir).map_err(|e| anyhow!(e))?;
+        }
+        last = Some(r);
+    }
+    bar.finish();
+    if !a.no_checkpoint {
+        let p = trainer.save_checkpoint(&a.checkpoint_dir).map_err(|e| anyhow!(e))?;
+        eprintln!("checkpoint: {}", p.display());
+    }
+    if let (Some(f), Some(r)) = (&a.trace, &last) {
+        write_file(f, &trainer.timeline(r).to_chrome_trace())?;
+    }
+    println!(
+        "val loss {:.4} -> {:.4} (perplexity {:.2}; unigram baseline {:.4}) after {} steps",
+        first_val, last_val, last_val.exp(), baseline, trainer.step
+    );
     Ok(())
 }
 

@@ -11,3 +11,14 @@ pub fn train_device() -> Device {
 pub fn plain_device() -> Device {
     Device::flex()
 }
+
+/// burn 0.22.1's autodiff keeps one process-wide graph locator; a backward in one thread and a
+/// forward registering steps in another can take its two locks in opposite orders and deadlock
+/// (seen as `GraphCleaner::init` vs `GraphLocator::select`). Until that is fixed upstream,
+/// in-process workers hold this lock while they run autodiff work: waiting for messages stays
+/// concurrent, compute is serialised (each op still uses all cores). Worker processes (MPI)
+/// do not need it.
+pub fn autodiff_lock() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}

@@ -3,7 +3,7 @@
 //! gradient, backpropagates, sends the input gradient back and accumulates weight gradients.
 //! The schedule lives in the plan only; nothing here knows GPipe from 1F1B.
 
-use crate::backend::{plain_device, train_device};
+use crate::backend::{autodiff_lock, plain_device, train_device};
 use crate::data::MicroBatch;
 use crate::model::{loss, Stage, StageInput};
 use crate::transport::{Kind, Payload, Tag, Transport, TransportError};
@@ -178,11 +178,13 @@ impl Worker {
             // Receiving is waiting, not work: start the clock after it.
             match a.op {
                 Op::F => {
-                    let input = match prev {
+                    let received = match prev {
                         None => None,
-                        Some(_) => Some(from_payload(transport.recv(self.rank, recv_tag(Kind::Activation))?).require_grad()),
+                        Some(_) => Some(transport.recv(self.rank, recv_tag(Kind::Activation))?),
                     };
+                    let _guard = autodiff_lock();
                     let start = clock.elapsed().as_secs_f64();
+                    let input = received.map(|p| from_payload(p).require_grad());
                     let x = match &input {
                         None => StageInput::Tokens(tokens(&mb.tokens, mb)),
                         Some(h) => StageInput::Hidden(h.clone()),
@@ -208,11 +210,13 @@ impl Worker {
                 }
                 Op::BW => {
                     let s = saved.remove(&(a.stage, a.mb)).ok_or_else(|| bad(format!("{a} before its forward")))?;
-                    let dy = match &s.output {
-                        Out::Hidden(_) => Some(from_payload(transport.recv(self.rank, recv_tag(Kind::Gradient))?)),
+                    let received = match &s.output {
+                        Out::Hidden(_) => Some(transport.recv(self.rank, recv_tag(Kind::Gradient))?),
                         Out::Loss(_) => None,
                     };
+                    let _guard = autodiff_lock();
                     let start = clock.elapsed().as_secs_f64();
+                    let dy = received.map(from_payload);
                     let g = match (s.output, dy) {
                         (Out::Loss(l), _) => l.backward(),
                         (Out::Hidden(y), Some(dy)) => (y * dy).sum().backward(),

@@ -263,6 +263,7 @@ impl Trainer {
                             } else {
                                 1.0
                             };
+                            let _guard = crate::backend::autodiff_lock();
                             let stages = std::mem::take(&mut worker.stages);
                             worker.stages = stages
                                 .into_iter()
