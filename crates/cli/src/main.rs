@@ -480,7 +480,8 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
     use pipewright_runtime::train::{TrainConfig, Trainer};
     let mut cfg = match &a.config {
         Some(f) => {
-            let text = std::fs::read_to_string(f).map_err(|e| BadInput(format!("{}: cannot read: {e}", f.display())))?;
+            let text = std::fs::read_to_string(f)
+                .map_err(|e| BadInput(format!("{}: cannot read: {e}", f.display())))?;
             pipewright_core::error::parse_toml::<TrainConfig>(&f.display().to_string(), &text)?
         }
         None => TrainConfig::default(),
@@ -488,7 +489,17 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
     macro_rules! set {
         ($($f:ident),*) => { $(if let Some(v) = a.$f.clone() { cfg.$f = v; })* };
     }
-    set!(schedule, stages, chunks, replicas, microbatches, rows, steps, lr, seed);
+    set!(
+        schedule,
+        stages,
+        chunks,
+        replicas,
+        microbatches,
+        rows,
+        steps,
+        lr,
+        seed
+    );
     if a.chunks.is_none() && a.config.is_none() {
         cfg.chunks = cfg.kind().map_err(BadInput)?.default_chunks();
     }
@@ -499,8 +510,14 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
     corpus.check(cfg.model.seq_len).map_err(BadInput)?;
     let mut trainer = Trainer::new(cfg.clone()).map_err(BadInput)?;
     if a.resume {
-        trainer.load_checkpoint(&a.checkpoint_dir).map_err(BadInput)?;
-        eprintln!("resumed from {} at step {}", a.checkpoint_dir.display(), trainer.step);
+        trainer
+            .load_checkpoint(&a.checkpoint_dir)
+            .map_err(BadInput)?;
+        eprintln!(
+            "resumed from {} at step {}",
+            a.checkpoint_dir.display(),
+            trainer.step
+        );
     }
     let baseline = corpus.unigram_baseline();
     eprintln!(
@@ -508,7 +525,9 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
         "gpt", cfg.model.num_blocks(), cfg.model.d_model, corpus.name, cfg.schedule, cfg.stages, trainer.boundaries, cfg.replicas, cfg.microbatches, cfg.steps, baseline
     );
     let mut metrics = match &a.metrics {
-        Some(f) => Some(std::io::BufWriter::new(std::fs::File::create(f).with_context(|| format!("cannot write {}", f.display()))?)),
+        Some(f) => Some(std::io::BufWriter::new(
+            std::fs::File::create(f).with_context(|| format!("cannot write {}", f.display()))?,
+        )),
         None => None,
     };
     let mut emit = |row: serde_json::Value| -> Result<()> {
@@ -520,30 +539,51 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
         Ok(())
     };
     let first_val = trainer.evaluate(&corpus, a.eval_batches);
-    emit(json!({"step": trainer.step, "loss": null, "val_loss": first_val, "val_perplexity": first_val.exp(), "tokens_per_s": null}))?;
+    emit(
+        json!({"step": trainer.step, "loss": null, "val_loss": first_val, "val_perplexity": first_val.exp(), "tokens_per_s": null}),
+    )?;
     let bar = indicatif::ProgressBar::new(cfg.steps);
-    bar.set_style(indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} ETA {eta}").expect("template"));
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} ETA {eta}")
+            .expect("template"),
+    );
     bar.set_position(trainer.step);
     let mut last = None;
     let mut last_val = first_val;
     while trainer.step < cfg.steps {
-        let r = trainer.train_step(&corpus).map_err(|e| anyhow!("step {}: {e}", trainer.step + 1))?;
+        let r = trainer
+            .train_step(&corpus)
+            .map_err(|e| anyhow!("step {}: {e}", trainer.step + 1))?;
         let tps = r.tokens as f64 / r.seconds;
-        let val = (r.step % a.eval_every.max(1) == 0 || r.step == cfg.steps).then(|| trainer.evaluate(&corpus, a.eval_batches));
+        let val = (r.step % a.eval_every.max(1) == 0 || r.step == cfg.steps)
+            .then(|| trainer.evaluate(&corpus, a.eval_batches));
         if let Some(v) = val {
             last_val = v;
         }
-        emit(json!({"step": r.step, "loss": r.loss, "val_loss": val, "val_perplexity": val.map(f64::exp), "tokens_per_s": tps, "lr": r.lr, "grad_norm": r.grad_norm, "busy": r.busy, "seconds": r.seconds}))?;
-        bar.set_message(format!("loss {:.3} val {:.3} {:.0} tok/s", r.loss, last_val, tps));
+        emit(
+            json!({"step": r.step, "loss": r.loss, "val_loss": val, "val_perplexity": val.map(f64::exp), "tokens_per_s": tps, "lr": r.lr, "grad_norm": r.grad_norm, "busy": r.busy, "seconds": r.seconds}),
+        )?;
+        bar.set_message(format!(
+            "loss {:.3} val {:.3} {:.0} tok/s",
+            r.loss, last_val, tps
+        ));
         bar.inc(1);
-        if !a.no_checkpoint && a.checkpoint_every > 0 && r.step % a.checkpoint_every == 0 && r.step < cfg.steps {
-            trainer.save_checkpoint(&a.checkpoint_dir).map_err(|e| anyhow!(e))?;
+        if !a.no_checkpoint
+            && a.checkpoint_every > 0
+            && r.step % a.checkpoint_every == 0
+            && r.step < cfg.steps
+        {
+            trainer
+                .save_checkpoint(&a.checkpoint_dir)
+                .map_err(|e| anyhow!(e))?;
         }
         last = Some(r);
     }
     bar.finish();
     if !a.no_checkpoint {
-        let p = trainer.save_checkpoint(&a.checkpoint_dir).map_err(|e| anyhow!(e))?;
+        let p = trainer
+            .save_checkpoint(&a.checkpoint_dir)
+            .map_err(|e| anyhow!(e))?;
         eprintln!("checkpoint: {}", p.display());
     }
     if let (Some(f), Some(r)) = (&a.trace, &last) {
@@ -551,7 +591,11 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
     }
     println!(
         "val loss {:.4} -> {:.4} (perplexity {:.2}; unigram baseline {:.4}) after {} steps",
-        first_val, last_val, last_val.exp(), baseline, trainer.step
+        first_val,
+        last_val,
+        last_val.exp(),
+        baseline,
+        trainer.step
     );
     Ok(())
 }

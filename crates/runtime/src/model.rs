@@ -171,6 +171,8 @@ impl Layers {
         // matrices, zero biases, LayerNorm's ones and zeros as burn made them.
         layers.map(&mut Init {
             rng: crate::data::Rng::new(seed),
+            seed,
+            count: 0,
             path: Vec::new(),
         })
     }
@@ -209,6 +211,8 @@ pub fn fresh_copy<M: Module>(m: M) -> M {
 
 struct Init {
     rng: crate::data::Rng,
+    seed: u64,
+    count: u64,
     path: Vec<String>,
 }
 
@@ -223,25 +227,31 @@ impl burn::module::ModuleMapper for Init {
         &mut self,
         p: burn::module::Param<Tensor<D>>,
     ) -> burn::module::Param<Tensor<D>> {
+        // Ids are part of the model too: optimizer state in a checkpoint is keyed by them.
+        self.count += 1;
+        let id =
+            burn::module::ParamId::from(self.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ self.count);
         let in_norm = self.path.iter().any(|n| n.starts_with("ln"));
-        let t = p.val();
+        let (_, t, mapper) = p.consume();
         let (shape, device) = (t.shape(), t.device());
-        if in_norm {
-            return p;
-        }
         let n = shape.num_elements();
         let a = 0.02f32 * 3f32.sqrt();
-        let vals: Vec<f32> = if D >= 2 {
-            (0..n)
-                .map(|_| ((self.rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * a)
-                .collect()
+        let value = if in_norm {
+            t
         } else {
-            vec![0.0; n]
-        };
-        p.map(|_| {
+            let vals: Vec<f32> = if D >= 2 {
+                (0..n)
+                    .map(|_| {
+                        ((self.rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * a
+                    })
+                    .collect()
+            } else {
+                vec![0.0; n]
+            };
             Tensor::<D>::from_data(burn::tensor::TensorData::new(vals, shape), &device)
                 .require_grad()
-        })
+        };
+        burn::module::Param::from_mapped_value(id, value, mapper)
     }
 }
 

@@ -1,0 +1,110 @@
+//! Resume equals straight training; bad checkpoints and divergence are clear errors.
+
+use pipewright_runtime::data::Corpus;
+use pipewright_runtime::exec::ExecError;
+use pipewright_runtime::model::GptConfig;
+use pipewright_runtime::train::{TrainConfig, Trainer};
+
+fn cfg() -> TrainConfig {
+    TrainConfig {
+        model: GptConfig {
+            vocab: 256,
+            d_model: 16,
+            heads: 2,
+            layers: 2,
+            seq_len: 8,
+        },
+        stages: 2,
+        microbatches: 2,
+        rows: 2,
+        steps: 20,
+        ..TrainConfig::default()
+    }
+}
+
+fn dir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("pw-ckpt-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+#[test]
+fn resume_equals_straight_training() {
+    let corpus = Corpus::builtin();
+    let mut straight = Trainer::new(cfg()).unwrap();
+    for _ in 0..20 {
+        straight.train_step(&corpus).unwrap();
+    }
+    let d = dir("resume");
+    let mut first = Trainer::new(cfg()).unwrap();
+    for _ in 0..10 {
+        first.train_step(&corpus).unwrap();
+    }
+    first.save_checkpoint(&d).unwrap();
+    drop(first);
+    let mut second = Trainer::new(cfg()).unwrap();
+    second.load_checkpoint(&d).unwrap();
+    assert_eq!(second.step, 10);
+    for _ in 0..10 {
+        second.train_step(&corpus).unwrap();
+    }
+    let (a, b) = (second.flat_params(), straight.flat_params());
+    let diff = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
+    assert!(a == b, "resumed run differs: max |diff| {diff}");
+}
+
+#[test]
+fn bad_checkpoints_are_named() {
+    let corpus = Corpus::builtin();
+    let d = dir("bad");
+    let mut t = Trainer::new(cfg()).unwrap();
+    t.train_step(&corpus).unwrap();
+    let ck = t.save_checkpoint(&d).unwrap();
+    // A different model cannot load it.
+    let other = TrainConfig {
+        model: GptConfig {
+            d_model: 32,
+            ..cfg().model
+        },
+        ..cfg()
+    };
+    let e = Trainer::new(other)
+        .unwrap()
+        .load_checkpoint(&d)
+        .unwrap_err();
+    assert!(e.contains("different model or plan"), "{e}");
+    // Corrupt weights.
+    std::fs::write(ck.join("weights.safetensors"), b"not a safetensors file").unwrap();
+    let e = Trainer::new(cfg())
+        .unwrap()
+        .load_checkpoint(&d)
+        .unwrap_err();
+    assert!(e.contains("weights.safetensors: corrupt weights"), "{e}");
+    // No checkpoint at all.
+    let e = Trainer::new(cfg())
+        .unwrap()
+        .load_checkpoint(&dir("none"))
+        .unwrap_err();
+    assert!(e.contains("no checkpoint to resume"), "{e}");
+}
+
+#[test]
+fn divergence_is_an_error_not_a_nan_model() {
+    let corpus = Corpus::builtin();
+    let mut t = Trainer::new(TrainConfig {
+        lr: 1e8,
+        min_lr: 1e8,
+        warmup: 0,
+        clip: 1e30,
+        ..cfg()
+    })
+    .unwrap();
+    let err = (0..10)
+        .find_map(|_| t.train_step(&corpus).err())
+        .expect("diverges");
+    assert!(matches!(err, ExecError::NonFinite(_)), "{err}");
+}
