@@ -41,6 +41,8 @@ enum Cmd {
     Plan(PlanArgs),
     /// Train a GPT-style byte-level model with a pipeline plan (built-in corpus by default).
     Train(Box<TrainArgs>),
+    /// Measure each layer block of the model on this machine and write a profile TOML.
+    Profile(ProfileArgs),
     /// Check a plan file (JSON or CSV as written by `schedule`) and say what is wrong, if anything.
     Validate {
         /// Plan file (.json or .csv).
@@ -131,6 +133,40 @@ struct TrainArgs {
     /// Write the last step's measured timeline as a Chrome trace.
     #[arg(long)]
     trace: Option<PathBuf>,
+    /// Model width.
+    #[arg(long)]
+    d_model: Option<usize>,
+    /// Transformer blocks.
+    #[arg(long)]
+    layers: Option<usize>,
+    /// Attention heads.
+    #[arg(long)]
+    heads: Option<usize>,
+    /// Sequence length.
+    #[arg(long)]
+    seq_len: Option<usize>,
+    /// Emulate this cluster's links between workers (worker r on device r).
+    #[arg(long)]
+    cluster: Option<PathBuf>,
+    /// After training, profile the model and print simulated vs measured iteration time.
+    #[arg(long)]
+    compare_sim: bool,
+}
+
+#[derive(Args)]
+struct ProfileArgs {
+    /// Model TOML (vocab, d_model, heads, layers, seq_len); default: the train default.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Sequences per micro-batch.
+    #[arg(long, default_value_t = 4)]
+    rows: usize,
+    /// Timed repetitions per layer (median).
+    #[arg(long, default_value_t = 5)]
+    repeats: usize,
+    /// Output file.
+    #[arg(long, default_value = "profile.toml")]
+    out: PathBuf,
 }
 
 #[derive(Args)]
@@ -326,6 +362,29 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Partition(a) => cmd_partition(a),
         Cmd::Plan(a) => cmd_plan(a),
         Cmd::Train(a) => cmd_train(*a),
+        Cmd::Profile(a) => {
+            let model = match &a.model {
+                Some(f) => {
+                    let text = std::fs::read_to_string(f)
+                        .map_err(|e| BadInput(format!("{}: cannot read: {e}", f.display())))?;
+                    pipewright_core::error::parse_toml::<pipewright_runtime::model::GptConfig>(
+                        &f.display().to_string(),
+                        &text,
+                    )?
+                }
+                None => pipewright_runtime::model::GptConfig::default(),
+            };
+            model.check().map_err(BadInput)?;
+            let prof =
+                pipewright_runtime::profile::profile_model(&model, a.rows.max(1), a.repeats, 42);
+            write_file(&a.out, &prof.to_toml())?;
+            let (f, b): (f64, f64) = prof
+                .layers
+                .iter()
+                .fold((0.0, 0.0), |(f, b), l| (f + l.forward, b + l.backward()));
+            println!("{} layer blocks; forward {:.4} s, backward {:.4} s per micro-batch of {} sequences", prof.layers.len(), f, b, a.rows);
+            Ok(())
+        }
         Cmd::Validate { file } => {
             let plan = load_plan(&file)?;
             validate(&plan).map_err(|e| anyhow!(BadInput(format!("{}: {e}", file.display()))))?;
@@ -508,7 +567,27 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
         None => Corpus::builtin(),
     };
     corpus.check(cfg.model.seq_len).map_err(BadInput)?;
-    let mut trainer = Trainer::new(cfg.clone()).map_err(BadInput)?;
+    let workers = cfg.replicas * cfg.stages;
+    let cluster = match &a.cluster {
+        Some(f) => {
+            let c = Cluster::load(f)?;
+            if c.len() < workers {
+                return Err(BadInput(format!(
+                    "{}: {} devices, but the run has {workers} workers",
+                    f.display(),
+                    c.len()
+                ))
+                .into());
+            }
+            Some(c.subset(&(0..workers).collect::<Vec<_>>()))
+        }
+        None => None,
+    };
+    let transport: std::sync::Arc<dyn pipewright_runtime::transport::Transport> = match &cluster {
+        Some(c) => pipewright_runtime::transport::InProcess::emulated(workers, c.clone()),
+        None => pipewright_runtime::transport::InProcess::new(workers),
+    };
+    let mut trainer = Trainer::with_transport(cfg.clone(), transport).map_err(BadInput)?;
     if a.resume {
         trainer
             .load_checkpoint(&a.checkpoint_dir)
@@ -549,6 +628,7 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
     );
     bar.set_position(trainer.step);
     let mut last = None;
+    let mut step_seconds = Vec::new();
     let mut last_val = first_val;
     while trainer.step < cfg.steps {
         let r = trainer
@@ -577,6 +657,7 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
                 .save_checkpoint(&a.checkpoint_dir)
                 .map_err(|e| anyhow!(e))?;
         }
+        step_seconds.push(r.seconds);
         last = Some(r);
     }
     bar.finish();
@@ -596,6 +677,44 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
         last_val.exp(),
         baseline,
         trainer.step
+    );
+    if a.compare_sim && step_seconds.len() > 2 {
+        compare_sim(&trainer, cluster.as_ref(), &step_seconds)?;
+    }
+    Ok(())
+}
+
+/// Profile the model, simulate the same plan with the measured costs and print it beside the
+/// measured iteration time.
+fn compare_sim(
+    trainer: &pipewright_runtime::train::Trainer,
+    cluster: Option<&Cluster>,
+    step_seconds: &[f64],
+) -> Result<()> {
+    let cfg = &trainer.cfg;
+    let profile = pipewright_runtime::profile::profile_model(&cfg.model, cfg.rows, 5, cfg.seed);
+    let stages = profile.stage_costs(&trainer.boundaries);
+    let p = trainer.plan.num_workers();
+    let cl = cluster.map_or_else(
+        || Cluster::uniform(p),
+        |c| c.subset(&(0..p).collect::<Vec<_>>()),
+    );
+    let r = simulate(&SimSetup {
+        plan: &trainer.plan,
+        stages: &stages,
+        cluster: &cl,
+    })?;
+    let mut measured: Vec<f64> = step_seconds[2..].to_vec();
+    measured.sort_by(f64::total_cmp);
+    let m = measured[measured.len() / 2];
+    let serial: f64 = r.busy.iter().sum();
+    println!(
+        "iteration time: simulated {:.4} s, measured {:.4} s (median of {} steps), measured/simulated {:.2}",
+        r.makespan, m, measured.len(), m / r.makespan
+    );
+    println!(
+        "  in-process workers serialise autodiff work (see crates/runtime/src/backend.rs); the compute-only bound for that is {:.4} s, measured/bound {:.2}",
+        serial.max(r.makespan), m / serial.max(r.makespan)
     );
     Ok(())
 }

@@ -132,6 +132,11 @@ impl Profile {
         Ok(())
     }
 
+    /// The profile as TOML in FORMATS.md's layout.
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).expect("profile serialises")
+    }
+
     /// Costs of layers `lo..hi`.
     pub fn stage_cost(&self, lo: usize, hi: usize) -> StageCost {
         let ls = &self.layers[lo..hi];
@@ -200,6 +205,12 @@ activation = 8
         assert!(s.starts_with("p.toml: line 7, column 1"), "{s}");
         assert!(s.contains("parms"), "{s}");
         assert!(!s.contains('\n'));
+    }
+
+    #[test]
+    fn toml_round_trip() {
+        let p = Profile::parse("p.toml", SMALL).unwrap();
+        assert_eq!(Profile::parse("q.toml", &p.to_toml()).unwrap(), p);
     }
 
     #[test]

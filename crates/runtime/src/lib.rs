@@ -4,6 +4,7 @@ pub mod backend;
 pub mod data;
 pub mod exec;
 pub mod model;
+pub mod profile;
 pub mod train;
 pub mod transport;
 
