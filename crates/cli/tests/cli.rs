@@ -295,3 +295,126 @@ fn partition_and_plan() {
         "no candidate fits",
     );
 }
+
+#[test]
+fn train_small_run_and_bad_input() {
+    let dir = std::env::temp_dir().join(format!("pw-train-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let m = dir.join("m.jsonl");
+    let ck = dir.join("ck");
+    let tiny = [
+        "--d-model",
+        "16",
+        "--heads",
+        "2",
+        "--layers",
+        "2",
+        "--seq-len",
+        "16",
+    ];
+    let o = pw(&[
+        &[
+            "train",
+            "--stages",
+            "2",
+            "--microbatches",
+            "2",
+            "--steps",
+            "4",
+            "--eval-every",
+            "2",
+            "--metrics",
+            m.to_str().unwrap(),
+            "--checkpoint-dir",
+            ck.to_str().unwrap(),
+        ][..],
+        &tiny,
+    ]
+    .concat());
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(&m)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 5, "step 0 validation + 4 steps");
+    assert_eq!(rows.iter().filter(|r| r["val_loss"].is_f64()).count(), 3);
+    assert!(rows[1]["tokens_per_s"].as_f64().unwrap() > 0.0);
+    assert_eq!(rows[1]["busy"].as_array().unwrap().len(), 2);
+    assert!(std::fs::read_to_string(ck.join("latest"))
+        .unwrap()
+        .starts_with("step-000004"));
+    // Resume with a different model is refused; resume with the same settings continues.
+    bad(
+        &[
+            &[
+                "train",
+                "--stages",
+                "2",
+                "--steps",
+                "6",
+                "--resume",
+                "--checkpoint-dir",
+                ck.to_str().unwrap(),
+            ][..],
+            &tiny[..2],
+        ]
+        .concat(),
+        "different model or plan",
+    );
+    let o = pw(&[
+        &[
+            "train",
+            "--stages",
+            "2",
+            "--microbatches",
+            "2",
+            "--steps",
+            "5",
+            "--resume",
+            "--no-checkpoint",
+            "--checkpoint-dir",
+            ck.to_str().unwrap(),
+        ][..],
+        &tiny,
+    ]
+    .concat());
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // Bad input.
+    bad(
+        &["train", "--data", "/nonexistent/corpus.txt"],
+        "/nonexistent/corpus.txt: cannot read data file",
+    );
+    bad(&["train", "--schedule", "zbh1"], "does not do yet");
+    bad(&["train", "--stages", "7"], "only 6 layer blocks");
+    bad(
+        &[
+            "train",
+            "--resume",
+            "--checkpoint-dir",
+            dir.join("none").to_str().unwrap(),
+        ],
+        "no checkpoint to resume",
+    );
+    std::fs::write(ck.join("step-000004/weights.safetensors"), b"garbage").unwrap();
+    bad(
+        &[
+            &[
+                "train",
+                "--stages",
+                "2",
+                "--microbatches",
+                "2",
+                "--steps",
+                "6",
+                "--resume",
+                "--checkpoint-dir",
+                ck.to_str().unwrap(),
+            ][..],
+            &tiny,
+        ]
+        .concat(),
+        "corrupt weights",
+    );
+}
