@@ -437,18 +437,7 @@ fn cmd_simulate(a: SimulateArgs) -> Result<()> {
         Some(pf) => {
             let profile = Profile::load(pf)?;
             let cluster = match &a.cluster {
-                Some(cf) => {
-                    let c = Cluster::load(cf)?;
-                    if c.len() < p {
-                        return Err(BadInput(format!(
-                            "{}: {} devices, but the plan needs {p} workers",
-                            cf.display(),
-                            c.len()
-                        ))
-                        .into());
-                    }
-                    c.subset(&(0..p).collect::<Vec<_>>())
-                }
+                Some(cf) => load_cluster_for(cf, p, "the plan")?,
                 None => Cluster::uniform(p),
             };
             let (split, costs) = split_for_plan(&profile, &plan, &cluster)?;
@@ -569,18 +558,7 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
     corpus.check(cfg.model.seq_len).map_err(BadInput)?;
     let workers = cfg.replicas * cfg.stages;
     let cluster = match &a.cluster {
-        Some(f) => {
-            let c = Cluster::load(f)?;
-            if c.len() < workers {
-                return Err(BadInput(format!(
-                    "{}: {} devices, but the run has {workers} workers",
-                    f.display(),
-                    c.len()
-                ))
-                .into());
-            }
-            Some(c.subset(&(0..workers).collect::<Vec<_>>()))
-        }
+        Some(f) => Some(load_cluster_for(f, workers, "the run")?),
         None => None,
     };
     let transport: std::sync::Arc<dyn pipewright_runtime::transport::Transport> = match &cluster {
@@ -887,6 +865,20 @@ fn cmd_partition(a: PartitionArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// A cluster file's first `n` devices (worker i on device i), or an error if it has fewer.
+fn load_cluster_for(path: &Path, n: usize, who: &str) -> Result<Cluster> {
+    let c = Cluster::load(path)?;
+    if c.len() < n {
+        return Err(BadInput(format!(
+            "{}: {} devices, but {who} needs {n} workers",
+            path.display(),
+            c.len()
+        ))
+        .into());
+    }
+    Ok(c.subset(&(0..n).collect::<Vec<_>>()))
 }
 
 /// Write via a temporary file and rename, so a failed write leaves no half file.

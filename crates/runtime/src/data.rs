@@ -125,6 +125,17 @@ pub struct MicroBatch {
     pub targets: Vec<i64>,
 }
 
+impl MicroBatch {
+    /// `values` (this micro-batch's tokens or targets) as a `[rows, seq_len]` tensor on the
+    /// training device.
+    pub fn ids(&self, values: &[i64]) -> burn::tensor::Tensor<2, burn::tensor::Int> {
+        burn::tensor::Tensor::from_data(
+            burn::tensor::TensorData::new(values.to_vec(), [self.rows, self.seq_len]),
+            &crate::backend::train_device(),
+        )
+    }
+}
+
 /// Micro-batch number `index` of optimizer step `step`: random windows of the text, the same
 /// whichever worker or replica asks.
 pub fn micro_batch(

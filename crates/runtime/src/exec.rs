@@ -119,10 +119,7 @@ fn from_payload(p: Payload) -> Tensor<3> {
 }
 
 fn tokens(v: &[i64], mb: &MicroBatch) -> Tensor<2, Int> {
-    Tensor::<2, Int>::from_data(
-        TensorData::new(v.to_vec(), [mb.rows, mb.seq_len]),
-        &train_device(),
-    )
+    mb.ids(v)
 }
 
 /// Kept between a stage's forward and its backward.

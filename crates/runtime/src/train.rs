@@ -8,7 +8,7 @@ use crate::model::{fresh_copy, loss, GptConfig, Layers, Stage, StageInput};
 use crate::transport::{InProcess, Transport};
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::{AdamWConfig, ModuleOptimizer};
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{Tensor, TensorData};
 use pipewright_core::ir::{Plan, RouteIndex};
 use pipewright_core::partition::min_max_split;
 use pipewright_core::schedule::{generate, ScheduleKind};
@@ -401,15 +401,8 @@ fn sum_squares(grads: &[Vec<f32>]) -> f32 {
 }
 
 fn forward_loss(stages: &[&Stage], mb: &MicroBatch) -> f64 {
-    let dev = train_device();
-    let toks = Tensor::<2, Int>::from_data(
-        TensorData::new(mb.tokens.clone(), [mb.rows, mb.seq_len]),
-        &dev,
-    );
-    let tgts = Tensor::<2, Int>::from_data(
-        TensorData::new(mb.targets.clone(), [mb.rows, mb.seq_len]),
-        &dev,
-    );
+    let toks = mb.ids(&mb.tokens);
+    let tgts = mb.ids(&mb.targets);
     let mut x = stages[0].forward(StageInput::Tokens(toks));
     for s in &stages[1..] {
         x = s.forward(StageInput::Hidden(x));
@@ -473,14 +466,8 @@ impl PlainTrainer {
             targets: mbs.iter().flat_map(|m| m.targets.clone()).collect(),
         };
         let dev = train_device();
-        let toks = Tensor::<2, Int>::from_data(
-            TensorData::new(all.tokens.clone(), [all.rows, all.seq_len]),
-            &dev,
-        );
-        let tgts = Tensor::<2, Int>::from_data(
-            TensorData::new(all.targets.clone(), [all.rows, all.seq_len]),
-            &dev,
-        );
+        let toks = all.ids(&all.tokens);
+        let tgts = all.ids(&all.targets);
         let l = loss(self.model.forward(StageInput::Tokens(toks)), tgts);
         let v = l.clone().into_scalar::<f32>() as f64;
         let g = l.backward();
