@@ -80,7 +80,7 @@ struct TrainArgs {
     /// TOML with any TrainConfig fields (model, schedule, stages, ...); flags override it.
     #[arg(long)]
     config: Option<PathBuf>,
-    /// Pipeline schedule (gpipe, 1f1b, interleaved).
+    /// Pipeline schedule (gpipe, 1f1b, interleaved, zbh1, zbv).
     #[arg(long)]
     schedule: Option<String>,
     /// Pipeline depth P (workers per pipeline).

@@ -386,7 +386,24 @@ fn train_small_run_and_bad_input() {
         &["train", "--data", "/nonexistent/corpus.txt"],
         "/nonexistent/corpus.txt: cannot read data file",
     );
-    bad(&["train", "--schedule", "zbh1"], "does not do yet");
+    // Zero-bubble schedules run with the real B/W split.
+    let o = pw(&[
+        &[
+            "train",
+            "--schedule",
+            "zbv",
+            "--stages",
+            "2",
+            "--microbatches",
+            "2",
+            "--steps",
+            "2",
+            "--no-checkpoint",
+        ][..],
+        &tiny,
+    ]
+    .concat());
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     bad(&["train", "--stages", "7"], "only 6 layer blocks");
     bad(
         &[

@@ -5,9 +5,9 @@
 
 use crate::backend::{autodiff_lock, plain_device, train_device};
 use crate::data::MicroBatch;
-use crate::model::{loss, Stage, StageInput};
+use crate::model::{loss, Deferred, Stage, StageInput};
 use crate::transport::{Kind, Payload, Tag, Transport, TransportError};
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{Gradients, Int, Tensor, TensorData};
 use pipewright_core::ir::{Op, Plan, RouteIndex};
@@ -47,10 +47,17 @@ pub struct WorkerOutput {
     pub actions: Vec<TimedAction>,
 }
 
-/// Flatten `module`'s parameter gradients from `grads` into `out` (added), in visit order.
-pub fn add_grads<M: Module>(module: &M, grads: &Gradients, out: &mut Vec<f32>) {
+/// Where parameter gradients come from: an autodiff backward, or a W step's deferred
+/// Linear weight gradients (by parameter id).
+pub enum GradSource<'a> {
+    Autodiff(&'a Gradients),
+    Deferred(&'a HashMap<ParamId, Vec<f32>>),
+}
+
+/// Flatten `module`'s parameter gradients from `src` into `out` (added), in visit order.
+pub fn add_grads<M: Module>(module: &M, src: GradSource, out: &mut Vec<f32>) {
     struct V<'a> {
-        grads: &'a Gradients,
+        src: GradSource<'a>,
         out: &'a mut Vec<f32>,
         pos: usize,
     }
@@ -61,8 +68,13 @@ pub fn add_grads<M: Module>(module: &M, grads: &Gradients, out: &mut Vec<f32>) {
             if self.out.len() < self.pos + n {
                 self.out.resize(self.pos + n, 0.0);
             }
-            if let Some(g) = t.grad(self.grads) {
-                let g = g.into_data().try_into_vec::<f32>().expect("f32 gradients");
+            let g = match &self.src {
+                GradSource::Autodiff(grads) => t
+                    .grad(grads)
+                    .map(|g| g.into_data().try_into_vec::<f32>().expect("f32 gradients")),
+                GradSource::Deferred(map) => map.get(&p.id).cloned(),
+            };
+            if let Some(g) = g {
                 self.out[self.pos..self.pos + n]
                     .iter_mut()
                     .zip(g)
@@ -71,7 +83,7 @@ pub fn add_grads<M: Module>(module: &M, grads: &Gradients, out: &mut Vec<f32>) {
             self.pos += n;
         }
     }
-    module.visit(&mut V { grads, out, pos: 0 });
+    module.visit(&mut V { src, out, pos: 0 });
 }
 
 /// Turn a flat gradient buffer (scaled by `scale`) back into burn's per-parameter gradients.
@@ -125,6 +137,8 @@ fn tokens(v: &[i64], mb: &MicroBatch) -> Tensor<2, Int> {
 /// Kept between a stage's forward and its backward.
 struct Saved {
     input: Option<Tensor<3>>,
+    /// Linear-layer inputs whose weight gradients wait for W (split schedules only).
+    deferred: Option<Deferred>,
     /// The stage output, or the scaled loss for the last stage on the route.
     output: Out,
 }
@@ -150,6 +164,9 @@ impl Worker {
         let p = plan.num_workers();
         let base = self.replica * p;
         let mut saved: HashMap<(usize, usize), Saved> = HashMap::new();
+        // After B, before W: Linear inputs and output gradients of (stage, mb).
+        let mut waiting_w: HashMap<(usize, usize), Deferred> = HashMap::new();
+        let split = plan.splits_backward();
         let mut grads: Vec<Vec<f32>> = vec![Vec::new(); self.stages.len()];
         let mut loss_sum = 0.0;
         let mut actions = Vec::with_capacity(plan.workers[self.w].len());
@@ -186,10 +203,23 @@ impl Worker {
                         None => StageInput::Tokens(tokens(&mb.tokens, mb)),
                         Some(h) => StageInput::Hidden(h.clone()),
                     };
-                    let y = stage.forward(x);
+                    let mut deferred = split.then(Deferred::default);
+                    let y = match deferred.as_mut() {
+                        Some(d) => stage.forward_split(x, d),
+                        None => stage.forward(x),
+                    };
                     let output = match next {
                         Some(n) => {
-                            transport.send(self.rank, base + plan.placement[n], Tag { kind: Kind::Activation, stage: n, mb: a.mb }, to_payload(&y));
+                            transport.send(
+                                self.rank,
+                                base + plan.placement[n],
+                                Tag {
+                                    kind: Kind::Activation,
+                                    stage: n,
+                                    mb: a.mb,
+                                },
+                                to_payload(&y),
+                            );
                             Out::Hidden(y)
                         }
                         None => {
@@ -202,13 +232,29 @@ impl Worker {
                             Out::Loss(l * scale)
                         }
                     };
-                    saved.insert((a.stage, a.mb), Saved { input, output });
-                    actions.push(TimedAction { worker: self.rank, action: *a, start, end: clock.elapsed().as_secs_f64() });
+                    saved.insert(
+                        (a.stage, a.mb),
+                        Saved {
+                            input,
+                            deferred,
+                            output,
+                        },
+                    );
+                    actions.push(TimedAction {
+                        worker: self.rank,
+                        action: *a,
+                        start,
+                        end: clock.elapsed().as_secs_f64(),
+                    });
                 }
-                Op::BW => {
-                    let s = saved.remove(&(a.stage, a.mb)).ok_or_else(|| bad(format!("{a} before its forward")))?;
+                Op::BW | Op::B => {
+                    let s = saved
+                        .remove(&(a.stage, a.mb))
+                        .ok_or_else(|| bad(format!("{a} before its forward")))?;
                     let received = match &s.output {
-                        Out::Hidden(_) => Some(transport.recv(self.rank, recv_tag(Kind::Gradient))?),
+                        Out::Hidden(_) => {
+                            Some(transport.recv(self.rank, recv_tag(Kind::Gradient))?)
+                        }
                         Out::Loss(_) => None,
                     };
                     let _guard = autodiff_lock();
@@ -220,16 +266,53 @@ impl Worker {
                         (Out::Hidden(_), None) => unreachable!("gradient received above"),
                     };
                     if let (Some(pv), Some(x)) = (prev, &s.input) {
-                        let dx = x.grad(&g).ok_or_else(|| bad(format!("{a}: no input gradient")))?;
-                        transport.send(self.rank, base + plan.placement[pv], Tag { kind: Kind::Gradient, stage: pv, mb: a.mb }, to_payload(&dx));
+                        let dx = x
+                            .grad(&g)
+                            .ok_or_else(|| bad(format!("{a}: no input gradient")))?;
+                        transport.send(
+                            self.rank,
+                            base + plan.placement[pv],
+                            Tag {
+                                kind: Kind::Gradient,
+                                stage: pv,
+                                mb: a.mb,
+                            },
+                            to_payload(&dx),
+                        );
                     }
-                    add_grads(stage, &g, &mut grads[slot]);
-                    actions.push(TimedAction { worker: self.rank, action: *a, start, end: clock.elapsed().as_secs_f64() });
+                    // BW: every weight gradient. B: all but the Linear layers' (deferred to W).
+                    add_grads(stage, GradSource::Autodiff(&g), &mut grads[slot]);
+                    if a.op == Op::B {
+                        let mut d = s.deferred.ok_or_else(|| {
+                            bad(format!("{a}: forward did not defer weight gradients"))
+                        })?;
+                        d.take_output_grads(&g);
+                        waiting_w.insert((a.stage, a.mb), d);
+                    }
+                    actions.push(TimedAction {
+                        worker: self.rank,
+                        action: *a,
+                        start,
+                        end: clock.elapsed().as_secs_f64(),
+                    });
                 }
-                Op::B | Op::W => {
-                    return Err(bad(format!(
-                        "{a}: the runtime does not split backward into B and W yet; zbh1 and zbv cannot run (use gpipe, 1f1b or interleaved)"
-                    )))
+                Op::W => {
+                    let d = waiting_w
+                        .remove(&(a.stage, a.mb))
+                        .ok_or_else(|| bad(format!("{a} before its B")))?;
+                    let _guard = autodiff_lock();
+                    let start = clock.elapsed().as_secs_f64();
+                    add_grads(
+                        stage,
+                        GradSource::Deferred(&d.weight_grads()),
+                        &mut grads[slot],
+                    );
+                    actions.push(TimedAction {
+                        worker: self.rank,
+                        action: *a,
+                        start,
+                        end: clock.elapsed().as_secs_f64(),
+                    });
                 }
             }
         }

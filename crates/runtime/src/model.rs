@@ -2,7 +2,7 @@
 //! layer 0 = token + position embedding, layers 1..=L = pre-LayerNorm transformer blocks
 //! (causal multi-head attention, GELU MLP), layer L+1 = final norm + LM head.
 
-use burn::module::Module;
+use burn::module::{Module, ParamId};
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::activation::{gelu, log_softmax, softmax};
 use burn::tensor::{Bool, Device, Int, Tensor};
@@ -82,14 +82,18 @@ pub struct Block {
 
 impl Block {
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        self.forward_with(x, &mut None)
+    }
+
+    fn forward_with(&self, x: Tensor<3>, cap: &mut Option<&mut Deferred>) -> Tensor<3> {
         let [b, t, d] = x.dims();
         let (h, dh) = (self.heads, d / self.heads);
         let a = self.ln1.forward(x.clone());
         let split = |y: Tensor<3>| y.reshape([b, t, h, dh]).swap_dims(1, 2);
         let (q, k, v) = (
-            split(self.q.forward(a.clone())),
-            split(self.k.forward(a.clone())),
-            split(self.v.forward(a)),
+            split(linear(&self.q, a.clone(), cap)),
+            split(linear(&self.k, a.clone(), cap)),
+            split(linear(&self.v, a, cap)),
         );
         let scores = q.matmul(k.swap_dims(2, 3)) / (dh as f64).sqrt();
         let mask = Tensor::<2, Bool>::tril_mask([t, t], 0, &x.device());
@@ -100,11 +104,9 @@ impl Block {
             .matmul(v)
             .swap_dims(1, 2)
             .reshape([b, t, d]);
-        let x = x + self.o.forward(att);
-        let m = self
-            .proj
-            .forward(gelu(self.fc.forward(self.ln2.forward(x.clone()))));
-        x + m
+        let x = x + linear(&self.o, att, cap);
+        let hidden = gelu(linear(&self.fc, self.ln2.forward(x.clone()), cap));
+        x + linear(&self.proj, hidden, cap)
     }
 }
 
@@ -116,7 +118,81 @@ pub struct Head {
 
 impl Head {
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        self.out.forward(self.ln.forward(x))
+        self.forward_with(x, &mut None)
+    }
+
+    fn forward_with(&self, x: Tensor<3>, cap: &mut Option<&mut Deferred>) -> Tensor<3> {
+        linear(&self.out, self.ln.forward(x), cap)
+    }
+}
+
+/// Weight gradients of Linear layers held back from the input-gradient backward (B) so that a
+/// later W step computes them: for each Linear, its input and (after B) its output gradient.
+/// `dW = x^T dy`, `db = sum(dy)` are exactly the matmuls a fused backward would have done.
+#[derive(Default)]
+pub struct Deferred {
+    /// (weight id, bias id, layer input without autodiff, zero probe whose gradient is dy).
+    entries: Vec<(ParamId, Option<ParamId>, Tensor<3>, Tensor<3>)>,
+    /// Output gradients read off the probes after B.
+    grads: Vec<Tensor<3>>,
+}
+
+impl Deferred {
+    /// After B: keep each Linear's output gradient (the probes' gradients).
+    pub fn take_output_grads(&mut self, grads: &burn::tensor::Gradients) {
+        self.grads = self
+            .entries
+            .iter()
+            .map(|(_, _, x, probe)| {
+                probe
+                    .grad(grads)
+                    .unwrap_or_else(|| Tensor::zeros(probe.dims(), &x.device()))
+            })
+            .collect();
+    }
+
+    /// The W step: the Linear layers' weight and bias gradients, by parameter id.
+    pub fn weight_grads(self) -> std::collections::HashMap<ParamId, Vec<f32>> {
+        let mut out = std::collections::HashMap::new();
+        for ((w, b, x, _), dy) in self.entries.into_iter().zip(self.grads) {
+            let [n, t, i] = x.dims();
+            let o = dy.dims()[2];
+            let x2 = x.reshape([n * t, i]);
+            let dy2 = dy.reshape([n * t, o]);
+            let dw = x2.transpose().matmul(dy2.clone());
+            out.insert(w, dw.into_data().try_into_vec::<f32>().expect("f32"));
+            if let Some(b) = b {
+                out.insert(
+                    b,
+                    dy2.sum_dim(0)
+                        .into_data()
+                        .try_into_vec::<f32>()
+                        .expect("f32"),
+                );
+            }
+        }
+        out
+    }
+}
+
+/// A Linear layer; with a `Deferred`, its weights take no part in autodiff (so the backward
+/// skips their gradient matmuls) and a zero probe on its output captures `dy` for later.
+fn linear(l: &Linear, x: Tensor<3>, cap: &mut Option<&mut Deferred>) -> Tensor<3> {
+    match cap {
+        None => l.forward(x),
+        Some(d) => {
+            let w = l.weight.val().detach();
+            let b = l.bias.as_ref().map(|b| b.val().detach());
+            let y = burn::tensor::module::linear(x.clone(), w, b);
+            let probe = Tensor::<3>::zeros(y.dims(), &y.device()).require_grad();
+            d.entries.push((
+                l.weight.id,
+                l.bias.as_ref().map(|b| b.id),
+                x.detach(),
+                probe.clone(),
+            ));
+            y + probe
+        }
     }
 }
 
@@ -272,6 +348,15 @@ pub enum StageInput {
 impl Stage {
     /// Hidden states out, or logits if the stage holds the head.
     pub fn forward(&self, input: StageInput) -> Tensor<3> {
+        self.forward_with(input, &mut None)
+    }
+
+    /// Forward whose Linear weight gradients are deferred to a W step (see [`Deferred`]).
+    pub fn forward_split(&self, input: StageInput, deferred: &mut Deferred) -> Tensor<3> {
+        self.forward_with(input, &mut Some(deferred))
+    }
+
+    fn forward_with(&self, input: StageInput, cap: &mut Option<&mut Deferred>) -> Tensor<3> {
         let mut x = match (input, &self.embed) {
             (StageInput::Tokens(t), Some(e)) => e.forward(t),
             (StageInput::Hidden(h), None) => h,
@@ -279,10 +364,10 @@ impl Stage {
             (StageInput::Hidden(_), Some(_)) => panic!("embedding stage got hidden states"),
         };
         for b in &self.blocks {
-            x = b.forward(x);
+            x = b.forward_with(x, cap);
         }
         match &self.head {
-            Some(h) => h.forward(x),
+            Some(h) => h.forward_with(x, cap),
             None => x,
         }
     }

@@ -3,7 +3,7 @@
 
 use crate::backend::train_device;
 use crate::data::{micro_batch, Corpus, MicroBatch};
-use crate::exec::{add_grads, grads_params, ExecError, Worker, WorkerOutput};
+use crate::exec::{add_grads, grads_params, ExecError, GradSource, Worker, WorkerOutput};
 use crate::model::{fresh_copy, loss, GptConfig, Layers, Stage, StageInput};
 use crate::transport::{InProcess, Transport};
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
@@ -87,11 +87,6 @@ impl TrainConfig {
     pub fn plan(&self) -> Result<Plan, String> {
         self.model.check()?;
         let kind = self.kind()?;
-        if kind.splits_backward() {
-            return Err(format!(
-                "schedule {kind} needs the backward split into B (input gradient) and W (weight gradient), which the runtime does not do yet; use gpipe, 1f1b or interleaved"
-            ));
-        }
         if self.replicas == 0 || self.rows == 0 {
             return Err("--replicas and rows per micro-batch must be at least 1".into());
         }
@@ -472,7 +467,7 @@ impl PlainTrainer {
         let v = l.clone().into_scalar::<f32>() as f64;
         let g = l.backward();
         let mut flat = Vec::new();
-        add_grads(&self.model, &g, &mut flat);
+        add_grads(&self.model, GradSource::Autodiff(&g), &mut flat);
         let norm = (sum_squares(std::slice::from_ref(&flat)) as f64).sqrt();
         let factor = if norm > c.clip as f64 {
             c.clip / norm as f32
