@@ -578,8 +578,7 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
     }
     let baseline = corpus.unigram_baseline();
     eprintln!(
-        "training {} ({} blocks, d_model {}) on {}: {} x P={} (layer blocks per stage {:?}), D={}, M={}, {} steps; unigram baseline {:.3}",
-        "gpt", cfg.model.num_blocks(), cfg.model.d_model, corpus.name, cfg.schedule, cfg.stages, trainer.boundaries, cfg.replicas, cfg.microbatches, cfg.steps, baseline
+        "training gpt ({} blocks, d_model {}) on {}: {} x P={} (layer blocks per stage {:?}), D={}, M={}, {} steps; unigram baseline {:.3}", cfg.model.num_blocks(), cfg.model.d_model, corpus.name, cfg.schedule, cfg.stages, trainer.boundaries, cfg.replicas, cfg.microbatches, cfg.steps, baseline
     );
     let mut metrics = match &a.metrics {
         Some(f) => Some(std::io::BufWriter::new(

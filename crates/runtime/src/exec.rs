@@ -9,7 +9,7 @@ use crate::model::{loss, Deferred, Stage, StageInput};
 use crate::transport::{Kind, Payload, Tag, Transport, TransportError};
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
-use burn::tensor::{Gradients, Int, Tensor, TensorData};
+use burn::tensor::{Gradients, Tensor, TensorData};
 use pipewright_core::ir::{Op, Plan, RouteIndex};
 use pipewright_core::sim::TimedAction;
 use std::collections::HashMap;
@@ -130,10 +130,6 @@ fn from_payload(p: Payload) -> Tensor<3> {
     Tensor::<3>::from_data(TensorData::new(p.values, p.shape), &train_device())
 }
 
-fn tokens(v: &[i64], mb: &MicroBatch) -> Tensor<2, Int> {
-    mb.ids(v)
-}
-
 /// Kept between a stage's forward and its backward.
 struct Saved {
     input: Option<Tensor<3>>,
@@ -200,7 +196,7 @@ impl Worker {
                     let start = clock.elapsed().as_secs_f64();
                     let input = received.map(|p| from_payload(p).require_grad());
                     let x = match &input {
-                        None => StageInput::Tokens(tokens(&mb.tokens, mb)),
+                        None => StageInput::Tokens(mb.ids(&mb.tokens)),
                         Some(h) => StageInput::Hidden(h.clone()),
                     };
                     let mut deferred = split.then(Deferred::default);
@@ -223,7 +219,7 @@ impl Worker {
                             Out::Hidden(y)
                         }
                         None => {
-                            let l = loss(y, tokens(&mb.targets, mb));
+                            let l = loss(y, mb.ids(&mb.targets));
                             let v = l.clone().into_scalar::<f32>() as f64;
                             if !v.is_finite() {
                                 return Err(ExecError::NonFinite(v));

@@ -37,7 +37,7 @@ impl GptConfig {
         self.layers + 2
     }
     pub fn check(&self) -> Result<(), String> {
-        if self.d_model == 0 || self.heads == 0 || self.d_model % self.heads != 0 {
+        if self.d_model == 0 || self.heads == 0 || !self.d_model.is_multiple_of(self.heads) {
             return Err(format!(
                 "d_model {} must be a positive multiple of heads {}",
                 self.d_model, self.heads

@@ -422,7 +422,7 @@ pub fn flat_params<M: Module>(m: &M) -> Vec<f32> {
 /// forward and backward over all micro-batches of all replicas at once, same optimizer.
 pub struct PlainTrainer {
     pub cfg: TrainConfig,
-    pub model: Stage,
+    model: Option<Stage>,
     optim: ModuleOptimizer,
     pub step: u64,
 }
@@ -430,13 +430,18 @@ pub struct PlainTrainer {
 impl PlainTrainer {
     pub fn new(cfg: TrainConfig) -> Self {
         let layers = Layers::new(&cfg.model, cfg.seed, &train_device());
-        let model = layers.stage(0, cfg.model.num_blocks());
+        let model = Some(layers.stage(0, cfg.model.num_blocks()));
         PlainTrainer {
             optim: optimizer(&cfg),
             cfg,
             model,
             step: 0,
         }
+    }
+
+    /// The whole model.
+    pub fn model(&self) -> &Stage {
+        self.model.as_ref().expect("model present between steps")
     }
 
     pub fn train_step(&mut self, corpus: &Corpus) -> f64 {
@@ -460,35 +465,23 @@ impl PlainTrainer {
             tokens: mbs.iter().flat_map(|m| m.tokens.clone()).collect(),
             targets: mbs.iter().flat_map(|m| m.targets.clone()).collect(),
         };
-        let dev = train_device();
         let toks = all.ids(&all.tokens);
         let tgts = all.ids(&all.targets);
-        let l = loss(self.model.forward(StageInput::Tokens(toks)), tgts);
+        let l = loss(self.model().forward(StageInput::Tokens(toks)), tgts);
         let v = l.clone().into_scalar::<f32>() as f64;
         let g = l.backward();
         let mut flat = Vec::new();
-        add_grads(&self.model, GradSource::Autodiff(&g), &mut flat);
+        add_grads(self.model(), GradSource::Autodiff(&g), &mut flat);
         let norm = (sum_squares(std::slice::from_ref(&flat)) as f64).sqrt();
         let factor = if norm > c.clip as f64 {
             c.clip / norm as f32
         } else {
             1.0
         };
-        let gp = grads_params(&self.model, &flat, factor);
+        let gp = grads_params(self.model(), &flat, factor);
         let lr = c.lr_at(self.step);
-        let model = std::mem::replace(
-            &mut self.model,
-            Layers::new(
-                &GptConfig {
-                    layers: 0,
-                    ..c.model.clone()
-                },
-                0,
-                &dev,
-            )
-            .stage(0, 0),
-        );
-        self.model = self.optim.step(lr, model, gp);
+        let model = self.model.take().expect("model present between steps");
+        self.model = Some(self.optim.step(lr, model, gp));
         self.step += 1;
         v
     }

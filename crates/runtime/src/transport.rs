@@ -75,11 +75,14 @@ struct Reduction {
     left: usize,
 }
 
+/// The cluster whose links are emulated, and when each directed link is next free.
+type EmulatedLinks = (Cluster, Mutex<HashMap<(usize, usize), Instant>>);
+
 /// Threads in one process.
 pub struct InProcess {
     boxes: Vec<Mailbox>,
     /// Emulated network: device per worker and the cluster's links; `None` = instant.
-    links: Option<(Cluster, Mutex<HashMap<(usize, usize), Instant>>)>,
+    links: Option<EmulatedLinks>,
     reductions: Mutex<HashMap<(Vec<usize>, u64), Reduction>>,
     /// Calls of all_reduce per (rank, group), so repeated reductions pair up.
     rounds: Mutex<HashMap<(usize, Vec<usize>), u64>>,
@@ -101,10 +104,7 @@ impl InProcess {
         ))
     }
 
-    fn build(
-        workers: usize,
-        links: Option<(Cluster, Mutex<HashMap<(usize, usize), Instant>>)>,
-    ) -> Self {
+    fn build(workers: usize, links: Option<EmulatedLinks>) -> Self {
         InProcess {
             boxes: (0..workers)
                 .map(|_| Mailbox {

@@ -60,7 +60,7 @@ fn pipelined_equals_plain_training() {
                     }
                     let (x, y) = (
                         pipe.flat_params(),
-                        pipewright_runtime::train::flat_params(&plain.model),
+                        pipewright_runtime::train::flat_params(plain.model()),
                     );
                     assert_eq!(x.len(), y.len());
                     let diff = x
@@ -88,7 +88,7 @@ fn plain_training_is_deterministic() {
         for _ in 0..3 {
             t.train_step(&corpus);
         }
-        pipewright_runtime::train::flat_params(&t.model)
+        pipewright_runtime::train::flat_params(t.model())
     };
     assert_eq!(run(), run());
 }
@@ -131,7 +131,12 @@ fn split_backward_defers_linear_weight_gradients() {
         .backward();
     let mut fused = Vec::new();
     add_grads(&stage, GradSource::Autodiff(&g), &mut fused);
-    let dx_fused = xf.grad(&g).unwrap().into_data().to_vec::<f32>().unwrap();
+    let dx_fused = xf
+        .grad(&g)
+        .unwrap()
+        .into_data()
+        .try_to_vec::<f32>()
+        .unwrap();
 
     let xs = x.require_grad();
     let mut d = Deferred::default();
@@ -140,7 +145,12 @@ fn split_backward_defers_linear_weight_gradients() {
         .backward();
     let mut b_part = Vec::new();
     add_grads(&stage, GradSource::Autodiff(&g), &mut b_part);
-    let dx_split = xs.grad(&g).unwrap().into_data().to_vec::<f32>().unwrap();
+    let dx_split = xs
+        .grad(&g)
+        .unwrap()
+        .into_data()
+        .try_to_vec::<f32>()
+        .unwrap();
     d.take_output_grads(&g);
     let mut w_part = vec![0.0; b_part.len()];
     add_grads(&stage, GradSource::Deferred(&d.weight_grads()), &mut w_part);
