@@ -2,7 +2,7 @@
 //! parameter bytes and output bytes, as a profile `simulate`, `partition` and `plan` accept.
 
 use crate::backend::train_device;
-use crate::model::{loss, GptConfig, Layers, Stage, StageInput};
+use crate::model::{loss, Deferred, GptConfig, Layers, Stage, StageInput};
 use burn::module::Module;
 use burn::tensor::{Distribution, Int, Tensor, TensorData};
 use pipewright_core::profile::{Layer, ModelInfo, Profile};
@@ -14,17 +14,17 @@ fn median(mut xs: Vec<f64>) -> f64 {
 }
 
 /// Time every layer block of `cfg` on micro-batches of `rows` sequences, `repeats` times each
-/// (median). The backward is the full backward (input and weight gradients): the runtime does
-/// not split it, so `weight_grad` is left to the profile's default.
+/// (median): forward, the full (fused) backward, and the weight-gradient part that a split
+/// backward's W step computes (the deferred Linear weight matmuls).
 pub fn profile_model(cfg: &GptConfig, rows: usize, repeats: usize, seed: u64) -> Profile {
     let dev = train_device();
     let layers = Layers::new(cfg, seed, &dev);
-    let (t, d) = (cfg.seq_len, cfg.d_model);
+    let (t, d_model) = (cfg.seq_len, cfg.d_model);
     let blocks = cfg.num_blocks();
     let mut out = Vec::with_capacity(blocks);
     for i in 0..blocks {
         let stage: Stage = layers.stage(i, i + 1);
-        let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
+        let (mut fwd, mut bwd, mut wgt) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..repeats.max(1) + 1 {
             let input = if i == 0 {
                 let toks: Vec<i64> = (0..rows * t).map(|k| (k * 7 % cfg.vocab) as i64).collect();
@@ -34,7 +34,7 @@ pub fn profile_model(cfg: &GptConfig, rows: usize, repeats: usize, seed: u64) ->
                 ))
             } else {
                 StageInput::Hidden(
-                    Tensor::<3>::random([rows, t, d], Distribution::Normal(0.0, 1.0), &dev)
+                    Tensor::<3>::random([rows, t, d_model], Distribution::Normal(0.0, 1.0), &dev)
                         .require_grad(),
                 )
             };
@@ -58,21 +58,44 @@ pub fn profile_model(cfg: &GptConfig, rows: usize, repeats: usize, seed: u64) ->
             let b = t1.elapsed().as_secs_f64();
             fwd.push(f);
             bwd.push(b);
+            // The weight-gradient part: what W computes after a split backward.
+            let mut d = Deferred::default();
+            let input = if i == 0 {
+                let toks: Vec<i64> = (0..rows * t).map(|k| (k * 7 % cfg.vocab) as i64).collect();
+                StageInput::Tokens(Tensor::<2, Int>::from_data(
+                    TensorData::new(toks, [rows, t]),
+                    &dev,
+                ))
+            } else {
+                StageInput::Hidden(
+                    Tensor::<3>::random([rows, t, d_model], Distribution::Normal(0.0, 1.0), &dev)
+                        .require_grad(),
+                )
+            };
+            let y = stage.forward_split(input, &mut d);
+            let dy = Tensor::<3>::random(y.dims(), Distribution::Normal(0.0, 1.0), &dev);
+            let g = (y * dy).sum().backward();
+            d.take_output_grads(&g);
+            let t2 = Instant::now();
+            let _ = d.weight_grads();
+            wgt.push(t2.elapsed().as_secs_f64());
         }
         // The first run warms caches and allocators; leave it out.
         fwd.remove(0);
         bwd.remove(0);
+        wgt.remove(0);
         let name = match i {
             0 => "embed".to_string(),
             x if x == blocks - 1 => "head".to_string(),
             x => format!("block{}", x - 1),
         };
-        let out_width = if i == blocks - 1 { cfg.vocab } else { d };
+        let out_width = if i == blocks - 1 { cfg.vocab } else { d_model };
+        let backward = median(bwd);
         out.push(Layer {
             name,
             forward: median(fwd),
-            backward: Some(median(bwd)),
-            weight_grad: None,
+            backward: Some(backward),
+            weight_grad: Some(median(wgt).min(backward)),
             params: 4 * stage.num_params() as u64,
             activation: 4 * (rows * t * out_width) as u64,
         });
