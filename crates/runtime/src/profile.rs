@@ -25,8 +25,9 @@ pub fn profile_model(cfg: &GptConfig, rows: usize, repeats: usize, seed: u64) ->
     for i in 0..blocks {
         let stage: Stage = layers.stage(i, i + 1);
         let (mut fwd, mut bwd, mut wgt) = (Vec::new(), Vec::new(), Vec::new());
-        for _ in 0..repeats.max(1) + 1 {
-            let input = if i == 0 {
+        // Tokens for the embedding block, random hidden states for the others.
+        let make_input = || {
+            if i == 0 {
                 let toks: Vec<i64> = (0..rows * t).map(|k| (k * 7 % cfg.vocab) as i64).collect();
                 StageInput::Tokens(Tensor::<2, Int>::from_data(
                     TensorData::new(toks, [rows, t]),
@@ -37,7 +38,10 @@ pub fn profile_model(cfg: &GptConfig, rows: usize, repeats: usize, seed: u64) ->
                     Tensor::<3>::random([rows, t, d_model], Distribution::Normal(0.0, 1.0), &dev)
                         .require_grad(),
                 )
-            };
+            }
+        };
+        for _ in 0..repeats.max(1) + 1 {
+            let input = make_input();
             let t0 = Instant::now();
             let y = stage.forward(input);
             let _ = y.to_data(); // wait for the result
@@ -60,18 +64,7 @@ pub fn profile_model(cfg: &GptConfig, rows: usize, repeats: usize, seed: u64) ->
             bwd.push(b);
             // The weight-gradient part: what W computes after a split backward.
             let mut d = Deferred::default();
-            let input = if i == 0 {
-                let toks: Vec<i64> = (0..rows * t).map(|k| (k * 7 % cfg.vocab) as i64).collect();
-                StageInput::Tokens(Tensor::<2, Int>::from_data(
-                    TensorData::new(toks, [rows, t]),
-                    &dev,
-                ))
-            } else {
-                StageInput::Hidden(
-                    Tensor::<3>::random([rows, t, d_model], Distribution::Normal(0.0, 1.0), &dev)
-                        .require_grad(),
-                )
-            };
+            let input = make_input();
             let y = stage.forward_split(input, &mut d);
             let dy = Tensor::<3>::random(y.dims(), Distribution::Normal(0.0, 1.0), &dev);
             let g = (y * dy).sum().backward();
