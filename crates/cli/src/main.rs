@@ -582,7 +582,14 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
     );
     let mut metrics = match &a.metrics {
         Some(f) => Some(std::io::BufWriter::new(
-            std::fs::File::create(f).with_context(|| format!("cannot write {}", f.display()))?,
+            // A resumed run continues the same metrics file.
+            std::fs::OpenOptions::new()
+                .create(true)
+                .write(true)
+                .append(a.resume)
+                .truncate(!a.resume)
+                .open(f)
+                .with_context(|| format!("cannot write {}", f.display()))?,
         )),
         None => None,
     };

@@ -374,6 +374,8 @@ fn train_small_run_and_bad_input() {
             "5",
             "--resume",
             "--no-checkpoint",
+            "--metrics",
+            m.to_str().unwrap(),
             "--checkpoint-dir",
             ck.to_str().unwrap(),
         ][..],
@@ -381,6 +383,17 @@ fn train_small_run_and_bad_input() {
     ]
     .concat());
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // The resumed run appends: its first validation at step 4, then step 5.
+    let steps: Vec<u64> = std::fs::read_to_string(&m)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["step"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(steps, [0, 1, 2, 3, 4, 4, 5]);
     // Bad input.
     bad(
         &["train", "--data", "/nonexistent/corpus.txt"],
