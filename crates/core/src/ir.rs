@@ -1,13 +1,19 @@
-//! The Plan IR: per-worker ordered actions, stage placement and a route per micro-batch.
+//! The Plan IR for a whole job: stages (the model layers each holds and the workers hosting it),
+//! a route per micro-batch as (stage, worker) hops, and each worker's ordered actions.
 //!
 //! Everything else (validator, simulator, runtime, timelines) is a function of a [`Plan`].
-//! Communication is implied: after `F(s, m)` the activation goes to the worker of the stage
-//! after `s` on micro-batch `m`'s route; after the input-gradient backward of `(s, m)` the
-//! gradient goes to the worker of the stage before it. Nothing assumes "next stage = s + 1".
+//! Communication is implied by the routes: after `F(s, m)` the activation goes to the next hop
+//! of `m`'s route; after the input-gradient backward of `(s, m)` the gradient goes to the hop
+//! before it. Several hosts of one stage form its replica group, whose weight gradients are
+//! summed; classic data parallelism is the case where replica `r`'s micro-batches run through
+//! replica `r`'s workers. Ranks and groups are derived in one place, [`Topology`].
 
 use crate::error::{Error, Result};
+use crate::profile::StageCost;
+use crate::schedule::ScheduleKind;
 use serde::{Deserialize, Serialize};
 use std::fmt;
+use std::ops::Range;
 
 /// What one action computes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, PartialOrd, Ord)]
@@ -77,21 +83,59 @@ impl fmt::Display for Action {
     }
 }
 
-/// A pipeline plan: the single representation every other part interprets.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Plan {
-    /// Which generator made it (free text, e.g. "1f1b").
-    pub kind: String,
-    pub num_microbatches: usize,
-    /// `placement[s]` = worker that holds stage `s`; stages are model chunks in model order.
-    pub placement: Vec<usize>,
-    /// `routes[m]` = stages micro-batch `m` visits, in forward order.
-    pub routes: Vec<Vec<usize>>,
-    /// `workers[w]` = the actions worker `w` runs, in order.
-    pub workers: Vec<Vec<Action>>,
+/// One hop of a route: the stage a micro-batch visits and the worker that runs it there.
+/// Written as `[stage, worker]` in JSON.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(from = "(usize, usize)", into = "(usize, usize)")]
+pub struct Hop {
+    pub stage: usize,
+    pub worker: usize,
 }
 
-/// Fast lookups along routes: previous and next stage of micro-batch `m` at stage `s`.
+impl From<(usize, usize)> for Hop {
+    fn from((stage, worker): (usize, usize)) -> Self {
+        Hop { stage, worker }
+    }
+}
+impl From<Hop> for (usize, usize) {
+    fn from(h: Hop) -> Self {
+        (h.stage, h.worker)
+    }
+}
+
+/// One stage of the model: a contiguous run of layers (stages are in model order), the workers
+/// that host it (its replica group), and optionally its costs (so a planned file simulates
+/// without the profile it came from).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StagePlan {
+    /// Model layers (layer blocks) this stage holds; stage `s` starts where stage `s - 1` ends.
+    pub layers: usize,
+    /// Workers hosting the stage; gradients are all-reduced among them.
+    pub hosts: Vec<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost: Option<StageCost>,
+}
+
+/// A whole-job plan: the single representation every other part interprets.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Plan {
+    /// Which generator made it (`custom` for hand-made plans).
+    pub kind: ScheduleKind,
+    /// Micro-batches per iteration over the whole job (all replicas).
+    pub num_microbatches: usize,
+    pub stages: Vec<StagePlan>,
+    /// `routes[m]` = the hops of micro-batch `m`, in forward order.
+    pub routes: Vec<Vec<Hop>>,
+    /// `workers[w]` = the actions worker `w` runs, in order.
+    pub workers: Vec<Vec<Action>>,
+    /// Cluster device name per worker; empty = worker `w` on the cluster's device `w`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub devices: Vec<String>,
+}
+
+/// Fast lookups along routes: hop before and after stage `s` on micro-batch `m`'s route.
 #[derive(Debug, Clone)]
 pub struct RouteIndex {
     num_stages: usize,
@@ -104,25 +148,29 @@ impl RouteIndex {
         let s = plan.num_stages();
         let mut pos = vec![usize::MAX; s * plan.routes.len()];
         for (m, r) in plan.routes.iter().enumerate() {
-            for (i, &st) in r.iter().enumerate() {
-                if st < s {
-                    pos[m * s + st] = i;
+            for (i, h) in r.iter().enumerate() {
+                if h.stage < s {
+                    pos[m * s + h.stage] = i;
                 }
             }
         }
         RouteIndex { num_stages: s, pos }
     }
     pub fn position(&self, mb: usize, stage: usize) -> Option<usize> {
-        let p = self.pos[mb * self.num_stages + stage];
+        let p = *self.pos.get(mb * self.num_stages + stage)?;
         (p != usize::MAX).then_some(p)
     }
-    /// Stage after `stage` on `mb`'s route, in O(1).
-    pub fn next(&self, plan: &Plan, mb: usize, stage: usize) -> Option<usize> {
+    /// The hop of `mb` at `stage`, if its route visits it.
+    pub fn hop(&self, plan: &Plan, mb: usize, stage: usize) -> Option<Hop> {
+        self.position(mb, stage).map(|i| plan.routes[mb][i])
+    }
+    /// Hop after `stage` on `mb`'s route, in O(1).
+    pub fn next(&self, plan: &Plan, mb: usize, stage: usize) -> Option<Hop> {
         self.position(mb, stage)
             .and_then(|i| plan.routes[mb].get(i + 1).copied())
     }
-    /// Stage before `stage` on `mb`'s route, in O(1).
-    pub fn prev(&self, plan: &Plan, mb: usize, stage: usize) -> Option<usize> {
+    /// Hop before `stage` on `mb`'s route, in O(1).
+    pub fn prev(&self, plan: &Plan, mb: usize, stage: usize) -> Option<Hop> {
         self.position(mb, stage)
             .and_then(|i| i.checked_sub(1).map(|j| plan.routes[mb][j]))
     }
@@ -131,40 +179,189 @@ impl RouteIndex {
     }
 }
 
+/// Who talks to whom, derived from a plan in one place: each stage's replica group (the hosts
+/// whose gradients are summed, in a fixed order) and the stages each worker holds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Topology {
+    /// `groups[s]` = hosts of stage `s`, ascending: the all-reduce group of its gradients.
+    pub groups: Vec<Vec<usize>>,
+    /// `held[w]` = stages worker `w` hosts, in model order.
+    pub held: Vec<Vec<usize>>,
+    /// Every worker, for reductions over the whole job (loss, gradient norm).
+    pub everyone: Vec<usize>,
+}
+
+impl Topology {
+    pub fn new(plan: &Plan) -> Self {
+        let groups: Vec<Vec<usize>> = plan
+            .stages
+            .iter()
+            .map(|st| {
+                let mut g = st.hosts.clone();
+                g.sort_unstable();
+                g.dedup();
+                g
+            })
+            .collect();
+        let mut held = vec![Vec::new(); plan.num_workers()];
+        for (s, g) in groups.iter().enumerate() {
+            for &w in g {
+                if let Some(h) = held.get_mut(w) {
+                    h.push(s);
+                }
+            }
+        }
+        Topology {
+            groups,
+            held,
+            everyone: (0..plan.num_workers()).collect(),
+        }
+    }
+    /// Is `w` the first host of `s` (the one that counts the stage once in job-wide sums)?
+    pub fn leads(&self, w: usize, s: usize) -> bool {
+        self.groups[s].first() == Some(&w)
+    }
+}
+
 impl Plan {
+    /// One pipeline: stage `s` on worker `placement[s]`, one layer per stage, every
+    /// micro-batch through every stage in model order.
+    pub fn pipeline(
+        kind: ScheduleKind,
+        placement: Vec<usize>,
+        num_microbatches: usize,
+        workers: Vec<Vec<Action>>,
+    ) -> Plan {
+        let routes = (0..num_microbatches)
+            .map(|_| {
+                placement
+                    .iter()
+                    .enumerate()
+                    .map(|(s, &w)| Hop { stage: s, worker: w })
+                    .collect()
+            })
+            .collect();
+        Plan {
+            kind,
+            num_microbatches,
+            stages: placement
+                .iter()
+                .map(|&w| StagePlan {
+                    layers: 1,
+                    hosts: vec![w],
+                    cost: None,
+                })
+                .collect(),
+            routes,
+            workers,
+            devices: Vec::new(),
+        }
+    }
+
+    /// `d` data-parallel copies of this plan: replica `r` runs on workers `r P .. (r + 1) P`
+    /// and micro-batches `r M .. (r + 1) M`; each stage is hosted once per replica.
+    pub fn replicate(&self, d: usize) -> Result<Plan> {
+        if d == 0 {
+            return Err(Error::Schedule(
+                "needs at least 1 replica (got --replicas 0)".into(),
+            ));
+        }
+        let (p, m) = (self.num_workers(), self.num_microbatches);
+        let mut out = Plan {
+            kind: self.kind,
+            num_microbatches: m * d,
+            stages: self
+                .stages
+                .iter()
+                .map(|st| StagePlan {
+                    hosts: (0..d)
+                        .flat_map(|r| st.hosts.iter().map(move |&w| r * p + w))
+                        .collect(),
+                    ..st.clone()
+                })
+                .collect(),
+            routes: Vec::with_capacity(m * d),
+            workers: Vec::with_capacity(p * d),
+            devices: Vec::new(),
+        };
+        for r in 0..d {
+            out.routes.extend(self.routes.iter().map(|route| {
+                route
+                    .iter()
+                    .map(|h| Hop {
+                        stage: h.stage,
+                        worker: r * p + h.worker,
+                    })
+                    .collect::<Vec<_>>()
+            }));
+        }
+        for r in 0..d {
+            out.workers.extend(self.workers.iter().map(|acts| {
+                acts.iter()
+                    .map(|a| Action::new(a.op, a.stage, r * m + a.mb))
+                    .collect::<Vec<_>>()
+            }));
+        }
+        Ok(out)
+    }
+
     pub fn num_stages(&self) -> usize {
-        self.placement.len()
+        self.stages.len()
     }
     pub fn num_workers(&self) -> usize {
         self.workers.len()
+    }
+    /// Model layers the plan covers (sum over stages).
+    pub fn num_layers(&self) -> usize {
+        self.stages.iter().map(|s| s.layers).sum()
+    }
+    /// Layers per stage.
+    pub fn layers_per_stage(&self) -> Vec<usize> {
+        self.stages.iter().map(|s| s.layers).collect()
+    }
+    /// The model layers of each stage, as ranges.
+    pub fn layer_ranges(&self) -> Vec<Range<usize>> {
+        let mut lo = 0;
+        self.stages
+            .iter()
+            .map(|s| {
+                let r = lo..lo + s.layers;
+                lo = r.end;
+                r
+            })
+            .collect()
+    }
+    /// Set the layers each stage holds.
+    pub fn set_layers(&mut self, layers_per_stage: &[usize]) {
+        for (st, &n) in self.stages.iter_mut().zip(layers_per_stage) {
+            st.layers = n;
+        }
+    }
+    /// Per-stage costs, when the plan carries them for every stage.
+    pub fn stage_costs(&self) -> Option<Vec<StageCost>> {
+        self.stages.iter().map(|s| s.cost).collect()
+    }
+    /// Stages hosted by worker `w`, in model order.
+    pub fn stages_of(&self, w: usize) -> Vec<usize> {
+        (0..self.num_stages())
+            .filter(|&s| self.stages[s].hosts.contains(&w))
+            .collect()
     }
     /// The default route: every stage in model order.
     pub fn full_routes(num_stages: usize, num_microbatches: usize) -> Vec<Vec<usize>> {
         vec![(0..num_stages).collect(); num_microbatches]
     }
-    /// Stages held by worker `w`, in model order.
-    pub fn stages_of(&self, w: usize) -> Vec<usize> {
-        (0..self.num_stages())
-            .filter(|&s| self.placement[s] == w)
-            .collect()
+    /// Stage numbers of `mb`'s route, in order.
+    pub fn route_stages(&self, mb: usize) -> Vec<usize> {
+        self.routes[mb].iter().map(|h| h.stage).collect()
     }
-    /// Stage after `stage` on `mb`'s route.
-    pub fn next_stage(&self, mb: usize, stage: usize) -> Option<usize> {
-        let r = &self.routes[mb];
-        r.iter()
-            .position(|&s| s == stage)
-            .and_then(|i| r.get(i + 1).copied())
-    }
-    /// Stage before `stage` on `mb`'s route.
-    pub fn prev_stage(&self, mb: usize, stage: usize) -> Option<usize> {
-        let r = &self.routes[mb];
-        r.iter()
-            .position(|&s| s == stage)
-            .and_then(|i| i.checked_sub(1).map(|j| r[j]))
-    }
-    /// Does the plan split backward into `B` and `W`?
+    /// Does the plan split any backward into `B` and `W`?
     pub fn splits_backward(&self) -> bool {
         self.workers.iter().flatten().any(|a| a.op == Op::W)
+    }
+    /// Does any worker host several stages (cells then name the stage)?
+    fn multi_stage(&self) -> bool {
+        (0..self.num_workers()).any(|w| self.stages_of(w).len() > 1)
     }
 
     // ---- views ----
@@ -173,17 +370,31 @@ impl Plan {
         serde_json::to_string_pretty(self).expect("plan serialises")
     }
 
+    /// Load a plan; files in the single-pipeline format of pipewright 0.1 (with `placement`)
+    /// are converted: one layer per stage, stage `s` hosted by `placement[s]`.
     pub fn from_json(file: &str, text: &str) -> Result<Self> {
-        serde_json::from_str(text).map_err(|e| {
+        let at = |e: serde_json::Error| {
             Error::input(
                 file,
                 format!("line {}, column {}: {e}", e.line(), e.column()),
             )
-        })
+        };
+        let v: serde_json::Value = serde_json::from_str(text).map_err(at)?;
+        if v.get("placement").is_some() {
+            let old: OldPlan = serde_json::from_value(v).map_err(|e| {
+                Error::input(
+                    file,
+                    format!("looks like a 0.1 single-pipeline plan (has `placement`) but does not parse: {e}; regenerate it with `pipewright schedule --format json`"),
+                )
+            })?;
+            return old.convert(file);
+        }
+        serde_json::from_str(text).map_err(at)
     }
 
     /// CSV, one record per row: `record,worker,step,op,stage,microbatch`. A `plan` row carries
-    /// the kind and counts, `route` rows the routes (step = position), `action` rows the actions.
+    /// the kind and counts (worker = workers, step = stages); `stage` rows a host of a stage
+    /// (step = its layers); `route` rows the hops (step = position); `action` rows the actions.
     pub fn to_csv(&self) -> String {
         let mut w = csv::Writer::from_writer(Vec::new());
         let mut row = |r: CsvRow| w.serialize(r).expect("csv in memory");
@@ -191,18 +402,30 @@ impl Plan {
             record: "plan".into(),
             worker: self.num_workers(),
             step: self.num_stages(),
-            op: self.kind.clone(),
+            op: self.kind.name().into(),
             stage: 0,
             microbatch: self.num_microbatches,
         });
-        for (m, r) in self.routes.iter().enumerate() {
-            for (i, &s) in r.iter().enumerate() {
+        for (s, st) in self.stages.iter().enumerate() {
+            for &h in &st.hosts {
                 row(CsvRow {
-                    record: "route".into(),
-                    worker: self.placement[s],
-                    step: i,
+                    record: "stage".into(),
+                    worker: h,
+                    step: st.layers,
                     op: String::new(),
                     stage: s,
+                    microbatch: 0,
+                });
+            }
+        }
+        for (m, r) in self.routes.iter().enumerate() {
+            for (i, h) in r.iter().enumerate() {
+                row(CsvRow {
+                    record: "route".into(),
+                    worker: h.worker,
+                    step: i,
+                    op: String::new(),
+                    stage: h.stage,
                     microbatch: m,
                 });
             }
@@ -222,27 +445,61 @@ impl Plan {
         String::from_utf8(w.into_inner().expect("csv flush")).expect("csv is utf-8")
     }
 
+    /// Read the CSV view. Files without `stage` rows (pipewright 0.1) get one layer per stage
+    /// and hosts taken from the routes and actions.
     pub fn from_csv(file: &str, text: &str) -> Result<Self> {
         let mut rd = csv::Reader::from_reader(text.as_bytes());
         let mut plan: Option<Plan> = None;
+        let mut stage_rows = false;
         for (i, rec) in rd.deserialize::<CsvRow>().enumerate() {
             let line = i + 2;
             let r = rec.map_err(|e| Error::input(file, format!("line {line}: {e}")))?;
             let bad = |msg: String| Error::input(file, format!("line {line}: {msg}"));
             match (r.record.as_str(), plan.as_mut()) {
                 ("plan", None) => {
+                    let kind = r.op.parse::<ScheduleKind>().map_err(|e| bad(e.to_string()))?;
+                    // Every count must be backed by rows, so a tiny file cannot ask for huge tables.
+                    let limit = text.len();
+                    if r.step > limit || r.worker > limit || r.microbatch > limit {
+                        return Err(bad(format!(
+                            "plan record asks for {} stages, {} workers, {} micro-batches: more than a file of {limit} bytes can describe",
+                            r.step, r.worker, r.microbatch
+                        )));
+                    }
                     plan = Some(Plan {
-                        kind: r.op,
+                        kind,
                         num_microbatches: r.microbatch,
-                        placement: vec![usize::MAX; r.step],
+                        stages: vec![
+                            StagePlan {
+                                layers: 1,
+                                hosts: Vec::new(),
+                                cost: None
+                            };
+                            r.step
+                        ],
                         routes: vec![Vec::new(); r.microbatch],
                         workers: vec![Vec::new(); r.worker],
+                        devices: Vec::new(),
                     })
                 }
                 ("plan", Some(_)) => return Err(bad("a second `plan` record".into())),
                 (_, None) => return Err(bad("the first record must be `plan`".into())),
+                ("stage", Some(p)) => {
+                    if r.stage >= p.stages.len() || r.worker >= p.workers.len() {
+                        return Err(bad(format!(
+                            "stage record out of range (stage {}, worker {})",
+                            r.stage, r.worker
+                        )));
+                    }
+                    stage_rows = true;
+                    let st = &mut p.stages[r.stage];
+                    st.layers = r.step;
+                    if !st.hosts.contains(&r.worker) {
+                        st.hosts.push(r.worker);
+                    }
+                }
                 ("route", Some(p)) => {
-                    if r.stage >= p.placement.len()
+                    if r.stage >= p.stages.len()
                         || r.microbatch >= p.routes.len()
                         || r.worker >= p.workers.len()
                     {
@@ -258,15 +515,10 @@ impl Plan {
                             p.routes[r.microbatch].len()
                         )));
                     }
-                    p.routes[r.microbatch].push(r.stage);
-                    let old = p.placement[r.stage];
-                    if old != usize::MAX && old != r.worker {
-                        return Err(bad(format!(
-                            "stage {} placed on worker {} and {}",
-                            r.stage, old, r.worker
-                        )));
-                    }
-                    p.placement[r.stage] = r.worker;
+                    p.routes[r.microbatch].push(Hop {
+                        stage: r.stage,
+                        worker: r.worker,
+                    });
                 }
                 ("action", Some(p)) => {
                     let op = Op::parse(&r.op).ok_or_else(|| {
@@ -287,21 +539,31 @@ impl Plan {
                 }
                 (other, _) => {
                     return Err(bad(format!(
-                        "unknown record {other:?} (expected plan, route or action)"
+                        "unknown record {other:?} (expected plan, stage, route or action)"
                     )))
                 }
             }
         }
         let mut p = plan.ok_or_else(|| Error::input(file, "empty: no `plan` record"))?;
-        // Stages that no route visits keep their placement from the actions.
-        for acts in 0..p.workers.len() {
-            for a in p.workers[acts].clone() {
-                if a.stage < p.placement.len() && p.placement[a.stage] == usize::MAX {
-                    p.placement[a.stage] = acts;
+        if !stage_rows {
+            // 0.1 files: hosts are where routes and actions put each stage.
+            let mut add = |s: usize, w: usize| {
+                if let Some(st) = p.stages.get_mut(s) {
+                    if !st.hosts.contains(&w) {
+                        st.hosts.push(w);
+                    }
+                }
+            };
+            for h in p.routes.iter().flatten() {
+                add(h.stage, h.worker);
+            }
+            for (w, acts) in p.workers.iter().enumerate() {
+                for a in acts {
+                    add(a.stage, w);
                 }
             }
         }
-        if let Some(s) = p.placement.iter().position(|&w| w == usize::MAX) {
+        if let Some(s) = p.stages.iter().position(|st| st.hosts.is_empty()) {
             return Err(Error::input(file, format!("stage {s} has no worker")));
         }
         Ok(p)
@@ -310,7 +572,7 @@ impl Plan {
     /// Text grid, one row per step and one column per worker, e.g. `F3` or `F3s5` when a
     /// worker holds several stages.
     pub fn grid(&self) -> String {
-        let multi = (0..self.num_workers()).any(|w| self.stages_of(w).len() > 1);
+        let multi = self.multi_stage();
         let cell = |a: &Action| {
             if multi {
                 format!("{}{}s{}", a.op.as_str(), a.mb, a.stage)
@@ -341,6 +603,50 @@ impl Plan {
             out.push('\n');
         }
         out
+    }
+}
+
+/// The single-pipeline plan of pipewright 0.1, converted on load.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OldPlan {
+    kind: String,
+    num_microbatches: usize,
+    placement: Vec<usize>,
+    routes: Vec<Vec<usize>>,
+    workers: Vec<Vec<Action>>,
+}
+
+impl OldPlan {
+    fn convert(self, file: &str) -> Result<Plan> {
+        let kind = self
+            .kind
+            .parse::<ScheduleKind>()
+            .unwrap_or(ScheduleKind::Custom);
+        let mut routes = Vec::with_capacity(self.routes.len());
+        for (m, r) in self.routes.iter().enumerate() {
+            let mut hops = Vec::with_capacity(r.len());
+            for &s in r {
+                let w = *self.placement.get(s).ok_or_else(|| {
+                    Error::input(
+                        file,
+                        format!(
+                            "route of mb {m} visits stage {s}, but `placement` has {} stages",
+                            self.placement.len()
+                        ),
+                    )
+                })?;
+                hops.push(Hop {
+                    stage: s,
+                    worker: w,
+                });
+            }
+            routes.push(hops);
+        }
+        let mut plan = Plan::pipeline(kind, self.placement, 0, self.workers);
+        plan.num_microbatches = self.num_microbatches;
+        plan.routes = routes;
+        Ok(plan)
     }
 }
 

@@ -152,7 +152,8 @@ pub fn split_for_plan(
     let layers = &profile.layers;
     let work = prefix(layers.iter().map(|l| l.forward + l.backward()));
     let s = plan.num_stages();
-    let dev = |st: usize| plan.placement[st];
+    // A stage's first host stands for its replica group (replicas run the same split).
+    let dev = |st: usize| plan.stages[st].hosts[0];
     let split = min_max_split(layers.len(), s, |st, lo, hi| {
         let compute = (work[hi] - work[lo]) / cluster.devices[dev(st)].speed;
         let send = if st + 1 < s {
@@ -165,6 +166,21 @@ pub fn split_for_plan(
     .map_err(|e| Error::Infeasible(format!("profile \"{}\": {e}", profile.model.name)))?;
     let costs = profile.stage_costs(&split.layers_per_stage);
     Ok((split, costs))
+}
+
+/// Cut the profile's layers into the plan's stages ([`split_for_plan`]) and write the result
+/// into the plan: layers per stage and each stage's costs, so the plan stands alone.
+pub fn assign_layers(
+    profile: &crate::profile::Profile,
+    plan: &mut crate::ir::Plan,
+    cluster: &crate::cluster::Cluster,
+) -> Result<Split> {
+    let (split, costs) = split_for_plan(profile, plan, cluster)?;
+    plan.set_layers(&split.layers_per_stage);
+    for (st, c) in plan.stages.iter_mut().zip(costs) {
+        st.cost = Some(c);
+    }
+    Ok(split)
 }
 
 /// What a partition minimises.

@@ -4,14 +4,15 @@
 use crate::cluster::Cluster;
 use crate::error::{Error, Result};
 use crate::ir::Plan;
-use crate::partition::split_for_plan;
+use crate::partition::assign_layers;
 use crate::profile::Profile;
 use crate::schedule::{generate, ScheduleKind};
-use crate::sim::{check_memory, memory_peaks, simulate_replicated, ReplicatedResult};
+use crate::sim::{check_memory, devices_for_plan, memory_peaks, simulate, SimResult, SimSetup};
 use serde::Serialize;
 
 /// How replicas' devices are laid out.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 #[serde(rename_all = "kebab-case")]
 pub enum Layout {
     /// Each pipeline takes consecutive devices (file order groups regions): pipeline
@@ -26,7 +27,7 @@ pub struct Candidate {
     pub depth: usize,
     pub replicas: usize,
     pub microbatches: usize,
-    pub schedule: String,
+    pub schedule: ScheduleKind,
     pub chunks: usize,
     pub layout: Layout,
     pub layers_per_stage: Vec<usize>,
@@ -41,10 +42,20 @@ pub struct Candidate {
     pub infeasible: Option<String>,
     /// Why it lost to the winner (empty for the winner).
     pub reason: String,
+    /// The whole-job plan (layers, costs and devices filled in), when it fits.
     #[serde(skip)]
     pub plan: Option<Plan>,
     #[serde(skip)]
-    pub result: Option<ReplicatedResult>,
+    pub result: Option<SimResult>,
+}
+
+impl Layout {
+    pub fn name(self) -> &'static str {
+        match self {
+            Layout::PipelineMajor => "pipeline-major",
+            Layout::ReplicaMajor => "replica-major",
+        }
+    }
 }
 
 /// Every (depth, replicas, micro-batches, schedule, layout) for `global_batch` micro-batches
@@ -100,42 +111,32 @@ pub fn search(profile: &Profile, cluster: &Cluster, global_batch: usize) -> Resu
 fn evaluate(
     profile: &Profile,
     cluster: &Cluster,
-    plan: &Plan,
+    pipeline: &Plan,
     kind: ScheduleKind,
     v: usize,
     replicas: usize,
     layout: Layout,
 ) -> Result<Candidate> {
-    let depth = plan.num_workers();
-    let devs: Vec<Vec<usize>> = (0..replicas)
-        .map(|r| {
-            (0..depth)
-                .map(|w| {
-                    if layout == Layout::PipelineMajor {
-                        r * depth + w
-                    } else {
-                        w * replicas + r
-                    }
-                })
-                .collect()
-        })
+    let depth = pipeline.num_workers();
+    // Worker r * depth + w (replica r, pipeline worker w) sits on this cluster device.
+    let device = |r: usize, w: usize| match layout {
+        Layout::PipelineMajor => r * depth + w,
+        Layout::ReplicaMajor => w * replicas + r,
+    };
+    let mut plan = pipeline.replicate(replicas)?;
+    plan.devices = (0..replicas)
+        .flat_map(|r| (0..depth).map(move |w| (r, w)))
+        .map(|(r, w)| cluster.devices[device(r, w)].name.clone())
         .collect();
     let mut c = Candidate {
         depth,
         replicas,
-        microbatches: plan.num_microbatches,
-        schedule: kind.name().into(),
+        microbatches: pipeline.num_microbatches,
+        schedule: kind,
         chunks: v,
         layout,
         layers_per_stage: vec![],
-        devices: devs
-            .iter()
-            .map(|ds| {
-                ds.iter()
-                    .map(|&i| cluster.devices[i].name.clone())
-                    .collect()
-            })
-            .collect(),
+        devices: plan.devices.chunks(depth).map(<[String]>::to_vec).collect(),
         iteration_time: None,
         bubble_fraction: 0.0,
         compute: 0.0,
@@ -146,36 +147,32 @@ fn evaluate(
         plan: None,
         result: None,
     };
-    let (split, stages) = match split_for_plan(profile, plan, &cluster.subset(&devs[0])) {
-        Ok(x) => x,
-        Err(e) => {
-            c.infeasible = Some(e.to_string());
-            return Ok(c);
-        }
-    };
-    c.layers_per_stage = split.layers_per_stage;
-    c.peak_memory_bytes = memory_peaks(plan, &stages)
+    let workers = devices_for_plan(&plan, cluster)?;
+    if let Err(e) = assign_layers(profile, &mut plan, &workers) {
+        c.infeasible = Some(e.to_string());
+        return Ok(c);
+    }
+    let stages = plan.stage_costs().expect("costs assigned");
+    c.layers_per_stage = plan.layers_per_stage();
+    c.peak_memory_bytes = memory_peaks(&plan, &stages)
         .iter()
         .map(|p| p.static_bytes + p.activation_bytes)
         .max()
         .unwrap_or(0);
-    for ds in &devs {
-        if let Err(e) = check_memory(plan, &stages, &cluster.subset(ds)) {
-            c.infeasible = Some(format!("memory: {e}"));
-            return Ok(c);
-        }
+    if let Err(e) = check_memory(&plan, &stages, &workers) {
+        c.infeasible = Some(format!("memory: {e}"));
+        return Ok(c);
     }
-    let r = simulate_replicated(plan, &stages, cluster, &devs)?;
-    let worst = r
-        .replicas
-        .iter()
-        .max_by(|a, b| a.makespan.total_cmp(&b.makespan))
-        .expect("a replica");
+    let r = simulate(&SimSetup {
+        plan: &plan,
+        stages: &stages,
+        cluster: &workers,
+    })?;
     c.iteration_time = Some(r.iteration_time);
-    c.bubble_fraction = worst.bubble_fraction;
-    c.compute = worst.busy.iter().copied().fold(0.0, f64::max);
-    c.allreduce = r.iteration_time - r.pipeline_makespan;
-    c.plan = Some(plan.clone());
+    c.bubble_fraction = r.bubble_fraction;
+    c.compute = r.busy.iter().copied().fold(0.0, f64::max);
+    c.allreduce = r.iteration_time - r.makespan;
+    c.plan = Some(plan);
     c.result = Some(r);
     Ok(c)
 }

@@ -8,18 +8,29 @@
 
 use crate::error::{Error, Result};
 use crate::ir::{Action, Op, Plan};
+use serde::{Deserialize, Serialize};
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap};
 use std::fmt;
 use std::str::FromStr;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// A schedule generator; `Custom` marks plans made by hand or by other planners.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+#[serde(rename_all = "lowercase")]
 pub enum ScheduleKind {
+    #[cfg_attr(feature = "clap", value(name = "gpipe"))]
     GPipe,
+    #[serde(rename = "1f1b")]
+    #[cfg_attr(feature = "clap", value(name = "1f1b"))]
     OneFOneB,
     Interleaved,
+    #[cfg_attr(feature = "clap", value(name = "zbh1"))]
     ZbH1,
+    #[cfg_attr(feature = "clap", value(name = "zbv"))]
     ZbV,
+    #[cfg_attr(feature = "clap", value(skip))]
+    Custom,
 }
 
 impl ScheduleKind {
@@ -38,6 +49,7 @@ impl ScheduleKind {
             Self::Interleaved => "interleaved",
             Self::ZbH1 => "zbh1",
             Self::ZbV => "zbv",
+            Self::Custom => "custom",
         }
     }
     /// Chunks (stages) per worker when the user does not say.
@@ -64,6 +76,7 @@ impl FromStr for ScheduleKind {
     fn from_str(s: &str) -> Result<Self> {
         Self::ALL
             .into_iter()
+            .chain([Self::Custom])
             .find(|k| k.name() == s.to_ascii_lowercase())
             .ok_or_else(|| {
                 Error::Schedule(format!(
@@ -92,6 +105,7 @@ pub fn generate(
         return err("needs at least 1 chunk per worker (got --chunks 0)".into());
     }
     match kind {
+        ScheduleKind::Custom => err("is not a generator: custom plans are written by hand or by a planner".into()),
         ScheduleKind::GPipe | ScheduleKind::OneFOneB | ScheduleKind::ZbH1 if chunks != 1 => {
             err(format!("places one stage per worker; --chunks {chunks} needs interleaved or zbv"))
         }
@@ -100,12 +114,12 @@ pub fn generate(
             "needs --microbatches to be a multiple of --stages (micro-batches go round in groups of P); got M={microbatches}, P={workers}"
         )),
         ScheduleKind::GPipe => Ok(gpipe(workers, microbatches)),
-        ScheduleKind::OneFOneB => Ok(interleaved(workers, microbatches, 1, "1f1b")),
-        ScheduleKind::Interleaved => Ok(interleaved(workers, microbatches, chunks, "interleaved")),
+        ScheduleKind::OneFOneB => Ok(interleaved(workers, microbatches, 1, kind)),
+        ScheduleKind::Interleaved => Ok(interleaved(workers, microbatches, chunks, kind)),
         ScheduleKind::ZbH1 => Ok(zb_h1(workers, microbatches)),
         ScheduleKind::ZbV => {
             let placement: Vec<usize> = (0..2 * workers).map(|s| if s < workers { s } else { 2 * workers - 1 - s }).collect();
-            greedy(kind.name(), placement, microbatches, &vec![workers; workers])
+            greedy(kind, placement, microbatches, &vec![workers; workers])
         }
     }
 }
@@ -119,20 +133,14 @@ fn gpipe(p: usize, m: usize) -> Plan {
                 .collect()
         })
         .collect();
-    Plan {
-        kind: "gpipe".into(),
-        num_microbatches: m,
-        placement: (0..p).collect(),
-        routes: Plan::full_routes(p, m),
-        workers,
-    }
+    Plan::pipeline(ScheduleKind::GPipe, (0..p).collect(), m, workers)
 }
 
 /// Interleaved 1F1B with `v` chunks per worker (Megatron-LM's order); `v = 1` is plain 1F1B.
 /// Stage `c * p + w` is chunk `c` of worker `w`. Micro-batches go round in groups of `p`:
 /// forward number `k` of a worker is chunk `(k / p) % v` of micro-batch `(k / (p v)) p + k % p`;
 /// backwards walk the chunks in reverse.
-fn interleaved(p: usize, m: usize, v: usize, kind: &str) -> Plan {
+fn interleaved(p: usize, m: usize, v: usize, kind: ScheduleKind) -> Plan {
     let total = m * v;
     let unit = |k: usize, backward: bool| {
         let group = k / (p * v);
@@ -166,14 +174,7 @@ fn interleaved(p: usize, m: usize, v: usize, kind: &str) -> Plan {
             acts
         })
         .collect();
-    let s = p * v;
-    Plan {
-        kind: kind.into(),
-        num_microbatches: m,
-        placement: (0..s).map(|s| s % p).collect(),
-        routes: Plan::full_routes(s, m),
-        workers,
-    }
+    Plan::pipeline(kind, (0..p * v).map(|s| s % p).collect(), m, workers)
 }
 
 /// ZB-H1: the 1F1B order with each backward split in two; worker `w` runs the `W` of
@@ -181,7 +182,7 @@ fn interleaved(p: usize, m: usize, v: usize, kind: &str) -> Plan {
 /// end, where 1F1B's cool-down bubble was. Worker `w` thus holds at most `P` micro-batches'
 /// activations (1F1B's worst worker) and the bubble shrinks to `(P - 1)(F + B - W)`.
 fn zb_h1(p: usize, m: usize) -> Plan {
-    let mut plan = interleaved(p, m, 1, "zbh1");
+    let mut plan = interleaved(p, m, 1, ScheduleKind::ZbH1);
     for (w, acts) in plan.workers.iter_mut().enumerate() {
         let mut out = Vec::with_capacity(acts.len() + m);
         let mut next_w = 0;
@@ -206,7 +207,7 @@ fn zb_h1(p: usize, m: usize) -> Plan {
 /// preference: the oldest ready `B`; the oldest ready `F` if it keeps the micro-batches in
 /// flight on the worker within `limit[w]` (a micro-batch already in flight there may always
 /// continue, so a V placement cannot deadlock); the oldest pending `W`.
-pub fn greedy(kind: &str, placement: Vec<usize>, m: usize, limit: &[usize]) -> Result<Plan> {
+pub fn greedy(kind: ScheduleKind, placement: Vec<usize>, m: usize, limit: &[usize]) -> Result<Plan> {
     let s_count = placement.len();
     let p = limit.len();
     let routes = Plan::full_routes(s_count, m);
@@ -303,13 +304,48 @@ pub fn greedy(kind: &str, placement: Vec<usize>, m: usize, limit: &[usize]) -> R
     if done != total {
         return Err(Error::Schedule(format!("{kind}: greedy schedule stalled after {done} of {total} actions (memory limit too tight)")));
     }
-    Ok(Plan {
-        kind: kind.into(),
-        num_microbatches: m,
-        placement,
+    Ok(Plan::pipeline(kind, placement, m, workers))
+}
+
+/// A plan for arbitrary routes (stages skipped or swapped, several stages per worker): each
+/// worker runs its forwards in (micro-batch, route position) order, then its full backwards in
+/// (micro-batch, reverse position) order. Both orders follow one global order of the
+/// dependencies, so any valid routes run without deadlock (GPipe's memory, not its speed).
+pub fn gpipe_routes(
+    stages: Vec<crate::ir::StagePlan>,
+    routes: Vec<Vec<crate::ir::Hop>>,
+    num_workers: usize,
+) -> Plan {
+    let mut fwd: Vec<Vec<Action>> = vec![Vec::new(); num_workers];
+    let mut bwd: Vec<Vec<Action>> = vec![Vec::new(); num_workers];
+    for (mb, r) in routes.iter().enumerate() {
+        for h in r {
+            if let Some(f) = fwd.get_mut(h.worker) {
+                f.push(Action::new(Op::F, h.stage, mb));
+            }
+        }
+        for h in r.iter().rev() {
+            if let Some(b) = bwd.get_mut(h.worker) {
+                b.push(Action::new(Op::BW, h.stage, mb));
+            }
+        }
+    }
+    let workers = fwd
+        .into_iter()
+        .zip(bwd)
+        .map(|(mut f, b)| {
+            f.extend(b);
+            f
+        })
+        .collect();
+    Plan {
+        kind: ScheduleKind::Custom,
+        num_microbatches: routes.len(),
+        stages,
         routes,
         workers,
-    })
+        devices: Vec::new(),
+    }
 }
 
 #[cfg(test)]
@@ -330,6 +366,24 @@ mod tests {
             .map(|a| format!("{}{}", a.op.as_str(), a.mb))
             .collect();
         assert_eq!(w3, ["F0", "BW0", "F1", "BW1"]);
+    }
+
+    #[test]
+    fn any_routes_run_in_gpipe_order() {
+        use crate::ir::{Hop, StagePlan};
+        let st = |hosts: Vec<usize>| StagePlan { layers: 2, hosts, cost: None };
+        // Stage 3 (the head) on worker 0 with the embedding; stage 1 on two workers.
+        let stages = vec![st(vec![0]), st(vec![1, 2]), st(vec![3]), st(vec![0])];
+        let h = |stage, worker| Hop { stage, worker };
+        let routes = vec![
+            vec![h(0, 0), h(1, 1), h(2, 3), h(3, 0)],
+            vec![h(0, 0), h(2, 3), h(1, 2), h(3, 0)],
+            vec![h(0, 0), h(2, 3), h(3, 0)],
+            vec![h(0, 0), h(1, 2), h(3, 0)],
+        ];
+        let plan = gpipe_routes(stages, routes, 4);
+        crate::validate::validate(&plan).unwrap();
+        assert_eq!(plan.workers[0].len(), 4 * 2 * 2);
     }
 
     #[test]

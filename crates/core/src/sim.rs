@@ -8,7 +8,7 @@
 
 use crate::cluster::Cluster;
 use crate::error::{Error, Result};
-use crate::ir::{Action, Op, Plan, RouteIndex};
+use crate::ir::{Action, Hop, Op, Plan, RouteIndex, Topology};
 use crate::profile::StageCost;
 use serde::Serialize;
 use std::cmp::{Ordering, Reverse};
@@ -141,7 +141,12 @@ pub struct LinkUse {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct SimResult {
+    /// Last action's end: the pipeline part of the iteration.
     pub makespan: f64,
+    /// Makespan, or later when a stage's gradient all-reduce ends after it.
+    pub iteration_time: f64,
+    /// Ring all-reduce time of each stage's gradients among its hosts (0 for one host).
+    pub allreduce: Vec<f64>,
     pub busy: Vec<f64>,
     pub bubble_fraction: f64,
     pub peak_activations: Vec<usize>,
@@ -206,7 +211,9 @@ impl<'a> State<'a> {
         let (p, s, m) = (plan.num_workers(), plan.num_stages(), plan.num_microbatches);
         let mut input_at = vec![UNKNOWN; s * m];
         for (mb, r) in plan.routes.iter().enumerate() {
-            input_at[r[0] * m + mb] = 0.0;
+            if let Some(h) = r.first() {
+                input_at[h.stage * m + mb] = 0.0;
+            }
         }
         State {
             plan,
@@ -274,19 +281,11 @@ impl<'a> State<'a> {
             .push(Reverse((Time(end), self.timeline.actions.len() - 1)));
     }
 
-    /// Send `a`'s result from worker `w` at time `t` to the worker of `to_stage` over the
-    /// directed link's FIFO; returns the (stage, mb) key whose arrival time is now known.
-    fn send(
-        &mut self,
-        w: usize,
-        t: f64,
-        a: Action,
-        to_stage: usize,
-        bytes: u64,
-        gradient: bool,
-    ) -> usize {
+    /// Send `a`'s result from worker `w` at time `t` to hop `dest` over the directed link's
+    /// FIFO; returns the (stage, mb) key whose arrival time is now known.
+    fn send(&mut self, w: usize, t: f64, a: Action, dest: Hop, bytes: u64, gradient: bool) -> usize {
         let p = self.plan.num_workers();
-        let to = self.plan.placement[to_stage];
+        let (to_stage, to) = (dest.stage, dest.worker);
         let at = if to == w {
             t
         } else {
@@ -331,9 +330,14 @@ impl<'a> State<'a> {
                 self.f_done[k] = t;
                 wake.push(k);
                 match next {
-                    Some(n) => {
-                        wake.push(self.send(w, t, a, n, self.stages[a.stage].activation_out, false))
-                    }
+                    Some(n) => wake.push(self.send(
+                        w,
+                        t,
+                        a,
+                        n,
+                        self.stages[a.stage].activation_out,
+                        false,
+                    )),
                     None => self.grad_at[k] = t,
                 }
             }
@@ -343,7 +347,8 @@ impl<'a> State<'a> {
                     wake.push(k);
                 }
                 if let Some(pv) = prev {
-                    wake.push(self.send(w, t, a, pv, self.stages[pv].activation_out, true));
+                    let bytes = self.stages[pv.stage].activation_out;
+                    wake.push(self.send(w, t, a, pv, bytes, true));
                 }
             }
             Op::W => {}
@@ -412,6 +417,21 @@ pub fn simulate(setup: &SimSetup) -> Result<SimResult> {
         )));
     }
     let makespan = timeline.actions.iter().map(|a| a.end).fold(0.0, f64::max);
+    // Each stage's gradients are all-reduced among its hosts as soon as the last of them has
+    // finished the stage's backward (overlapping other stages' work, as bucketed DDP does).
+    let topo = Topology::new(plan);
+    let mut done = vec![0.0f64; s];
+    for a in &timeline.actions {
+        if a.action.op.frees_activation() {
+            done[a.action.stage] = done[a.action.stage].max(a.end);
+        }
+    }
+    let allreduce: Vec<f64> = (0..s)
+        .map(|st| ring_allreduce_time(cluster, &topo.groups[st], stages[st].params))
+        .collect();
+    let iteration_time = (0..s)
+        .map(|st| done[st] + allreduce[st])
+        .fold(makespan, f64::max);
     let work: f64 = busy.iter().sum();
     let bubble_fraction = if makespan > 0.0 {
         1.0 - work / (p as f64 * makespan)
@@ -430,6 +450,8 @@ pub fn simulate(setup: &SimSetup) -> Result<SimResult> {
         .collect();
     Ok(SimResult {
         makespan,
+        iteration_time,
+        allreduce,
         busy,
         bubble_fraction,
         peak_activations: peaks.iter().map(|x| x.chunks).collect(),
@@ -507,61 +529,34 @@ pub fn ring_allreduce_time(cluster: &Cluster, devices: &[usize], bytes: u64) -> 
     2.0 * (r - 1) as f64 * step
 }
 
-/// Data-parallel iteration: every replica runs the plan on its own devices, then each stage's
-/// gradients are all-reduced across replicas as soon as all replicas finished that stage's
-/// backward (overlapping with the backward of earlier stages, as bucketed DDP does).
-#[derive(Debug, Clone, Serialize)]
-pub struct ReplicatedResult {
-    pub iteration_time: f64,
-    /// Slowest replica's pipeline makespan.
-    pub pipeline_makespan: f64,
-    /// All-reduce duration per stage.
-    pub allreduce: Vec<f64>,
-    pub replicas: Vec<SimResult>,
-}
-
-/// `replica_devices[r][w]` = cluster device of worker `w` in replica `r`.
-pub fn simulate_replicated(
-    plan: &Plan,
-    stages: &[StageCost],
-    cluster: &Cluster,
-    replica_devices: &[Vec<usize>],
-) -> Result<ReplicatedResult> {
-    let mut replicas = Vec::with_capacity(replica_devices.len());
-    for devs in replica_devices {
-        let sub = cluster.subset(devs);
-        replicas.push(simulate(&SimSetup {
-            plan,
-            stages,
-            cluster: &sub,
-        })?);
-    }
-    let s = plan.num_stages();
-    let mut done = vec![0.0f64; s];
-    for r in &replicas {
-        for a in &r.timeline.actions {
-            if a.action.op.frees_activation() {
-                done[a.action.stage] = done[a.action.stage].max(a.end);
-            }
+/// The cluster's devices for a plan's workers, in worker order: the devices the plan names, or
+/// the cluster's first devices when it names none.
+pub fn devices_for_plan(plan: &Plan, cluster: &Cluster) -> Result<Cluster> {
+    let p = plan.num_workers();
+    if plan.devices.is_empty() {
+        if cluster.len() < p {
+            return Err(Error::Invalid(format!(
+                "the plan needs {p} workers but the cluster has {} devices",
+                cluster.len()
+            )));
         }
+        return Ok(cluster.subset(&(0..p).collect::<Vec<_>>()));
     }
-    let allreduce: Vec<f64> = (0..s)
-        .map(|st| {
-            let ring: Vec<usize> = replica_devices
+    let ids = plan
+        .devices
+        .iter()
+        .enumerate()
+        .map(|(w, name)| {
+            cluster
+                .devices
                 .iter()
-                .map(|d| d[plan.placement[st]])
-                .collect();
-            ring_allreduce_time(cluster, &ring, stages[st].params)
+                .position(|d| &d.name == name)
+                .ok_or_else(|| {
+                    Error::Invalid(format!(
+                        "the plan puts worker {w} on device {name:?}, which the cluster does not have"
+                    ))
+                })
         })
-        .collect();
-    let pipeline_makespan = replicas.iter().map(|r| r.makespan).fold(0.0, f64::max);
-    let iteration_time = (0..s)
-        .map(|st| done[st] + allreduce[st])
-        .fold(pipeline_makespan, f64::max);
-    Ok(ReplicatedResult {
-        iteration_time,
-        pipeline_makespan,
-        allreduce,
-        replicas,
-    })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(cluster.subset(&ids))
 }

@@ -9,9 +9,9 @@ use pipewright_core::validate::validate;
 use proptest::prelude::*;
 
 fn arb_plan() -> impl Strategy<Value = Plan> {
-    (0usize..5, 1usize..7, 1usize..13, 1usize..4).prop_filter_map(
+    (0usize..5, 1usize..7, 1usize..13, 1usize..4, 1usize..4).prop_filter_map(
         "valid combination",
-        |(k, p, m, v)| {
+        |(k, p, m, v, d)| {
             let kind = ScheduleKind::ALL[k];
             let v = match kind {
                 ScheduleKind::Interleaved => v,
@@ -23,7 +23,7 @@ fn arb_plan() -> impl Strategy<Value = Plan> {
             } else {
                 m
             };
-            generate(kind, p, m, v).ok()
+            generate(kind, p, m, v).ok()?.replicate(d).ok()
         },
     )
 }
@@ -128,4 +128,18 @@ fn interleaved_bubble_shrinks_by_v() {
             "P={p} M={m} V={v}"
         );
     }
+}
+
+/// A plan file written by pipewright 0.1 (`schedule --format json`, with `placement`) loads as
+/// the same one-pipeline plan.
+#[test]
+fn single_pipeline_files_of_0_1_load() {
+    let old = r#"{"kind": "1f1b", "num_microbatches": 2, "placement": [0, 1],
+        "routes": [[0, 1], [0, 1]],
+        "workers": [[{"op":"F","stage":0,"mb":0},{"op":"F","stage":0,"mb":1},{"op":"BW","stage":0,"mb":0},{"op":"BW","stage":0,"mb":1}],
+                    [{"op":"F","stage":1,"mb":0},{"op":"BW","stage":1,"mb":0},{"op":"F","stage":1,"mb":1},{"op":"BW","stage":1,"mb":1}]]}"#;
+    let plan = Plan::from_json("old.json", old).unwrap();
+    assert_eq!(plan, generate(ScheduleKind::OneFOneB, 2, 2, 1).unwrap());
+    let csv = "record,worker,step,op,stage,microbatch\nplan,2,2,1f1b,0,2\nroute,0,0,,0,0\nroute,1,1,,1,0\nroute,0,0,,0,1\nroute,1,1,,1,1\naction,0,0,F,0,0\naction,0,1,F,0,1\naction,0,2,BW,0,0\naction,0,3,BW,0,1\naction,1,0,F,1,0\naction,1,1,BW,1,0\naction,1,2,F,1,1\naction,1,3,BW,1,1\n";
+    assert_eq!(Plan::from_csv("old.csv", csv).unwrap(), plan);
 }

@@ -129,9 +129,18 @@ impl MicroBatch {
     /// `values` (this micro-batch's tokens or targets) as a `[rows, seq_len]` tensor on the
     /// training device.
     pub fn ids(&self, values: &[i64]) -> burn::tensor::Tensor<2, burn::tensor::Int> {
+        self.ids_on(values, &crate::backend::train_device())
+    }
+
+    /// The same on `device` (evaluation runs on the plain device).
+    pub fn ids_on(
+        &self,
+        values: &[i64],
+        device: &burn::tensor::Device,
+    ) -> burn::tensor::Tensor<2, burn::tensor::Int> {
         burn::tensor::Tensor::from_data(
             burn::tensor::TensorData::new(values.to_vec(), [self.rows, self.seq_len]),
-            &crate::backend::train_device(),
+            device,
         )
     }
 }

@@ -3,16 +3,16 @@
 //! gradient, backpropagates, sends the input gradient back and accumulates weight gradients.
 //! The schedule lives in the plan only; nothing here knows GPipe from 1F1B.
 
-use crate::backend::{autodiff_lock, plain_device, train_device};
+use crate::backend::{autodiff_lock, train_device};
 use crate::data::MicroBatch;
+use crate::grads::{add_grads, GradSource};
 use crate::model::{loss, Deferred, Stage, StageInput};
 use crate::transport::{Kind, Payload, Tag, Transport, TransportError};
-use burn::module::{Module, ModuleVisitor, Param, ParamId};
-use burn::optim::GradientsParams;
-use burn::tensor::{Gradients, Tensor, TensorData};
+use burn::optim::ModuleOptimizer;
+use burn::tensor::{Tensor, TensorData};
 use pipewright_core::ir::{Op, Plan, RouteIndex};
 use pipewright_core::sim::TimedAction;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
 #[derive(Debug, thiserror::Error)]
@@ -27,96 +27,30 @@ pub enum ExecError {
     NonFinite(f64),
 }
 
-/// One pipeline worker of one replica, with the stages it holds.
+/// A stage held by a worker: its layer blocks as one module and one optimizer per block.
+pub struct HeldStage {
+    pub stage: usize,
+    /// Model index of the stage's first layer block.
+    pub first_layer: usize,
+    pub module: Stage,
+    /// AdamW per layer block, so optimizer state moves with its layer.
+    pub optims: Vec<ModuleOptimizer>,
+}
+
+/// One worker of the plan, with the stages it hosts.
 pub struct Worker {
-    /// Global rank: `replica * P + w`.
+    /// The plan's worker index (the rank).
     pub rank: usize,
-    pub replica: usize,
-    /// Worker index within the pipeline (the plan's worker).
-    pub w: usize,
-    /// (stage index, module) for every stage placed on this worker.
-    pub stages: Vec<(usize, Stage)>,
+    pub stages: Vec<HeldStage>,
 }
 
 /// What one worker reports after an iteration's forward and backward.
 pub struct WorkerOutput {
-    /// Accumulated weight gradients per held stage, flattened in parameter order.
-    pub grads: Vec<Vec<f32>>,
-    /// Sum over this worker's last-stage micro-batches of their (unscaled) mean loss.
+    /// Accumulated weight gradients per held stage, per layer block, flattened.
+    pub grads: Vec<Vec<Vec<f32>>>,
+    /// Sum of the (unscaled) mean losses of the micro-batches whose route ends here.
     pub loss_sum: f64,
     pub actions: Vec<TimedAction>,
-}
-
-/// Where parameter gradients come from: an autodiff backward, or a W step's deferred
-/// Linear weight gradients (by parameter id).
-pub enum GradSource<'a> {
-    Autodiff(&'a Gradients),
-    Deferred(&'a HashMap<ParamId, Vec<f32>>),
-}
-
-/// Flatten `module`'s parameter gradients from `src` into `out` (added), in visit order.
-pub fn add_grads<M: Module>(module: &M, src: GradSource, out: &mut Vec<f32>) {
-    struct V<'a> {
-        src: GradSource<'a>,
-        out: &'a mut Vec<f32>,
-        pos: usize,
-    }
-    impl ModuleVisitor for V<'_> {
-        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
-            let t = p.val();
-            let n = t.shape().num_elements();
-            if self.out.len() < self.pos + n {
-                self.out.resize(self.pos + n, 0.0);
-            }
-            let g = match &self.src {
-                GradSource::Autodiff(grads) => t
-                    .grad(grads)
-                    .map(|g| g.into_data().try_into_vec::<f32>().expect("f32 gradients")),
-                GradSource::Deferred(map) => map.get(&p.id).cloned(),
-            };
-            if let Some(g) = g {
-                self.out[self.pos..self.pos + n]
-                    .iter_mut()
-                    .zip(g)
-                    .for_each(|(o, x)| *o += x);
-            }
-            self.pos += n;
-        }
-    }
-    module.visit(&mut V { src, out, pos: 0 });
-}
-
-/// Turn a flat gradient buffer (scaled by `scale`) back into burn's per-parameter gradients.
-pub fn grads_params<M: Module>(module: &M, flat: &[f32], scale: f32) -> GradientsParams {
-    struct V<'a> {
-        flat: &'a [f32],
-        scale: f32,
-        pos: usize,
-        out: GradientsParams,
-    }
-    impl ModuleVisitor for V<'_> {
-        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
-            let shape = p.val().shape();
-            let n = shape.num_elements();
-            let vals: Vec<f32> = self.flat[self.pos..self.pos + n]
-                .iter()
-                .map(|x| x * self.scale)
-                .collect();
-            self.out.register(
-                p.id,
-                Tensor::<D>::from_data(TensorData::new(vals, shape), &plain_device()),
-            );
-            self.pos += n;
-        }
-    }
-    let mut v = V {
-        flat,
-        scale,
-        pos: 0,
-        out: GradientsParams::new(),
-    };
-    module.visit(&mut v);
-    v.out
 }
 
 fn to_payload(t: &Tensor<3>) -> Payload {
@@ -145,9 +79,10 @@ enum Out {
 }
 
 impl Worker {
-    /// Run this worker's actions for one iteration. `batches[m]` is micro-batch `m` of this
-    /// replica; each micro-batch's loss is scaled by `scale` (1 / all micro-batches of all
-    /// replicas) so accumulated gradients are those of the mean loss.
+    /// Run this worker's actions for one iteration. `batches[m]` is micro-batch `m` of the
+    /// job; each micro-batch's loss is scaled by `scale` (1 / all micro-batches) so accumulated
+    /// gradients are those of the mean loss. Split (B + W) or fused (BW) backward is decided
+    /// per (stage, micro-batch): split where the plan gives this worker a W for it.
     pub fn run(
         &self,
         plan: &Plan,
@@ -157,27 +92,36 @@ impl Worker {
         scale: f32,
         clock: Instant,
     ) -> Result<WorkerOutput, ExecError> {
-        let p = plan.num_workers();
-        let base = self.replica * p;
+        let mine = &plan.workers[self.rank];
+        let split: HashSet<(usize, usize)> = mine
+            .iter()
+            .filter(|a| a.op == Op::W)
+            .map(|a| (a.stage, a.mb))
+            .collect();
         let mut saved: HashMap<(usize, usize), Saved> = HashMap::new();
         // After B, before W: Linear inputs and output gradients of (stage, mb).
         let mut waiting_w: HashMap<(usize, usize), Deferred> = HashMap::new();
-        let split = plan.splits_backward();
-        let mut grads: Vec<Vec<f32>> = vec![Vec::new(); self.stages.len()];
+        let mut grads: Vec<Vec<Vec<f32>>> = self
+            .stages
+            .iter()
+            .map(|h| vec![Vec::new(); h.module.layers.len()])
+            .collect();
         let mut loss_sum = 0.0;
-        let mut actions = Vec::with_capacity(plan.workers[self.w].len());
+        let mut actions = Vec::with_capacity(mine.len());
         let bad = |msg: String| ExecError::Plan {
             worker: self.rank,
             msg,
         };
-        for a in &plan.workers[self.w] {
+        for a in mine {
             let slot = self
                 .stages
                 .iter()
-                .position(|(s, _)| *s == a.stage)
+                .position(|h| h.stage == a.stage)
                 .ok_or_else(|| bad(format!("{a} on a stage this worker does not hold")))?;
-            let stage = &self.stages[slot].1;
-            let mb = &batches[a.mb];
+            let stage = &self.stages[slot].module;
+            let mb = batches
+                .get(a.mb)
+                .ok_or_else(|| bad(format!("{a}: no micro-batch {}", a.mb)))?;
             let prev = routes.prev(plan, a.mb, a.stage);
             let next = routes.next(plan, a.mb, a.stage);
             let recv_tag = |kind| Tag {
@@ -199,24 +143,31 @@ impl Worker {
                         None => StageInput::Tokens(mb.ids(&mb.tokens)),
                         Some(h) => StageInput::Hidden(h.clone()),
                     };
-                    let mut deferred = split.then(Deferred::default);
+                    let mut deferred = split.contains(&(a.stage, a.mb)).then(Deferred::default);
                     let y = match deferred.as_mut() {
                         Some(d) => stage.forward_split(x, d),
-                        None => stage.forward(x),
-                    };
+                        None => stage.try_forward(x),
+                    }
+                    .map_err(|e| bad(format!("{a}: {e}")))?;
                     let output = match next {
                         Some(n) => {
                             transport.send(
                                 self.rank,
-                                base + plan.placement[n],
+                                n.worker,
                                 Tag {
                                     kind: Kind::Activation,
-                                    stage: n,
+                                    stage: n.stage,
                                     mb: a.mb,
                                 },
                                 to_payload(&y),
                             );
                             Out::Hidden(y)
+                        }
+                        None if !stage.has_head() => {
+                            return Err(bad(format!(
+                                "{a}: the route of mb {} ends at stage {}, which does not hold the head",
+                                a.mb, a.stage
+                            )))
                         }
                         None => {
                             let l = loss(y, mb.ids(&mb.targets));
@@ -267,23 +218,32 @@ impl Worker {
                             .ok_or_else(|| bad(format!("{a}: no input gradient")))?;
                         transport.send(
                             self.rank,
-                            base + plan.placement[pv],
+                            pv.worker,
                             Tag {
                                 kind: Kind::Gradient,
-                                stage: pv,
+                                stage: pv.stage,
                                 mb: a.mb,
                             },
                             to_payload(&dx),
                         );
                     }
                     // BW: every weight gradient. B: all but the Linear layers' (deferred to W).
-                    add_grads(stage, GradSource::Autodiff(&g), &mut grads[slot]);
-                    if a.op == Op::B {
-                        let mut d = s.deferred.ok_or_else(|| {
-                            bad(format!("{a}: forward did not defer weight gradients"))
-                        })?;
-                        d.take_output_grads(&g);
-                        waiting_w.insert((a.stage, a.mb), d);
+                    let src = GradSource::Autodiff(&g);
+                    for (layer, out) in stage.layers.iter().zip(grads[slot].iter_mut()) {
+                        add_grads(layer, &src, out);
+                    }
+                    match (a.op, s.deferred) {
+                        (Op::B, Some(mut d)) => {
+                            d.take_output_grads(&g);
+                            waiting_w.insert((a.stage, a.mb), d);
+                        }
+                        (Op::B, None) => {
+                            return Err(bad(format!("{a}: forward did not defer weight gradients")))
+                        }
+                        (_, Some(_)) => {
+                            return Err(bad(format!("{a}: a fused backward after a split forward")))
+                        }
+                        _ => {}
                     }
                     actions.push(TimedAction {
                         worker: self.rank,
@@ -298,11 +258,11 @@ impl Worker {
                         .ok_or_else(|| bad(format!("{a} before its B")))?;
                     let _guard = autodiff_lock();
                     let start = clock.elapsed().as_secs_f64();
-                    add_grads(
-                        stage,
-                        GradSource::Deferred(&d.weight_grads()),
-                        &mut grads[slot],
-                    );
+                    let w = d.weight_grads();
+                    let src = GradSource::Deferred(&w);
+                    for (layer, out) in stage.layers.iter().zip(grads[slot].iter_mut()) {
+                        add_grads(layer, &src, out);
+                    }
                     actions.push(TimedAction {
                         worker: self.rank,
                         action: *a,
@@ -312,9 +272,11 @@ impl Worker {
                 }
             }
         }
-        for (slot, (_, stage)) in self.stages.iter().enumerate() {
-            // A stage no micro-batch visited still has (zero) gradients of the right size.
-            grads[slot].resize(stage.num_params(), 0.0);
+        for (held, g) in self.stages.iter().zip(grads.iter_mut()) {
+            // A layer no micro-batch reached still has (zero) gradients of the right size.
+            for (layer, out) in held.module.layers.iter().zip(g.iter_mut()) {
+                out.resize(burn::module::Module::num_params(layer), 0.0);
+            }
         }
         Ok(WorkerOutput {
             grads,

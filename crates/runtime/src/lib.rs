@@ -2,7 +2,9 @@
 
 pub mod backend;
 pub mod data;
+pub mod error;
 pub mod exec;
+pub mod grads;
 pub mod model;
 pub mod profile;
 pub mod train;

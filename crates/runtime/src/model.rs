@@ -43,10 +43,57 @@ impl GptConfig {
                 self.d_model, self.heads
             ));
         }
-        if self.seq_len == 0 || self.vocab == 0 {
-            return Err("seq_len and vocab must be positive".into());
+        if self.seq_len == 0 {
+            return Err("seq_len must be positive".into());
+        }
+        if self.vocab < 256 {
+            return Err(format!(
+                "vocab {} is smaller than the 256 byte values the data uses",
+                self.vocab
+            ));
         }
         Ok(())
+    }
+
+    /// A cost model of the layer blocks without measuring (multiply-adds per token as the
+    /// forward cost, in arbitrary units; backward 2x): what `train` cuts stages by when it is
+    /// not given a plan. `pipewright profile` measures the real thing.
+    pub fn cost_profile(&self, rows: usize) -> pipewright_core::profile::Profile {
+        use pipewright_core::profile::{Layer, ModelInfo, Profile};
+        let (d, t) = (self.d_model as f64, self.seq_len as f64);
+        let tokens = (rows * self.seq_len) as u64;
+        let layer = |i: usize| {
+            let (flops, params, width) = match i {
+                0 => (d, (self.vocab + self.seq_len) * self.d_model, self.d_model),
+                i if i == self.layers + 1 => (
+                    d * self.vocab as f64,
+                    self.d_model * self.vocab + self.vocab + 2 * self.d_model,
+                    self.vocab,
+                ),
+                _ => (
+                    12.0 * d * d + 2.0 * t * d,
+                    12 * self.d_model * self.d_model + 13 * self.d_model,
+                    self.d_model,
+                ),
+            };
+            Layer {
+                name: layer_name(i, self.layers),
+                forward: flops * 1e-9,
+                backward: None,
+                weight_grad: None,
+                params: 4 * params as u64,
+                activation: 4 * tokens * width as u64,
+            }
+        };
+        Profile {
+            model: ModelInfo {
+                name: format!(
+                    "gpt d{}-l{}-h{}-s{} (cost model)",
+                    self.d_model, self.layers, self.heads, self.seq_len
+                ),
+            },
+            layers: (0..self.num_blocks()).map(layer).collect(),
+        }
     }
 }
 
@@ -253,15 +300,28 @@ impl Layers {
         })
     }
 
+    /// Layer block `i` in model order (a clone that shares parameter ids with `self`).
+    pub fn block(&self, i: usize) -> LayerBlock {
+        let last = self.blocks.len() + 1;
+        match i {
+            0 => LayerBlock::Embed(self.embed.clone()),
+            i if i == last => LayerBlock::Head(self.head.clone()),
+            i => LayerBlock::Block(self.blocks[i - 1].clone()),
+        }
+    }
+
+    /// All layer blocks in model order.
+    pub fn into_blocks(self) -> Vec<LayerBlock> {
+        std::iter::once(LayerBlock::Embed(self.embed))
+            .chain(self.blocks.into_iter().map(LayerBlock::Block))
+            .chain(std::iter::once(LayerBlock::Head(self.head)))
+            .collect()
+    }
+
     /// Layer blocks `lo..hi` as one stage module (clones share parameter ids with `self`).
     pub fn stage(&self, lo: usize, hi: usize) -> Stage {
-        let last = self.blocks.len() + 1;
         Stage {
-            embed: (lo == 0).then(|| self.embed.clone()),
-            blocks: (lo.max(1)..hi.min(last))
-                .map(|i| self.blocks[i - 1].clone())
-                .collect(),
-            head: (hi > last).then(|| self.head.clone()),
+            layers: (lo..hi).map(|i| self.block(i)).collect(),
         }
     }
 }
@@ -331,12 +391,45 @@ impl burn::module::ModuleMapper for Init {
     }
 }
 
+/// One layer block of the model: what a plan's stages are made of, and the unit that owns
+/// parameters and optimizer state (so state survives any change of plan).
+#[derive(Module, Debug)]
+pub enum LayerBlock {
+    Embed(Embed),
+    Block(Block),
+    Head(Head),
+}
+
+impl LayerBlock {
+    fn forward_with(&self, x: StageInput, cap: &mut Option<&mut Deferred>) -> Result<Tensor<3>, String> {
+        Ok(match (self, x) {
+            (LayerBlock::Embed(e), StageInput::Tokens(t)) => e.forward(t),
+            (LayerBlock::Block(b), StageInput::Hidden(h)) => b.forward_with(h, cap),
+            (LayerBlock::Head(h), StageInput::Hidden(x)) => h.forward_with(x, cap),
+            (LayerBlock::Embed(_), StageInput::Hidden(_)) => {
+                return Err("the embedding got hidden states (it must come first on a route)".into())
+            }
+            (_, StageInput::Tokens(_)) => {
+                return Err("a layer after the embedding got tokens (routes start at the embedding)".into())
+            }
+        })
+    }
+}
+
+/// The checkpoint name of layer block `i` of a model with `layers` transformer blocks:
+/// `embed`, `block.0` .. `block.{layers - 1}`, `head`.
+pub fn layer_name(i: usize, layers: usize) -> String {
+    match i {
+        0 => "embed".into(),
+        i if i == layers + 1 => "head".into(),
+        i => format!("block.{}", i - 1),
+    }
+}
+
 /// A contiguous run of layer blocks: what one stage of a plan runs.
 #[derive(Module, Debug)]
 pub struct Stage {
-    pub embed: Option<Embed>,
-    pub blocks: Vec<Block>,
-    pub head: Option<Head>,
+    pub layers: Vec<LayerBlock>,
 }
 
 /// What enters a stage: tokens (first stage) or hidden states.
@@ -349,26 +442,33 @@ impl Stage {
     /// Hidden states out, or logits if the stage holds the head.
     pub fn forward(&self, input: StageInput) -> Tensor<3> {
         self.forward_with(input, &mut None)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Like [`Stage::forward`], with a wrong input (tokens for a hidden-state layer, or the
+    /// reverse) as an error rather than a panic: plans from files reach here.
+    pub fn try_forward(&self, input: StageInput) -> Result<Tensor<3>, String> {
+        self.forward_with(input, &mut None)
     }
 
     /// Forward whose Linear weight gradients are deferred to a W step (see [`Deferred`]).
-    pub fn forward_split(&self, input: StageInput, deferred: &mut Deferred) -> Tensor<3> {
+    pub fn forward_split(&self, input: StageInput, deferred: &mut Deferred) -> Result<Tensor<3>, String> {
         self.forward_with(input, &mut Some(deferred))
     }
 
-    fn forward_with(&self, input: StageInput, cap: &mut Option<&mut Deferred>) -> Tensor<3> {
-        let mut x = match (input, &self.embed) {
-            (StageInput::Tokens(t), Some(e)) => e.forward(t),
-            (StageInput::Hidden(h), None) => h,
-            (StageInput::Tokens(_), None) => panic!("stage without embedding got tokens"),
-            (StageInput::Hidden(_), Some(_)) => panic!("embedding stage got hidden states"),
-        };
-        for b in &self.blocks {
-            x = b.forward_with(x, cap);
+    fn forward_with(&self, input: StageInput, cap: &mut Option<&mut Deferred>) -> Result<Tensor<3>, String> {
+        let mut x = input;
+        for l in &self.layers {
+            x = StageInput::Hidden(l.forward_with(x, cap)?);
         }
-        match &self.head {
-            Some(h) => h.forward_with(x, cap),
-            None => x,
+        match x {
+            StageInput::Hidden(h) => Ok(h),
+            StageInput::Tokens(_) => Err("a stage without layers".into()),
         }
+    }
+
+    /// Does the stage end with the head (its output is logits)?
+    pub fn has_head(&self) -> bool {
+        matches!(self.layers.last(), Some(LayerBlock::Head(_)))
     }
 }

@@ -1,6 +1,8 @@
 //! Exact gradients: pipelined, data-parallel training ends with the same parameters as plain
 //! single-worker training on the same data and seeds.
 
+use pipewright_core::ir::{Hop, Op, Plan, StagePlan};
+use pipewright_core::schedule::{generate, gpipe_routes, ScheduleKind};
 use pipewright_runtime::data::Corpus;
 use pipewright_runtime::model::GptConfig;
 use pipewright_runtime::train::{PlainTrainer, TrainConfig, Trainer};
@@ -14,7 +16,7 @@ fn tiny(schedule: &str, p: usize, d: usize, m: usize) -> TrainConfig {
             layers: 6,
             seq_len: 8,
         },
-        schedule: schedule.into(),
+        schedule: schedule.parse().unwrap(),
         stages: p,
         chunks: if schedule == "interleaved" || schedule == "zbv" {
             2
@@ -35,43 +37,20 @@ fn tiny(schedule: &str, p: usize, d: usize, m: usize) -> TrainConfig {
 
 #[test]
 fn pipelined_equals_plain_training() {
-    let corpus = Corpus::builtin();
     let mut checked = 0;
     for schedule in ["gpipe", "1f1b", "interleaved", "zbh1", "zbv"] {
         for p in [1, 2, 4] {
             for d in [1, 2] {
                 for m in [1, 4, 8] {
                     let cfg = tiny(schedule, p, d, m);
-                    let Ok(mut pipe) = Trainer::new(cfg.clone()) else {
+                    let Ok(plan) = cfg.plan() else {
                         assert!(
                             schedule == "interleaved" && m % p != 0,
                             "{schedule} P={p} D={d} M={m} should be possible"
                         );
                         continue;
                     };
-                    let mut plain = PlainTrainer::new(cfg);
-                    for _ in 0..3 {
-                        let a = pipe.train_step(&corpus).unwrap().loss;
-                        let b = plain.train_step(&corpus);
-                        assert!(
-                            (a - b).abs() < 1e-5,
-                            "{schedule} P={p} D={d} M={m}: loss {a} vs {b}"
-                        );
-                    }
-                    let (x, y) = (
-                        pipe.flat_params(),
-                        pipewright_runtime::train::flat_params(plain.model()),
-                    );
-                    assert_eq!(x.len(), y.len());
-                    let diff = x
-                        .iter()
-                        .zip(&y)
-                        .map(|(a, b)| (a - b).abs())
-                        .fold(0.0f32, f32::max);
-                    assert!(
-                        diff <= 1e-5,
-                        "{schedule} P={p} D={d} M={m}: max |diff| {diff}"
-                    );
+                    same_as_plain(&cfg, plan, &format!("{schedule} P={p} D={d} M={m}"));
                     checked += 1;
                 }
             }
@@ -80,28 +59,175 @@ fn pipelined_equals_plain_training() {
     assert!(checked >= 80, "only {checked} combinations ran");
 }
 
+/// Train `plan` and the plain reference 3 steps; losses and parameters agree within 1e-5.
+fn same_as_plain(cfg: &TrainConfig, plan: Plan, what: &str) -> Trainer {
+    let corpus = Corpus::builtin();
+    let mut plain = PlainTrainer::new(cfg.clone(), &plan);
+    let mut pipe = Trainer::new(cfg.clone(), plan).unwrap();
+    for _ in 0..3 {
+        let a = pipe.train_step(&corpus).unwrap().loss;
+        let b = plain.train_step(&corpus);
+        assert!((a - b).abs() < 1e-5, "{what}: loss {a} vs {b}");
+    }
+    assert_close(&pipe.flat_params(), &plain.flat_params(), what);
+    pipe
+}
+
+fn assert_close(x: &[f32], y: &[f32], what: &str) {
+    assert_eq!(x.len(), y.len(), "{what}: parameter counts");
+    let diff = x
+        .iter()
+        .zip(y)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(diff <= 1e-5, "{what}: max |diff| {diff}");
+}
+
+/// Four stages over the tiny model's 8 layer blocks, `d` hosts per stage (replica r of stage
+/// s on worker r * 4 + s), micro-batch m through replica m % d, its stages given by `route(m)`.
+fn routed(d: usize, m: usize, route: impl Fn(usize) -> Vec<usize>) -> Plan {
+    let stages = (0..4)
+        .map(|s| StagePlan {
+            layers: 2,
+            hosts: (0..d).map(|r| r * 4 + s).collect(),
+            cost: None,
+        })
+        .collect();
+    let routes = (0..m)
+        .map(|mb| {
+            route(mb)
+                .into_iter()
+                .map(|s| Hop {
+                    stage: s,
+                    worker: (mb % d) * 4 + s,
+                })
+                .collect()
+        })
+        .collect();
+    gpipe_routes(stages, routes, 4 * d)
+}
+
+#[test]
+fn skipped_stages_give_exact_gradients() {
+    for d in [1, 2] {
+        // Some micro-batches skip stage 1, some stage 2, some both; one goes through all.
+        let plan = routed(d, 4, |mb| match mb {
+            0 => vec![0, 2, 3],
+            1 => vec![0, 1, 3],
+            2 => vec![0, 3],
+            _ => vec![0, 1, 2, 3],
+        });
+        pipewright_core::validate::validate(&plan).unwrap();
+        same_as_plain(&tiny("1f1b", 4, d, 4), plan, &format!("skips D={d}"));
+    }
+}
+
+#[test]
+fn swapped_adjacent_stages_give_exact_gradients() {
+    for d in [1, 2] {
+        let plan = routed(d, 4, |mb| {
+            if mb % 2 == 0 {
+                vec![0, 2, 1, 3]
+            } else {
+                vec![0, 1, 2, 3]
+            }
+        });
+        same_as_plain(&tiny("1f1b", 4, d, 4), plan, &format!("swap D={d}"));
+    }
+}
+
+/// The head as a stage of its own on the embedding's worker (SkipPipe's data node): the
+/// route ends where it started.
+#[test]
+fn head_on_the_data_node_gives_exact_gradients() {
+    let mut plan = routed(1, 4, |mb| if mb == 1 { vec![0, 2, 1, 3] } else { vec![0, 1, 2, 3] });
+    plan.stages[3].hosts = vec![0];
+    for r in &mut plan.routes {
+        r.last_mut().unwrap().worker = 0;
+    }
+    let plan = gpipe_routes(plan.stages, plan.routes, 3);
+    same_as_plain(&tiny("1f1b", 3, 1, 4), plan, "head on worker 0");
+}
+
+/// Split and fused backward mixed in one plan: ZB-H1 with the B and W of some (stage, mb)
+/// fused back into one BW. Every Linear weight gradient still arrives.
+#[test]
+fn mixed_split_and_fused_backward_give_exact_gradients() {
+    let cfg = tiny("zbh1", 4, 1, 4);
+    let mut plan = cfg.plan().unwrap();
+    for acts in &mut plan.workers {
+        let fuse = |stage: usize, mb: usize| (stage + mb) % 2 == 0;
+        acts.retain(|a| !(a.op == Op::W && fuse(a.stage, a.mb)));
+        for a in acts.iter_mut() {
+            if a.op == Op::B && fuse(a.stage, a.mb) {
+                a.op = Op::BW;
+            }
+        }
+    }
+    assert!(plan.workers.iter().flatten().any(|a| a.op == Op::BW));
+    assert!(plan.workers.iter().flatten().any(|a| a.op == Op::W));
+    pipewright_core::validate::validate(&plan).unwrap();
+    same_as_plain(&cfg, plan, "mixed B/W and BW");
+}
+
+/// Re-planning in memory: parameters and AdamW moments are identical across the switch, and
+/// training goes on with exact gradients under the new plan.
+#[test]
+fn replanning_moves_state_in_memory() {
+    let corpus = Corpus::builtin();
+    let cfg = tiny("1f1b", 2, 1, 4);
+    let first = cfg.plan().unwrap();
+    let mut plain = PlainTrainer::new(cfg.clone(), &first);
+    let mut pipe = Trainer::new(cfg.clone(), first).unwrap();
+    for _ in 0..3 {
+        pipe.train_step(&corpus).unwrap();
+        plain.train_step(&corpus);
+    }
+    let (params, moments) = (pipe.flat_params(), pipe.optimizer_bytes());
+    // Deeper, replicated, another schedule and other boundaries; same 4 micro-batches a step.
+    let mut next = generate(ScheduleKind::ZbH1, 4, 2, 1).unwrap().replicate(2).unwrap();
+    next.set_layers(&[1, 3, 2, 2]);
+    let report = pipe.replan(next).unwrap();
+    assert!(report.before.contains("2 workers") && report.after.contains("8 workers"));
+    assert_eq!(pipe.flat_params(), params, "parameters changed in the switch");
+    assert_eq!(pipe.optimizer_bytes(), moments, "AdamW moments changed in the switch");
+    for _ in 0..3 {
+        let a = pipe.train_step(&corpus).unwrap().loss;
+        let b = plain.train_step(&corpus);
+        assert!((a - b).abs() < 1e-5, "after replan: loss {a} vs {b}");
+    }
+    assert_close(&pipe.flat_params(), &plain.flat_params(), "after replan");
+}
+
 #[test]
 fn plain_training_is_deterministic() {
     let corpus = Corpus::builtin();
     let run = || {
-        let mut t = PlainTrainer::new(tiny("1f1b", 1, 1, 4));
+        let cfg = tiny("1f1b", 1, 1, 4);
+        let mut t = PlainTrainer::new(cfg.clone(), &cfg.plan().unwrap());
         for _ in 0..3 {
             t.train_step(&corpus);
         }
-        pipewright_runtime::train::flat_params(t.model())
+        t.flat_params()
     };
     assert_eq!(run(), run());
 }
 
 #[test]
 fn plan_larger_than_model_is_refused() {
-    let e = Trainer::new(TrainConfig {
+    let e = Trainer::from_config(TrainConfig {
         stages: 9,
         ..tiny("1f1b", 9, 1, 9)
     })
     .err()
-    .unwrap();
+    .unwrap()
+    .to_string();
     assert!(e.contains("only 8 layer blocks"), "{e}");
+    // A plan file for another layer count names both.
+    let mut plan = tiny("1f1b", 2, 1, 2).plan().unwrap();
+    plan.set_layers(&[3, 3]);
+    let e = Trainer::new(tiny("1f1b", 2, 1, 2), plan).err().unwrap().to_string();
+    assert!(e.contains("holds 6 layers") && e.contains("8 layer blocks"), "{e}");
 }
 
 /// The B/W split is real: B's backward yields no Linear weight gradients at all; W computes
@@ -110,7 +236,7 @@ fn plan_larger_than_model_is_refused() {
 fn split_backward_defers_linear_weight_gradients() {
     use pipewright_runtime::backend::train_device;
     use pipewright_runtime::burn::tensor::{Distribution, Tensor};
-    use pipewright_runtime::exec::{add_grads, GradSource};
+    use pipewright_runtime::grads::{add_grads, GradSource};
     use pipewright_runtime::model::{Deferred, Layers, StageInput};
     let cfg = tiny("zbh1", 1, 1, 1).model;
     let dev = train_device();
@@ -130,7 +256,7 @@ fn split_backward_defers_linear_weight_gradients() {
         .sum()
         .backward();
     let mut fused = Vec::new();
-    add_grads(&stage, GradSource::Autodiff(&g), &mut fused);
+    add_grads(&stage, &GradSource::Autodiff(&g), &mut fused);
     let dx_fused = xf
         .grad(&g)
         .unwrap()
@@ -140,11 +266,11 @@ fn split_backward_defers_linear_weight_gradients() {
 
     let xs = x.require_grad();
     let mut d = Deferred::default();
-    let g = (stage.forward_split(StageInput::Hidden(xs.clone()), &mut d) * dy)
+    let g = (stage.forward_split(StageInput::Hidden(xs.clone()), &mut d).unwrap() * dy)
         .sum()
         .backward();
     let mut b_part = Vec::new();
-    add_grads(&stage, GradSource::Autodiff(&g), &mut b_part);
+    add_grads(&stage, &GradSource::Autodiff(&g), &mut b_part);
     let dx_split = xs
         .grad(&g)
         .unwrap()
@@ -153,7 +279,7 @@ fn split_backward_defers_linear_weight_gradients() {
         .unwrap();
     d.take_output_grads(&g);
     let mut w_part = vec![0.0; b_part.len()];
-    add_grads(&stage, GradSource::Deferred(&d.weight_grads()), &mut w_part);
+    add_grads(&stage, &GradSource::Deferred(&d.weight_grads()), &mut w_part);
 
     let max = |a: &[f32], b: &[f32]| {
         a.iter()

@@ -1,0 +1,33 @@
+//! Errors of the runtime: each names what is wrong and where.
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Settings, or a plan, that this model cannot train with.
+    #[error("{0}")]
+    Config(String),
+    /// A checkpoint that cannot be written or read.
+    #[error("{}: {msg}", path.display())]
+    Checkpoint { path: PathBuf, msg: String },
+    /// A worker failed during a step.
+    #[error(transparent)]
+    Exec(#[from] crate::exec::ExecError),
+}
+
+impl Error {
+    pub fn checkpoint(path: impl Into<PathBuf>, msg: impl Into<String>) -> Self {
+        Error::Checkpoint {
+            path: path.into(),
+            msg: msg.into(),
+        }
+    }
+}
+
+impl From<pipewright_core::Error> for Error {
+    fn from(e: pipewright_core::Error) -> Self {
+        Error::Config(e.to_string())
+    }
+}
+
+pub type Result<T> = std::result::Result<T, Error>;

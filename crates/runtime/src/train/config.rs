@@ -1,0 +1,136 @@
+//! What decides a training run besides the plan: model, batch, optimizer, steps, seed; and
+//! the plan `train` builds from flags when it is not given one.
+
+use crate::error::{Error, Result};
+use crate::model::GptConfig;
+use pipewright_core::cluster::Cluster;
+use pipewright_core::ir::Plan;
+use pipewright_core::partition::assign_layers;
+use pipewright_core::schedule::{generate, ScheduleKind};
+use pipewright_core::validate::validate;
+use serde::{Deserialize, Serialize};
+
+/// Everything that decides a training run (also written into checkpoints).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    pub model: GptConfig,
+    /// Schedule of the generated plan (ignored with a plan file).
+    pub schedule: ScheduleKind,
+    /// Pipeline depth P of the generated plan.
+    pub stages: usize,
+    /// Stage chunks per worker (interleaved, zbv).
+    pub chunks: usize,
+    /// Data-parallel replicas D of the generated plan.
+    pub replicas: usize,
+    /// Micro-batches M per replica per step of the generated plan.
+    pub microbatches: usize,
+    /// Sequences per micro-batch.
+    pub rows: usize,
+    pub steps: u64,
+    pub lr: f64,
+    pub min_lr: f64,
+    pub warmup: u64,
+    pub weight_decay: f32,
+    /// Global gradient-norm clip.
+    pub clip: f32,
+    pub seed: u64,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            model: GptConfig::default(),
+            schedule: ScheduleKind::OneFOneB,
+            stages: 2,
+            chunks: 1,
+            replicas: 1,
+            microbatches: 4,
+            rows: 4,
+            steps: 60,
+            lr: 3e-3,
+            min_lr: 3e-4,
+            warmup: 5,
+            weight_decay: 0.01,
+            clip: 1.0,
+            seed: 42,
+        }
+    }
+}
+
+impl TrainConfig {
+    /// Learning rate at `step`: linear warmup, then cosine down to `min_lr` at the last step.
+    pub fn lr_at(&self, step: u64) -> f64 {
+        if step < self.warmup {
+            return self.lr * (step + 1) as f64 / self.warmup as f64;
+        }
+        let span = self.steps.saturating_sub(self.warmup).max(1) as f64;
+        let t = ((step - self.warmup) as f64 / span).min(1.0);
+        self.min_lr + 0.5 * (self.lr - self.min_lr) * (1.0 + (std::f64::consts::PI * t).cos())
+    }
+
+    /// Settings that no plan can fix: model shape, batch and optimizer values.
+    pub fn check(&self) -> Result<()> {
+        self.model.check().map_err(Error::Config)?;
+        let bad = |m: String| Err(Error::Config(m));
+        if self.rows == 0 {
+            return bad("rows (sequences per micro-batch) must be at least 1".into());
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return bad(format!("lr {} must be a finite number > 0", self.lr));
+        }
+        if !(self.min_lr.is_finite() && self.min_lr >= 0.0 && self.min_lr <= self.lr) {
+            return bad(format!(
+                "min_lr {} must be finite, >= 0 and at most lr {}",
+                self.min_lr, self.lr
+            ));
+        }
+        if !(self.clip.is_finite() && self.clip > 0.0) {
+            return bad(format!("clip {} must be a finite number > 0", self.clip));
+        }
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            return bad(format!(
+                "weight_decay {} must be a finite number >= 0",
+                self.weight_decay
+            ));
+        }
+        Ok(())
+    }
+
+    /// The whole-job plan of the schedule flags: `replicas` copies of a `stages`-deep pipeline,
+    /// its layer blocks cut into stages by the exact partitioner on the model's cost model.
+    pub fn plan(&self) -> Result<Plan> {
+        self.check()?;
+        let blocks = self.model.num_blocks();
+        let one = generate(self.schedule, self.stages, self.microbatches, self.chunks)?;
+        if one.num_stages() > blocks {
+            return Err(Error::Config(format!(
+                "the plan has {} stages but the model has only {blocks} layer blocks (embedding, {} transformer blocks, head)",
+                one.num_stages(),
+                self.model.layers
+            )));
+        }
+        let mut plan = one.replicate(self.replicas)?;
+        let profile = self.model.cost_profile(self.rows);
+        let uniform = Cluster::uniform(plan.num_workers());
+        assign_layers(&profile, &mut plan, &uniform)?;
+        validate(&plan)?;
+        Ok(plan)
+    }
+
+    /// Can this model train with `plan`? Its layer count must be the model's and it must be
+    /// valid.
+    pub fn check_plan(&self, plan: &Plan) -> Result<()> {
+        let blocks = self.model.num_blocks();
+        if plan.num_layers() != blocks {
+            return Err(Error::Config(format!(
+                "the plan holds {} layers (per stage {:?}) but the model has {blocks} layer blocks (embedding, {} transformer blocks, head); plan for this model or change --layers",
+                plan.num_layers(),
+                plan.layers_per_stage(),
+                self.model.layers
+            )));
+        }
+        validate(plan)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,11 @@
+//! Training a whole-job plan: configuration, the pipelined trainer, the single-worker reference
+//! trainer and checkpoints, one file each.
+
+mod checkpoint;
+mod config;
+mod plain;
+mod trainer;
+
+pub use config::TrainConfig;
+pub use plain::PlainTrainer;
+pub use trainer::{ReplanReport, StepReport, Trainer};

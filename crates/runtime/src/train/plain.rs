@@ -1,0 +1,129 @@
+//! Plain single-worker training: the reference for exact-gradient tests. The whole model in one
+//! thread; each micro-batch runs the layer sequence its route in the plan visits (skipped and
+//! swapped stages included), and one backward covers all micro-batches at once.
+
+use super::trainer::{optimizer, LayerState};
+use super::TrainConfig;
+use crate::backend::train_device;
+use crate::data::{micro_batch, Corpus, MicroBatch};
+use crate::grads::{add_grads, clip_factor, flat_params, grads_params, sum_squares, GradSource};
+use crate::model::{loss, LayerBlock, Layers, Stage, StageInput};
+use burn::tensor::Tensor;
+use pipewright_core::ir::Plan;
+
+pub struct PlainTrainer {
+    pub cfg: TrainConfig,
+    /// Layer sequence of each micro-batch of a step (from the plan's routes).
+    sequences: Vec<Vec<usize>>,
+    state: Vec<LayerState>,
+    pub step: u64,
+}
+
+impl PlainTrainer {
+    /// Train what `plan` trains (its routes' layer sequences), without pipelining.
+    pub fn new(cfg: TrainConfig, plan: &Plan) -> Self {
+        let ranges = plan.layer_ranges();
+        let sequences = plan
+            .routes
+            .iter()
+            .map(|r| r.iter().flat_map(|h| ranges[h.stage].clone()).collect())
+            .collect();
+        let layers = Layers::new(&cfg.model, cfg.seed, &train_device());
+        let state = layers
+            .into_blocks()
+            .into_iter()
+            .map(|b| (b, optimizer(&cfg)))
+            .collect();
+        PlainTrainer {
+            cfg,
+            sequences,
+            state,
+            step: 0,
+        }
+    }
+
+    /// The whole model as one stage (model order).
+    pub fn model(&self) -> Stage {
+        Stage {
+            layers: self.state.iter().map(|(l, _)| l.clone()).collect(),
+        }
+    }
+
+    pub fn flat_params(&self) -> Vec<f32> {
+        self.state.iter().flat_map(|(l, _)| flat_params(l)).collect()
+    }
+
+    /// One step; returns the mean loss over the step's micro-batches.
+    pub fn train_step(&mut self, corpus: &Corpus) -> f64 {
+        let c = &self.cfg;
+        let n = self.sequences.len();
+        // Micro-batches with the same layer sequence run as one batch.
+        let mut groups: Vec<(Vec<usize>, Vec<usize>)> = Vec::new();
+        for (mb, seq) in self.sequences.iter().enumerate() {
+            match groups.iter_mut().find(|(s, _)| s == seq) {
+                Some((_, mbs)) => mbs.push(mb),
+                None => groups.push((seq.clone(), vec![mb])),
+            }
+        }
+        let mut total: Option<Tensor<1>> = None;
+        let mut value = 0.0;
+        for (seq, mbs) in &groups {
+            let parts: Vec<MicroBatch> = mbs
+                .iter()
+                .map(|&i| {
+                    micro_batch(&corpus.train, c.model.seq_len, c.rows, c.seed, self.step, i as u64)
+                })
+                .collect();
+            let all = MicroBatch {
+                rows: c.rows * parts.len(),
+                seq_len: c.model.seq_len,
+                tokens: parts.iter().flat_map(|m| m.tokens.clone()).collect(),
+                targets: parts.iter().flat_map(|m| m.targets.clone()).collect(),
+            };
+            let mut x = StageInput::Tokens(all.ids(&all.tokens));
+            for &i in seq {
+                let stage = Stage {
+                    layers: vec![self.state[i].0.clone()],
+                };
+                x = StageInput::Hidden(stage.forward(x));
+            }
+            let StageInput::Hidden(logits) = x else {
+                unreachable!("routes are not empty")
+            };
+            // The group's mean loss stands for |group| micro-batches of the job's n.
+            let l = loss(logits, all.ids(&all.targets)) * (mbs.len() as f32 / n as f32);
+            value += l.clone().into_scalar::<f32>() as f64;
+            total = Some(match total {
+                Some(t) => t + l,
+                None => l,
+            });
+        }
+        let g = total.expect("at least one micro-batch").backward();
+        let src = GradSource::Autodiff(&g);
+        let flat: Vec<Vec<f32>> = self
+            .state
+            .iter()
+            .map(|(l, _)| {
+                let mut f = Vec::new();
+                add_grads(l, &src, &mut f);
+                f.resize(burn::module::Module::num_params(l), 0.0);
+                f
+            })
+            .collect();
+        let norm = (sum_squares(&flat) as f64).sqrt();
+        let factor = clip_factor(norm, c.clip);
+        let lr = c.lr_at(self.step);
+        let state = std::mem::take(&mut self.state);
+        self.state = state
+            .into_iter()
+            .zip(&flat)
+            .map(|((l, mut o), g): ((LayerBlock, _), _)| {
+                let gp = grads_params(&l, g, factor);
+                let l = o.step(lr, l, gp);
+                (l, o)
+            })
+            .collect();
+        self.step += 1;
+        value
+    }
+}

@@ -1,0 +1,392 @@
+//! The pipelined trainer: a whole-job plan's workers over a transport, gradient accumulation,
+//! all-reduce per stage group, global grad-norm clipping, AdamW with warmup + cosine LR, and
+//! re-planning between steps. State is kept per layer block, so any plan can take it over.
+
+use super::TrainConfig;
+use crate::backend::{autodiff_lock, plain_device, train_device};
+use crate::data::{micro_batch, Corpus, MicroBatch};
+use crate::error::{Error, Result};
+use crate::exec::{ExecError, HeldStage, Worker, WorkerOutput};
+use crate::grads::{clip_factor, flat_params, grads_params, sum_squares};
+use crate::model::{fresh_copy, loss, LayerBlock, Layers, Stage, StageInput};
+use crate::transport::{InProcess, Transport};
+use burn::module::Module;
+use burn::optim::{AdamWConfig, ModuleOptimizer};
+use pipewright_core::cluster::Cluster;
+use pipewright_core::ir::{Plan, RouteIndex, Topology};
+use pipewright_core::sim::{devices_for_plan, TimedAction, Timeline};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// What one optimizer step measured.
+#[derive(Debug, Clone)]
+pub struct StepReport {
+    pub step: u64,
+    pub loss: f64,
+    pub lr: f64,
+    pub grad_norm: f64,
+    pub seconds: f64,
+    pub tokens: u64,
+    /// Compute seconds per worker.
+    pub busy: Vec<f64>,
+    pub actions: Vec<TimedAction>,
+}
+
+/// What a switch of plan did.
+#[derive(Debug, Clone)]
+pub struct ReplanReport {
+    pub before: String,
+    pub after: String,
+    pub seconds: f64,
+}
+
+/// A layer block with its optimizer: the unit of state that moves between plans.
+pub(crate) type LayerState = (LayerBlock, ModuleOptimizer);
+
+pub(crate) fn optimizer(cfg: &TrainConfig) -> ModuleOptimizer {
+    AdamWConfig::new()
+        .with_weight_decay(cfg.weight_decay)
+        .init()
+}
+
+/// One line about a plan, for logs.
+pub fn describe(plan: &Plan) -> String {
+    let topo = Topology::new(plan);
+    let replicas = topo.groups.iter().map(Vec::len).max().unwrap_or(0);
+    format!(
+        "{} on {} workers: {} stages (layers {:?}), {} micro-batches, up to {} hosts per stage",
+        plan.kind,
+        plan.num_workers(),
+        plan.num_stages(),
+        plan.layers_per_stage(),
+        plan.num_microbatches,
+        replicas
+    )
+}
+
+pub struct Trainer {
+    pub cfg: TrainConfig,
+    pub plan: Plan,
+    routes: RouteIndex,
+    topo: Topology,
+    /// One per plan worker, in rank order.
+    pub workers: Vec<Worker>,
+    /// Emulated links (a cluster whose devices the plan's workers sit on), if any.
+    links: Option<Cluster>,
+    transport: Arc<dyn Transport>,
+    /// Optimizer steps done.
+    pub step: u64,
+}
+
+impl Trainer {
+    /// A trainer for `plan` (checked against the model), workers as threads in this process.
+    pub fn new(cfg: TrainConfig, plan: Plan) -> Result<Self> {
+        Self::with_links(cfg, plan, None)
+    }
+
+    /// The generated plan of `cfg`'s schedule flags.
+    pub fn from_config(cfg: TrainConfig) -> Result<Self> {
+        let plan = cfg.plan()?;
+        Self::new(cfg, plan)
+    }
+
+    /// Like [`Trainer::new`], each message delayed as `links`' network would (worker `w` on the
+    /// plan's device for `w`).
+    pub fn with_links(cfg: TrainConfig, plan: Plan, links: Option<Cluster>) -> Result<Self> {
+        cfg.check()?;
+        cfg.check_plan(&plan)?;
+        let layers = Layers::new(&cfg.model, cfg.seed, &train_device());
+        let state: Vec<LayerState> = layers
+            .into_blocks()
+            .into_iter()
+            .map(|b| (b, optimizer(&cfg)))
+            .collect();
+        let transport = transport_for(&plan, links.as_ref())?;
+        let workers = build_workers(&plan, &state);
+        Ok(Trainer {
+            routes: RouteIndex::new(&plan),
+            topo: Topology::new(&plan),
+            cfg,
+            plan,
+            workers,
+            links,
+            transport,
+            step: 0,
+        })
+    }
+
+    /// Every layer block and its optimizer, in model order (copies from each stage's first
+    /// host; all hosts agree after a step).
+    pub(crate) fn layer_state(&self) -> Vec<LayerState> {
+        let mut out = Vec::with_capacity(self.plan.num_layers());
+        for (s, group) in self.topo.groups.iter().enumerate() {
+            let held = self.held(group[0], s);
+            for (l, o) in held.module.layers.iter().zip(&held.optims) {
+                out.push((l.clone(), o.clone()));
+            }
+        }
+        out
+    }
+
+    /// Put `state` (model order) onto this plan's workers.
+    pub(crate) fn set_layer_state(&mut self, state: &[LayerState]) {
+        self.workers = build_workers(&self.plan, state);
+    }
+
+    fn held(&self, w: usize, s: usize) -> &HeldStage {
+        self.workers[w]
+            .stages
+            .iter()
+            .find(|h| h.stage == s)
+            .expect("host holds its stage")
+    }
+
+    /// Switch to `plan` between steps: layers and their optimizer state move in memory to the
+    /// workers the new plan puts them on (other depth, boundaries, replicas or schedule).
+    pub fn replan(&mut self, plan: Plan) -> Result<ReplanReport> {
+        let t0 = Instant::now();
+        self.cfg.check_plan(&plan)?;
+        let transport = transport_for(&plan, self.links.as_ref())?;
+        let state = self.layer_state();
+        let before = describe(&self.plan);
+        self.routes = RouteIndex::new(&plan);
+        self.topo = Topology::new(&plan);
+        self.plan = plan;
+        self.transport = transport;
+        self.set_layer_state(&state);
+        Ok(ReplanReport {
+            before,
+            after: describe(&self.plan),
+            seconds: t0.elapsed().as_secs_f64(),
+        })
+    }
+
+    /// The micro-batches of `step`, numbered over the whole job.
+    fn batches(&self, corpus: &Corpus, step: u64) -> Vec<MicroBatch> {
+        let c = &self.cfg;
+        (0..self.plan.num_microbatches)
+            .map(|i| micro_batch(&corpus.train, c.model.seq_len, c.rows, c.seed, step, i as u64))
+            .collect()
+    }
+
+    /// One optimizer step: every worker runs its actions in its own thread; each stage's
+    /// gradients are all-reduced among its hosts, clipped by the global norm and applied with
+    /// AdamW per layer block.
+    pub fn train_step(&mut self, corpus: &Corpus) -> std::result::Result<StepReport, ExecError> {
+        let n = self.plan.num_microbatches;
+        let scale = 1.0 / n as f32;
+        let lr = self.cfg.lr_at(self.step);
+        let clip = self.cfg.clip;
+        let batches = self.batches(corpus, self.step);
+        let clock = Instant::now();
+        let (plan, routes, topo) = (&self.plan, &self.routes, &self.topo);
+        let transport = self.transport.as_ref();
+        let results: Vec<std::result::Result<(WorkerOutput, f64, f64), ExecError>> =
+            std::thread::scope(|sc| {
+                let handles: Vec<_> = self
+                    .workers
+                    .iter_mut()
+                    .map(|worker| {
+                        let batches = &batches;
+                        sc.spawn(move || {
+                            let r = (|| {
+                                let mut out =
+                                    worker.run(plan, routes, transport, batches, scale, clock)?;
+                                let rank = worker.rank;
+                                // Sum each stage's gradients over its replica group.
+                                for (held, g) in worker.stages.iter().zip(out.grads.iter_mut()) {
+                                    for layer in g.iter_mut() {
+                                        transport.all_reduce(rank, &topo.groups[held.stage], layer)?;
+                                    }
+                                }
+                                // Global norm: each stage counted once, by its first host.
+                                let sq = sum_squares(
+                                    worker
+                                        .stages
+                                        .iter()
+                                        .zip(&out.grads)
+                                        .filter(|(h, _)| topo.leads(rank, h.stage))
+                                        .flat_map(|(_, g)| g.iter()),
+                                );
+                                let mut sums = [sq, out.loss_sum as f32];
+                                transport.all_reduce(rank, &topo.everyone, &mut sums)?;
+                                let norm = (sums[0] as f64).sqrt();
+                                let factor = clip_factor(norm, clip);
+                                let _guard = autodiff_lock();
+                                for (held, g) in worker.stages.iter_mut().zip(&out.grads) {
+                                    let layers = std::mem::take(&mut held.module.layers);
+                                    held.module.layers = layers
+                                        .into_iter()
+                                        .zip(g)
+                                        .zip(held.optims.iter_mut())
+                                        .map(|((layer, g), o)| {
+                                            let gp = grads_params(&layer, g, factor);
+                                            o.step(lr, layer, gp)
+                                        })
+                                        .collect();
+                                }
+                                Ok((out, norm, sums[1] as f64))
+                            })();
+                            if r.is_err() {
+                                transport.abort();
+                            }
+                            r
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().expect("worker thread panicked"))
+                    .collect()
+            });
+        let seconds = clock.elapsed().as_secs_f64();
+        let mut busy = vec![0.0; self.workers.len()];
+        let mut actions = Vec::new();
+        let (mut norm, mut loss_total) = (0.0, 0.0);
+        let mut first_err = None;
+        for r in results {
+            match r {
+                Ok((out, g, l)) => {
+                    for a in &out.actions {
+                        busy[a.worker] += a.end - a.start;
+                    }
+                    actions.extend(out.actions);
+                    norm = g;
+                    loss_total = l;
+                }
+                Err(e) => {
+                    // Report the root cause, not the "aborted" echoes of other workers.
+                    if first_err.is_none() || matches!(first_err, Some(ExecError::Transport(_))) {
+                        first_err = Some(e);
+                    }
+                }
+            }
+        }
+        if let Some(e) = first_err {
+            // The transport is poisoned by the abort; a fresh one lets the caller carry on.
+            if let Ok(t) = transport_for(&self.plan, self.links.as_ref()) {
+                self.transport = t;
+            }
+            return Err(e);
+        }
+        let loss = loss_total / n as f64;
+        if !loss.is_finite() {
+            return Err(ExecError::NonFinite(loss));
+        }
+        self.step += 1;
+        let tokens = (n * self.cfg.rows * self.cfg.model.seq_len) as u64;
+        Ok(StepReport {
+            step: self.step,
+            loss,
+            lr,
+            grad_norm: norm,
+            seconds,
+            tokens,
+            busy,
+            actions,
+        })
+    }
+
+    /// Each stage's module from its first host, in model order.
+    fn stages_in_order(&self) -> Vec<&Stage> {
+        (0..self.plan.num_stages())
+            .map(|s| &self.held(self.topo.groups[s][0], s).module)
+            .collect()
+    }
+
+    /// Mean held-out loss over `batches` fixed micro-batches, through every stage in model
+    /// order. Runs on `valid()` copies without autodiff, so it joins no worker's graph.
+    pub fn evaluate(&self, corpus: &Corpus, batches: usize) -> f64 {
+        let _guard = autodiff_lock();
+        let stages: Vec<Stage> = self.stages_in_order().iter().map(|s| s.valid()).collect();
+        let dev = plain_device();
+        let mut total = 0.0;
+        for i in 0..batches {
+            let mb = micro_batch(
+                &corpus.val,
+                self.cfg.model.seq_len,
+                self.cfg.rows,
+                self.cfg.seed,
+                u64::MAX,
+                i as u64,
+            );
+            let mut x = StageInput::Tokens(mb.ids_on(&mb.tokens, &dev));
+            for s in &stages {
+                x = StageInput::Hidden(s.forward(x));
+            }
+            let StageInput::Hidden(logits) = x else {
+                unreachable!("a plan has at least one stage")
+            };
+            total += loss(logits, mb.ids_on(&mb.targets, &dev)).into_scalar::<f32>() as f64;
+        }
+        total / batches.max(1) as f64
+    }
+
+    /// All parameters in model order, flattened (for comparisons).
+    pub fn flat_params(&self) -> Vec<f32> {
+        self.stages_in_order()
+            .iter()
+            .flat_map(|s| flat_params(*s))
+            .collect()
+    }
+
+    /// Optimizer state of every layer block in model order, as bytes (for comparisons).
+    pub fn optimizer_bytes(&self) -> Vec<Vec<u8>> {
+        self.layer_state()
+            .iter()
+            .map(|(_, o)| o.into_bytes().expect("optimizer state serialises").to_vec())
+            .collect()
+    }
+
+    /// The measured timeline of a step, in the simulator's format.
+    pub fn timeline(&self, report: &StepReport) -> Timeline {
+        Timeline {
+            worker_names: (0..self.workers.len())
+                .map(|w| match self.plan.devices.get(w) {
+                    Some(d) => format!("worker {w} ({d})"),
+                    None => format!("worker {w}"),
+                })
+                .collect(),
+            actions: report.actions.clone(),
+            transfers: Vec::new(),
+        }
+    }
+}
+
+/// The in-process transport for a plan's workers, with emulated links if asked.
+fn transport_for(plan: &Plan, links: Option<&Cluster>) -> Result<Arc<dyn Transport>> {
+    let p = plan.num_workers();
+    Ok(match links {
+        Some(c) => InProcess::emulated(p, devices_for_plan(plan, c).map_err(Error::from)?),
+        None => InProcess::new(p),
+    })
+}
+
+/// Workers for `plan`, each with copies of the layer blocks (and optimizers) of the stages it
+/// hosts. Copies get their own autodiff leaves: replicas must not share graph nodes.
+fn build_workers(plan: &Plan, state: &[LayerState]) -> Vec<Worker> {
+    let ranges = plan.layer_ranges();
+    let topo = Topology::new(plan);
+    (0..plan.num_workers())
+        .map(|w| Worker {
+            rank: w,
+            stages: topo.held[w]
+                .iter()
+                .map(|&s| {
+                    let r = ranges[s].clone();
+                    HeldStage {
+                        stage: s,
+                        first_layer: r.start,
+                        module: Stage {
+                            layers: state[r.clone()]
+                                .iter()
+                                .map(|(l, _)| fresh_copy(l.clone()))
+                                .collect(),
+                        },
+                        optims: state[r].iter().map(|(_, o)| o.clone()).collect(),
+                    }
+                })
+                .collect(),
+        })
+        .collect()
+}
