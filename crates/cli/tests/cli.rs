@@ -361,7 +361,7 @@ fn train_small_run_and_bad_input() {
             &tiny[..2],
         ]
         .concat(),
-        "different model or plan",
+        "different model",
     );
     let o = pw(&[
         &[

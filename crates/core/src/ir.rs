@@ -237,7 +237,10 @@ impl Plan {
                 placement
                     .iter()
                     .enumerate()
-                    .map(|(s, &w)| Hop { stage: s, worker: w })
+                    .map(|(s, &w)| Hop {
+                        stage: s,
+                        worker: w,
+                    })
                     .collect()
             })
             .collect();
@@ -457,7 +460,9 @@ impl Plan {
             let bad = |msg: String| Error::input(file, format!("line {line}: {msg}"));
             match (r.record.as_str(), plan.as_mut()) {
                 ("plan", None) => {
-                    let kind = r.op.parse::<ScheduleKind>().map_err(|e| bad(e.to_string()))?;
+                    let kind =
+                        r.op.parse::<ScheduleKind>()
+                            .map_err(|e| bad(e.to_string()))?;
                     // Every count must be backed by rows, so a tiny file cannot ask for huge tables.
                     let limit = text.len();
                     if r.step > limit || r.worker > limit || r.microbatch > limit {

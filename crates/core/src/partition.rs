@@ -184,7 +184,9 @@ pub fn assign_layers(
 }
 
 /// What a partition minimises.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+#[serde(rename_all = "lowercase")]
 pub enum Objective {
     /// Stage forward + backward time on its device, plus sending the cut's activation onwards.
     Time,

@@ -207,7 +207,12 @@ fn zb_h1(p: usize, m: usize) -> Plan {
 /// preference: the oldest ready `B`; the oldest ready `F` if it keeps the micro-batches in
 /// flight on the worker within `limit[w]` (a micro-batch already in flight there may always
 /// continue, so a V placement cannot deadlock); the oldest pending `W`.
-pub fn greedy(kind: ScheduleKind, placement: Vec<usize>, m: usize, limit: &[usize]) -> Result<Plan> {
+pub fn greedy(
+    kind: ScheduleKind,
+    placement: Vec<usize>,
+    m: usize,
+    limit: &[usize],
+) -> Result<Plan> {
     let s_count = placement.len();
     let p = limit.len();
     let routes = Plan::full_routes(s_count, m);
@@ -371,7 +376,11 @@ mod tests {
     #[test]
     fn any_routes_run_in_gpipe_order() {
         use crate::ir::{Hop, StagePlan};
-        let st = |hosts: Vec<usize>| StagePlan { layers: 2, hosts, cost: None };
+        let st = |hosts: Vec<usize>| StagePlan {
+            layers: 2,
+            hosts,
+            cost: None,
+        };
         // Stage 3 (the head) on worker 0 with the embedding; stage 1 on two workers.
         let stages = vec![st(vec![0]), st(vec![1, 2]), st(vec![3]), st(vec![0])];
         let h = |stage, worker| Hop { stage, worker };

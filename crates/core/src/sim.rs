@@ -283,7 +283,15 @@ impl<'a> State<'a> {
 
     /// Send `a`'s result from worker `w` at time `t` to hop `dest` over the directed link's
     /// FIFO; returns the (stage, mb) key whose arrival time is now known.
-    fn send(&mut self, w: usize, t: f64, a: Action, dest: Hop, bytes: u64, gradient: bool) -> usize {
+    fn send(
+        &mut self,
+        w: usize,
+        t: f64,
+        a: Action,
+        dest: Hop,
+        bytes: u64,
+        gradient: bool,
+    ) -> usize {
         let p = self.plan.num_workers();
         let (to_stage, to) = (dest.stage, dest.worker);
         let at = if to == w {
@@ -330,14 +338,9 @@ impl<'a> State<'a> {
                 self.f_done[k] = t;
                 wake.push(k);
                 match next {
-                    Some(n) => wake.push(self.send(
-                        w,
-                        t,
-                        a,
-                        n,
-                        self.stages[a.stage].activation_out,
-                        false,
-                    )),
+                    Some(n) => {
+                        wake.push(self.send(w, t, a, n, self.stages[a.stage].activation_out, false))
+                    }
                     None => self.grad_at[k] = t,
                 }
             }

@@ -21,10 +21,15 @@ pub(crate) enum Slot {
 /// What `a` waits for (besides its worker reaching it): a list of (slot, stage).
 pub(crate) fn deps(plan: &Plan, routes: &RouteIndex, a: &Action) -> [Option<(Slot, usize)>; 2] {
     match a.op {
-        Op::F => [routes.prev(plan, a.mb, a.stage).map(|p| (Slot::F, p.stage)), None],
+        Op::F => [
+            routes.prev(plan, a.mb, a.stage).map(|p| (Slot::F, p.stage)),
+            None,
+        ],
         Op::B | Op::BW => [
             Some((Slot::F, a.stage)),
-            routes.next(plan, a.mb, a.stage).map(|n| (Slot::Grad, n.stage)),
+            routes
+                .next(plan, a.mb, a.stage)
+                .map(|n| (Slot::Grad, n.stage)),
         ],
         Op::W => [Some((Slot::Grad, a.stage)), None],
     }
@@ -457,7 +462,14 @@ mod tests {
         let mut plan = Plan::pipeline(ScheduleKind::Custom, (0..s).collect(), m, vec![]);
         plan.routes = routes
             .iter()
-            .map(|r| r.iter().map(|&st| Hop { stage: st, worker: st }).collect())
+            .map(|r| {
+                r.iter()
+                    .map(|&st| Hop {
+                        stage: st,
+                        worker: st,
+                    })
+                    .collect()
+            })
             .collect();
         plan.workers = (0..s)
             .map(|w| {
@@ -473,7 +485,13 @@ mod tests {
 
     #[test]
     fn skipped_and_swapped_stages_are_valid() {
-        validate(&routed(&[&[0, 1, 2, 3], &[0, 2, 3], &[0, 2, 1, 3], &[0, 3]])).unwrap();
+        validate(&routed(&[
+            &[0, 1, 2, 3],
+            &[0, 2, 3],
+            &[0, 2, 1, 3],
+            &[0, 3],
+        ]))
+        .unwrap();
     }
 
     #[test]
@@ -487,14 +505,14 @@ mod tests {
         let head = std::mem::take(&mut plan.workers[3]);
         plan.workers.pop();
         // Worker 0: F(0) of both, then the head's F and BW, then BW(0).
-        plan.workers[0] = vec![
-            Action::new(Op::F, 0, 0),
-            Action::new(Op::F, 0, 1),
-        ];
+        plan.workers[0] = vec![Action::new(Op::F, 0, 0), Action::new(Op::F, 0, 1)];
         plan.workers[0].extend(head);
         plan.workers[0].extend([Action::new(Op::BW, 0, 0), Action::new(Op::BW, 0, 1)]);
         validate(&plan).unwrap();
-        assert_eq!(plan.routes[1].first().unwrap().worker, plan.routes[1].last().unwrap().worker);
+        assert_eq!(
+            plan.routes[1].first().unwrap().worker,
+            plan.routes[1].last().unwrap().worker
+        );
     }
 
     #[test]

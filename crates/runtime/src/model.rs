@@ -401,16 +401,24 @@ pub enum LayerBlock {
 }
 
 impl LayerBlock {
-    fn forward_with(&self, x: StageInput, cap: &mut Option<&mut Deferred>) -> Result<Tensor<3>, String> {
+    fn forward_with(
+        &self,
+        x: StageInput,
+        cap: &mut Option<&mut Deferred>,
+    ) -> Result<Tensor<3>, String> {
         Ok(match (self, x) {
             (LayerBlock::Embed(e), StageInput::Tokens(t)) => e.forward(t),
             (LayerBlock::Block(b), StageInput::Hidden(h)) => b.forward_with(h, cap),
             (LayerBlock::Head(h), StageInput::Hidden(x)) => h.forward_with(x, cap),
             (LayerBlock::Embed(_), StageInput::Hidden(_)) => {
-                return Err("the embedding got hidden states (it must come first on a route)".into())
+                return Err(
+                    "the embedding got hidden states (it must come first on a route)".into(),
+                )
             }
             (_, StageInput::Tokens(_)) => {
-                return Err("a layer after the embedding got tokens (routes start at the embedding)".into())
+                return Err(
+                    "a layer after the embedding got tokens (routes start at the embedding)".into(),
+                )
             }
         })
     }
@@ -452,11 +460,19 @@ impl Stage {
     }
 
     /// Forward whose Linear weight gradients are deferred to a W step (see [`Deferred`]).
-    pub fn forward_split(&self, input: StageInput, deferred: &mut Deferred) -> Result<Tensor<3>, String> {
+    pub fn forward_split(
+        &self,
+        input: StageInput,
+        deferred: &mut Deferred,
+    ) -> Result<Tensor<3>, String> {
         self.forward_with(input, &mut Some(deferred))
     }
 
-    fn forward_with(&self, input: StageInput, cap: &mut Option<&mut Deferred>) -> Result<Tensor<3>, String> {
+    fn forward_with(
+        &self,
+        input: StageInput,
+        cap: &mut Option<&mut Deferred>,
+    ) -> Result<Tensor<3>, String> {
         let mut x = input;
         for l in &self.layers {
             x = StageInput::Hidden(l.forward_with(x, cap)?);

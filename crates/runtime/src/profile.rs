@@ -65,7 +65,9 @@ pub fn profile_model(cfg: &GptConfig, rows: usize, repeats: usize, seed: u64) ->
             // The weight-gradient part: what W computes after a split backward.
             let mut d = Deferred::default();
             let input = make_input();
-            let y = stage.forward_split(input, &mut d).expect("one layer block, right input");
+            let y = stage
+                .forward_split(input, &mut d)
+                .expect("one layer block, right input");
             let dy = Tensor::<3>::random(y.dims(), Distribution::Normal(0.0, 1.0), &dev);
             let g = (y * dy).sum().backward();
             d.take_output_grads(&g);

@@ -99,7 +99,10 @@ fn resume_under_another_plan() {
         .zip(&b)
         .map(|(x, y)| (x - y).abs())
         .fold(0.0f32, f32::max);
-    assert!(diff <= 1e-5, "resumed under another plan: max |diff| {diff}");
+    assert!(
+        diff <= 1e-5,
+        "resumed under another plan: max |diff| {diff}"
+    );
 }
 
 #[test]

@@ -140,7 +140,13 @@ fn swapped_adjacent_stages_give_exact_gradients() {
 /// route ends where it started.
 #[test]
 fn head_on_the_data_node_gives_exact_gradients() {
-    let mut plan = routed(1, 4, |mb| if mb == 1 { vec![0, 2, 1, 3] } else { vec![0, 1, 2, 3] });
+    let mut plan = routed(1, 4, |mb| {
+        if mb == 1 {
+            vec![0, 2, 1, 3]
+        } else {
+            vec![0, 1, 2, 3]
+        }
+    });
     plan.stages[3].hosts = vec![0];
     for r in &mut plan.routes {
         r.last_mut().unwrap().worker = 0;
@@ -185,12 +191,23 @@ fn replanning_moves_state_in_memory() {
     }
     let (params, moments) = (pipe.flat_params(), pipe.optimizer_bytes());
     // Deeper, replicated, another schedule and other boundaries; same 4 micro-batches a step.
-    let mut next = generate(ScheduleKind::ZbH1, 4, 2, 1).unwrap().replicate(2).unwrap();
+    let mut next = generate(ScheduleKind::ZbH1, 4, 2, 1)
+        .unwrap()
+        .replicate(2)
+        .unwrap();
     next.set_layers(&[1, 3, 2, 2]);
     let report = pipe.replan(next).unwrap();
     assert!(report.before.contains("2 workers") && report.after.contains("8 workers"));
-    assert_eq!(pipe.flat_params(), params, "parameters changed in the switch");
-    assert_eq!(pipe.optimizer_bytes(), moments, "AdamW moments changed in the switch");
+    assert_eq!(
+        pipe.flat_params(),
+        params,
+        "parameters changed in the switch"
+    );
+    assert_eq!(
+        pipe.optimizer_bytes(),
+        moments,
+        "AdamW moments changed in the switch"
+    );
     for _ in 0..3 {
         let a = pipe.train_step(&corpus).unwrap().loss;
         let b = plain.train_step(&corpus);
@@ -226,8 +243,14 @@ fn plan_larger_than_model_is_refused() {
     // A plan file for another layer count names both.
     let mut plan = tiny("1f1b", 2, 1, 2).plan().unwrap();
     plan.set_layers(&[3, 3]);
-    let e = Trainer::new(tiny("1f1b", 2, 1, 2), plan).err().unwrap().to_string();
-    assert!(e.contains("holds 6 layers") && e.contains("8 layer blocks"), "{e}");
+    let e = Trainer::new(tiny("1f1b", 2, 1, 2), plan)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("holds 6 layers") && e.contains("8 layer blocks"),
+        "{e}"
+    );
 }
 
 /// The B/W split is real: B's backward yields no Linear weight gradients at all; W computes
@@ -266,7 +289,10 @@ fn split_backward_defers_linear_weight_gradients() {
 
     let xs = x.require_grad();
     let mut d = Deferred::default();
-    let g = (stage.forward_split(StageInput::Hidden(xs.clone()), &mut d).unwrap() * dy)
+    let g = (stage
+        .forward_split(StageInput::Hidden(xs.clone()), &mut d)
+        .unwrap()
+        * dy)
         .sum()
         .backward();
     let mut b_part = Vec::new();
@@ -279,7 +305,11 @@ fn split_backward_defers_linear_weight_gradients() {
         .unwrap();
     d.take_output_grads(&g);
     let mut w_part = vec![0.0; b_part.len()];
-    add_grads(&stage, &GradSource::Deferred(&d.weight_grads()), &mut w_part);
+    add_grads(
+        &stage,
+        &GradSource::Deferred(&d.weight_grads()),
+        &mut w_part,
+    );
 
     let max = |a: &[f32], b: &[f32]| {
         a.iter()

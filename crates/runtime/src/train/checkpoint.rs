@@ -129,7 +129,9 @@ impl Trainer {
         for (i, (block, optim)) in state.iter().enumerate() {
             named.prefix = format!("{}.", layer_name(i, layers));
             visit_inner(block, &mut named);
-            let f = tmp.join("optimizer").join(format!("{}.bin", layer_name(i, layers)));
+            let f = tmp
+                .join("optimizer")
+                .join(format!("{}.bin", layer_name(i, layers)));
             let b = optim
                 .into_bytes()
                 .map_err(|e| Error::checkpoint(&f, format!("optimizer state: {e:?}")))?;
@@ -180,8 +182,8 @@ impl Trainer {
             .map_err(|e| Error::checkpoint(&lp, format!("no checkpoint to resume ({e})")))?;
         let ck = dir.join(latest.trim());
         let spath = ck.join("state.json");
-        let text =
-            std::fs::read_to_string(&spath).map_err(|e| Error::checkpoint(&spath, e.to_string()))?;
+        let text = std::fs::read_to_string(&spath)
+            .map_err(|e| Error::checkpoint(&spath, e.to_string()))?;
         let state: CheckpointState = serde_json::from_str(&text).map_err(|e| {
             Error::checkpoint(
                 &spath,

@@ -8,4 +8,4 @@ mod trainer;
 
 pub use config::TrainConfig;
 pub use plain::PlainTrainer;
-pub use trainer::{ReplanReport, StepReport, Trainer};
+pub use trainer::{describe, ReplanReport, StepReport, Trainer};

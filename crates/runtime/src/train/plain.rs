@@ -50,7 +50,10 @@ impl PlainTrainer {
     }
 
     pub fn flat_params(&self) -> Vec<f32> {
-        self.state.iter().flat_map(|(l, _)| flat_params(l)).collect()
+        self.state
+            .iter()
+            .flat_map(|(l, _)| flat_params(l))
+            .collect()
     }
 
     /// One step; returns the mean loss over the step's micro-batches.
@@ -71,7 +74,14 @@ impl PlainTrainer {
             let parts: Vec<MicroBatch> = mbs
                 .iter()
                 .map(|&i| {
-                    micro_batch(&corpus.train, c.model.seq_len, c.rows, c.seed, self.step, i as u64)
+                    micro_batch(
+                        &corpus.train,
+                        c.model.seq_len,
+                        c.rows,
+                        c.seed,
+                        self.step,
+                        i as u64,
+                    )
                 })
                 .collect();
             let all = MicroBatch {

@@ -165,7 +165,16 @@ impl Trainer {
     fn batches(&self, corpus: &Corpus, step: u64) -> Vec<MicroBatch> {
         let c = &self.cfg;
         (0..self.plan.num_microbatches)
-            .map(|i| micro_batch(&corpus.train, c.model.seq_len, c.rows, c.seed, step, i as u64))
+            .map(|i| {
+                micro_batch(
+                    &corpus.train,
+                    c.model.seq_len,
+                    c.rows,
+                    c.seed,
+                    step,
+                    i as u64,
+                )
+            })
             .collect()
     }
 
@@ -196,7 +205,11 @@ impl Trainer {
                                 // Sum each stage's gradients over its replica group.
                                 for (held, g) in worker.stages.iter().zip(out.grads.iter_mut()) {
                                     for layer in g.iter_mut() {
-                                        transport.all_reduce(rank, &topo.groups[held.stage], layer)?;
+                                        transport.all_reduce(
+                                            rank,
+                                            &topo.groups[held.stage],
+                                            layer,
+                                        )?;
                                     }
                                 }
                                 // Global norm: each stage counted once, by its first host.

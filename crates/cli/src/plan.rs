@@ -1,0 +1,235 @@
+//! `partition` and `plan`: cut a model into stages, and search whole-job plans.
+
+use crate::{write_file, BadInput};
+use anyhow::Result;
+use clap::Args;
+use pipewright_core::cluster::Cluster;
+use pipewright_core::partition::{partition, Objective, PartitionProblem};
+use pipewright_core::planner::search;
+use pipewright_core::profile::{Profile, StageCost};
+use pipewright_core::schedule::{generate, ScheduleKind};
+use pipewright_core::sim::memory_peaks;
+use serde_json::json;
+use std::path::PathBuf;
+
+#[derive(Args)]
+pub struct PartitionArgs {
+    /// Model profile TOML.
+    #[arg(long)]
+    profile: PathBuf,
+    /// Number of stages K.
+    #[arg(long)]
+    stages: usize,
+    /// Cluster TOML; without it, K identical devices joined by free links.
+    #[arg(long)]
+    cluster: Option<PathBuf>,
+    /// Schedule whose in-flight activations count against device memory.
+    #[arg(long, value_enum, default_value = "1f1b")]
+    schedule: ScheduleKind,
+    /// Micro-batches per iteration (default K).
+    #[arg(long)]
+    microbatches: Option<usize>,
+    /// time: forward+backward on the device plus sending the cut; params: parameter bytes.
+    #[arg(long, value_enum, default_value = "time")]
+    objective: Objective,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+pub struct PlanArgs {
+    /// Model profile TOML.
+    #[arg(long)]
+    profile: PathBuf,
+    /// Cluster TOML.
+    #[arg(long)]
+    cluster: PathBuf,
+    /// Micro-batches per iteration over all replicas (profile micro-batch units).
+    #[arg(long, default_value_t = 64)]
+    global_batch: usize,
+    /// Rows to print.
+    #[arg(long, default_value_t = 8)]
+    top: usize,
+    /// Print JSON (all candidates, best first).
+    #[arg(long)]
+    json: bool,
+    /// Write the winning whole-job plan (JSON) for `simulate --plan` and `train --plan`.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Write the winner's timeline as SVG.
+    #[arg(long)]
+    svg: Option<PathBuf>,
+    /// Write the winner's timeline as a Chrome trace.
+    #[arg(long)]
+    trace: Option<PathBuf>,
+}
+
+pub fn cmd_plan(a: PlanArgs) -> Result<()> {
+    let profile = Profile::load(&a.profile)?;
+    let cluster = Cluster::load(&a.cluster)?;
+    let t0 = std::time::Instant::now();
+    let cands = search(&profile, &cluster, a.global_batch)?;
+    let secs = t0.elapsed().as_secs_f64();
+    let best = cands.first().filter(|c| c.iteration_time.is_some());
+    if let Some(w) = best {
+        let r = w.result.as_ref().expect("simulated");
+        let title = format!(
+            "plan: {} P={} x {} replicas, M={} | iteration {:.4} s | bubble {:.1}%",
+            w.schedule,
+            w.depth,
+            w.replicas,
+            w.microbatches,
+            w.iteration_time.unwrap(),
+            100.0 * w.bubble_fraction
+        );
+        if let Some(f) = &a.svg {
+            write_file(f, &r.timeline.to_svg(&title))?;
+        }
+        if let Some(f) = &a.trace {
+            write_file(f, &r.timeline.to_chrome_trace())?;
+        }
+        if let Some(f) = &a.out {
+            write_file(f, &w.plan.as_ref().expect("winner has a plan").to_json())?;
+        }
+    }
+    if a.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json!({"candidates": cands, "search_seconds": secs}))?
+        );
+        if best.is_none() && a.out.is_some() {
+            return Err(BadInput("no candidate fits; nothing written to --out".into()).into());
+        }
+        return Ok(());
+    }
+    println!(
+        "{} candidates for \"{}\" ({} layers) on {} devices, global batch {} micro-batches ({secs:.2} s)",
+        cands.len(), profile.model.name, profile.layers.len(), cluster.len(), a.global_batch
+    );
+    println!(
+        "{:>4} {:>5} {:>4} {:>4} {:>11} {:>14} {:>12} {:>7} {:>10}  lost because",
+        "rank", "depth", "dp", "M", "schedule", "layout", "iteration s", "bubble", "peak GiB"
+    );
+    for (i, c) in cands.iter().take(a.top).enumerate() {
+        let it = c
+            .iteration_time
+            .map_or("-".to_string(), |t| format!("{t:.4}"));
+        println!(
+            "{:>4} {:>5} {:>4} {:>4} {:>11} {:>14} {:>12} {:>6.1}% {:>10.2}  {}",
+            i + 1,
+            c.depth,
+            c.replicas,
+            c.microbatches,
+            c.schedule.name(),
+            c.layout.name(),
+            it,
+            100.0 * c.bubble_fraction,
+            c.peak_memory_bytes as f64 / (1u64 << 30) as f64,
+            if i == 0 && c.iteration_time.is_some() {
+                "winner"
+            } else {
+                c.reason.as_str()
+            }
+        );
+    }
+    match best {
+        Some(w) => println!(
+            "winner: layers per stage {:?}; pipeline 0 on {}",
+            w.layers_per_stage,
+            w.devices[0].join(", ")
+        ),
+        None => {
+            return Err(BadInput(format!(
+                "no candidate fits; the smallest: {}",
+                cands[0].reason
+            ))
+            .into())
+        }
+    }
+    Ok(())
+}
+
+pub fn cmd_partition(a: PartitionArgs) -> Result<()> {
+    let profile = Profile::load(&a.profile)?;
+    let cluster = match &a.cluster {
+        Some(f) => Cluster::load(f)?,
+        None => Cluster::uniform(a.stages.max(1)),
+    };
+    let kind = a.schedule;
+    if kind.default_chunks() != 1 {
+        return Err(BadInput(format!("partition places one stage per device; --schedule {kind} puts several on one (use gpipe, 1f1b or zbh1)")).into());
+    }
+    let m = a.microbatches.unwrap_or(a.stages);
+    let in_flight = if a.stages == 0 {
+        vec![]
+    } else {
+        let plan = generate(kind, a.stages, m, 1)?;
+        memory_peaks(&plan, &vec![StageCost::default(); a.stages])
+            .iter()
+            .map(|p| p.microbatches)
+            .collect()
+    };
+    let objective = a.objective;
+    let r = partition(&PartitionProblem {
+        profile: &profile,
+        cluster: &cluster,
+        stages: a.stages,
+        objective,
+        in_flight: in_flight.clone(),
+    })?;
+    let names: Vec<&str> = r
+        .devices
+        .iter()
+        .map(|&d| cluster.devices[d].name.as_str())
+        .collect();
+    if a.json {
+        let j = json!({
+            "boundaries": r.split.layers_per_stage,
+            "stage_cost": r.split.stage_cost,
+            "bottleneck": r.split.bottleneck,
+            "devices": names,
+            "objective": objective,
+            "exact": r.exact,
+            "in_flight": in_flight,
+        });
+        println!("{}", serde_json::to_string_pretty(&j)?);
+        return Ok(());
+    }
+    let unit = if objective == Objective::Params {
+        "bytes of parameters"
+    } else {
+        "s per micro-batch (forward + backward + send)"
+    };
+    println!(
+        "{} layers of \"{}\" into {} stages; bottleneck {:.6} {unit}{}",
+        profile.layers.len(),
+        profile.model.name,
+        a.stages,
+        r.split.bottleneck,
+        if r.exact {
+            ""
+        } else {
+            " (heuristic device order: cluster too large for the exact search)"
+        }
+    );
+    println!(
+        "{:>6} {:>14} {:>18} {:>16}",
+        "stage", "layers", "device", "cost"
+    );
+    let mut lo = 0;
+    for (st, &n) in r.split.layers_per_stage.iter().enumerate() {
+        let span = format!("{}..{} ({n})", lo, lo + n - 1);
+        lo += n;
+        let dev = if objective == Objective::Params {
+            "-"
+        } else {
+            names[st]
+        };
+        println!(
+            "{st:>6} {span:>14} {dev:>18} {:>16.6}",
+            r.split.stage_cost[st]
+        );
+    }
+    Ok(())
+}

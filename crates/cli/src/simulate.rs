@@ -1,0 +1,227 @@
+//! `schedule` and `simulate`: generate plans and predict their time, bubbles and memory.
+
+use crate::{cluster_for_plan, load_valid_plan, write_file, BadInput};
+use anyhow::{Context, Result};
+use clap::Args;
+use pipewright_core::cluster::Cluster;
+use pipewright_core::ir::Plan;
+use pipewright_core::partition::{assign_layers, min_max_split};
+use pipewright_core::profile::{Profile, StageCost};
+use pipewright_core::schedule::{generate, ScheduleKind};
+use pipewright_core::sim::{check_memory, simulate, SimSetup};
+use pipewright_core::validate::validate;
+use serde_json::json;
+use std::path::PathBuf;
+
+#[derive(Args)]
+pub struct SchedArgs {
+    /// Schedule to generate.
+    #[arg(long, value_enum, default_value = "1f1b")]
+    pub kind: ScheduleKind,
+    /// Pipeline depth P: workers in the pipeline.
+    #[arg(long, default_value_t = 4)]
+    pub stages: usize,
+    /// Micro-batches M per iteration, per replica.
+    #[arg(long, default_value_t = 8)]
+    pub microbatches: usize,
+    /// Stage chunks per worker (interleaved: V, default 2; zbv: 2).
+    #[arg(long)]
+    pub chunks: Option<usize>,
+    /// Data-parallel replicas D of the pipeline (workers r P .. (r + 1) P).
+    #[arg(long, default_value_t = 1)]
+    pub replicas: usize,
+    /// Model layers to cut evenly into the stages (default: one per stage).
+    #[arg(long)]
+    pub layers: Option<usize>,
+}
+
+impl SchedArgs {
+    pub fn plan(&self) -> Result<Plan> {
+        let kind = self.kind;
+        let mut plan = generate(
+            kind,
+            self.stages,
+            self.microbatches,
+            self.chunks.unwrap_or(kind.default_chunks()),
+        )?
+        .replicate(self.replicas)?;
+        if let Some(n) = self.layers {
+            let split = min_max_split(n, plan.num_stages(), |_, lo, hi| (hi - lo) as f64)
+                .map_err(|e| BadInput(format!("--layers {n}: {e}")))?;
+            plan.set_layers(&split.layers_per_stage);
+        }
+        validate(&plan).context("internal: generated plan does not validate")?;
+        Ok(plan)
+    }
+}
+
+#[derive(Args)]
+pub struct SimulateArgs {
+    #[command(flatten)]
+    sched: SchedArgs,
+    /// Forward cost per stage-chunk (uniform costs; default 1).
+    #[arg(long, conflicts_with = "profile", allow_negative_numbers = true)]
+    cost_f: Option<f64>,
+    /// Input-gradient backward cost per stage-chunk (default 1).
+    #[arg(long, conflicts_with = "profile", allow_negative_numbers = true)]
+    cost_b: Option<f64>,
+    /// Weight-gradient cost per stage-chunk (default 1); unsplit schedules run B+W as one.
+    #[arg(long, conflicts_with = "profile", allow_negative_numbers = true)]
+    cost_w: Option<f64>,
+    /// Model profile TOML (FORMATS.md). A generated plan's stages are cut from it by the exact
+    /// partitioner; a plan file's stages take their layers' costs.
+    #[arg(long)]
+    profile: Option<PathBuf>,
+    /// Cluster TOML (FORMATS.md); workers run on the devices the plan names, else on the first ones.
+    #[arg(long)]
+    cluster: Option<PathBuf>,
+    /// Simulate a plan file (JSON/CSV, e.g. from `plan --out`) instead of generating one; its
+    /// own stage costs are used unless --profile or --cost-* say otherwise.
+    #[arg(long, conflicts_with_all = ["kind", "stages", "microbatches", "chunks", "replicas", "layers"])]
+    plan: Option<PathBuf>,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+    /// Write a Chrome trace (open in https://ui.perfetto.dev).
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Write an SVG Gantt chart.
+    #[arg(long)]
+    svg: Option<PathBuf>,
+}
+
+pub fn cmd_simulate(a: SimulateArgs) -> Result<()> {
+    let mut plan = match &a.plan {
+        Some(f) => load_valid_plan(f)?,
+        None => a.sched.plan()?,
+    };
+    let p = plan.num_workers();
+    for (flag, v) in [
+        ("--cost-f", a.cost_f),
+        ("--cost-b", a.cost_b),
+        ("--cost-w", a.cost_w),
+    ] {
+        if let Some(v) = v {
+            if !v.is_finite() || v < 0.0 {
+                return Err(BadInput(format!("{flag} {v}: costs must be finite and >= 0")).into());
+            }
+        }
+    }
+    let cluster = match &a.cluster {
+        Some(cf) => cluster_for_plan(cf, &plan)?,
+        None => Cluster::uniform(p),
+    };
+    let uniform_flags = a.cost_f.is_some() || a.cost_b.is_some() || a.cost_w.is_some();
+    let stages: Vec<StageCost> = match (&a.profile, &a.plan) {
+        (Some(pf), None) => {
+            let profile = Profile::load(pf)?;
+            assign_layers(&profile, &mut plan, &cluster)?;
+            plan.stage_costs().expect("assigned")
+        }
+        (Some(pf), Some(f)) => {
+            let profile = Profile::load(pf)?;
+            if profile.layers.len() != plan.num_layers() {
+                return Err(BadInput(format!(
+                    "{}: the plan holds {} layers but {} has {}",
+                    f.display(),
+                    plan.num_layers(),
+                    pf.display(),
+                    profile.layers.len()
+                ))
+                .into());
+            }
+            profile.stage_costs(&plan.layers_per_stage())
+        }
+        (None, _) if !uniform_flags && plan.stage_costs().is_some() => {
+            plan.stage_costs().expect("checked")
+        }
+        (None, _) => {
+            if a.cluster.is_some() && !uniform_flags {
+                return Err(BadInput(
+                    "--cluster needs costs: a plan file with stage costs (from `plan --out`), --profile, or --cost-f/b/w".into(),
+                )
+                .into());
+            }
+            let c = StageCost::uniform(
+                a.cost_f.unwrap_or(1.0),
+                a.cost_b.unwrap_or(1.0),
+                a.cost_w.unwrap_or(1.0),
+            );
+            vec![c; plan.num_stages()]
+        }
+    };
+    check_memory(&plan, &stages, &cluster)?;
+    let r = simulate(&SimSetup {
+        plan: &plan,
+        stages: &stages,
+        cluster: &cluster,
+    })?;
+    let allreduce = r.iteration_time > r.makespan;
+    let title = format!(
+        "{} | workers={} M={} stages={} | makespan {:.4}{} | bubble {:.1}%",
+        plan.kind,
+        p,
+        plan.num_microbatches,
+        plan.num_stages(),
+        r.makespan,
+        if allreduce {
+            format!(" (iteration {:.4} with all-reduce)", r.iteration_time)
+        } else {
+            String::new()
+        },
+        100.0 * r.bubble_fraction
+    );
+    if let Some(f) = &a.trace {
+        write_file(f, &r.timeline.to_chrome_trace())?;
+    }
+    if let Some(f) = &a.svg {
+        write_file(f, &r.timeline.to_svg(&title))?;
+    }
+    if a.json {
+        let mut j = serde_json::to_value(&r)?;
+        j["schedule"] = json!(plan.kind);
+        j["workers"] = json!(p);
+        j["stages"] = json!(plan.num_stages());
+        j["microbatches"] = json!(plan.num_microbatches);
+        j["layers_per_stage"] = json!(plan.layers_per_stage());
+        println!("{}", serde_json::to_string_pretty(&j)?);
+        return Ok(());
+    }
+    println!("{title}");
+    println!("layers per stage: {:?}", plan.layers_per_stage());
+    println!(
+        "{:>7} {:>12} {:>8} {:>14} {:>16}",
+        "worker", "busy", "util", "peak act", "peak act bytes"
+    );
+    for w in 0..p {
+        println!(
+            "{:>7} {:>12.4} {:>7.1}% {:>14} {:>16}",
+            w,
+            r.busy[w],
+            100.0 * r.busy[w] / r.makespan.max(1e-12),
+            r.peak_activations[w],
+            r.peak_activation_bytes[w]
+        );
+    }
+    for l in &r.links {
+        println!(
+            "link w{} -> w{}: {} bytes, busy {:.4}",
+            l.from, l.to, l.bytes, l.busy
+        );
+    }
+    if allreduce {
+        println!("gradient all-reduce per stage: {:.4?}", r.allreduce);
+    }
+    let unit = r
+        .timeline
+        .actions
+        .iter()
+        .map(|x| x.end - x.start)
+        .filter(|d| *d > 0.0)
+        .fold(f64::INFINITY, f64::min);
+    if unit.is_finite() && r.makespan / unit <= 160.0 {
+        println!("\ntimeline (one column = {unit:.4}; F forward, B input grad, W weight grad, X full backward):");
+        print!("{}", r.timeline.to_text(unit));
+    }
+    Ok(())
+}

@@ -1,0 +1,358 @@
+//! `train` and `profile`: run a plan on the real model, and measure the model's layers.
+
+use crate::{load_valid_plan, write_file, BadInput};
+use anyhow::{anyhow, Context, Result};
+use clap::Args;
+use pipewright_core::cluster::Cluster;
+use pipewright_core::schedule::ScheduleKind;
+use pipewright_core::sim::{devices_for_plan, simulate, SimSetup};
+use pipewright_runtime::data::Corpus;
+use pipewright_runtime::model::GptConfig;
+use pipewright_runtime::train::{TrainConfig, Trainer};
+use serde_json::json;
+use std::path::PathBuf;
+
+#[derive(Args)]
+pub struct TrainArgs {
+    /// TOML with any TrainConfig fields (model, schedule, stages, ...); flags override it.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Whole-job plan file (from `plan --out`, `schedule --format json`, or by hand).
+    #[arg(long, conflicts_with_all = ["schedule", "stages", "chunks", "replicas", "microbatches"])]
+    plan: Option<PathBuf>,
+    /// Pipeline schedule of the generated plan.
+    #[arg(long, value_enum)]
+    schedule: Option<ScheduleKind>,
+    /// Pipeline depth P of the generated plan (workers per pipeline).
+    #[arg(long)]
+    stages: Option<usize>,
+    /// Stage chunks per worker (interleaved; zbv uses 2).
+    #[arg(long)]
+    chunks: Option<usize>,
+    /// Data-parallel replicas D of the generated plan.
+    #[arg(long)]
+    replicas: Option<usize>,
+    /// Micro-batches M per replica per step of the generated plan.
+    #[arg(long)]
+    microbatches: Option<usize>,
+    /// Sequences per micro-batch.
+    #[arg(long)]
+    rows: Option<usize>,
+    /// Optimizer steps (in all, counting those before a --resume).
+    #[arg(long)]
+    steps: Option<u64>,
+    /// Peak learning rate (warmup, then cosine).
+    #[arg(long)]
+    lr: Option<f64>,
+    #[arg(long)]
+    seed: Option<u64>,
+    /// UTF-8 text file to learn (default: the built-in synthetic corpus).
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Write metrics as JSON lines.
+    #[arg(long)]
+    metrics: Option<PathBuf>,
+    /// Validate every N steps (and before the first and after the last).
+    #[arg(long, default_value_t = 10)]
+    eval_every: u64,
+    /// Held-out micro-batches per validation.
+    #[arg(long, default_value_t = 8)]
+    eval_batches: usize,
+    /// Directory for checkpoints.
+    #[arg(long, default_value = "checkpoints")]
+    checkpoint_dir: PathBuf,
+    /// Write a checkpoint every N steps (0: only at the end).
+    #[arg(long, default_value_t = 0)]
+    checkpoint_every: u64,
+    /// Do not write checkpoints.
+    #[arg(long, conflicts_with = "checkpoint_every")]
+    no_checkpoint: bool,
+    /// Continue from the latest checkpoint in --checkpoint-dir (under this run's plan, which
+    /// may differ from the one that wrote it).
+    #[arg(long)]
+    resume: bool,
+    /// Write the last step's measured timeline as a Chrome trace.
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Model width.
+    #[arg(long)]
+    d_model: Option<usize>,
+    /// Transformer blocks (the model has these plus the embedding and the head as layer blocks).
+    #[arg(long)]
+    layers: Option<usize>,
+    /// Attention heads.
+    #[arg(long)]
+    heads: Option<usize>,
+    /// Sequence length.
+    #[arg(long)]
+    seq_len: Option<usize>,
+    /// Emulate this cluster's links between workers (each worker on the plan's device for it).
+    #[arg(long)]
+    cluster: Option<PathBuf>,
+    /// After training, profile the model and print simulated vs measured iteration time of the
+    /// same plan (needs at least 3 steps in this run).
+    #[arg(long)]
+    compare_sim: bool,
+}
+
+#[derive(Args)]
+pub struct ProfileArgs {
+    /// Model TOML (vocab, d_model, heads, layers, seq_len); default: the train default.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Sequences per micro-batch.
+    #[arg(long, default_value_t = 4)]
+    rows: usize,
+    /// Timed repetitions per layer (median).
+    #[arg(long, default_value_t = 5)]
+    repeats: usize,
+    /// Output file.
+    #[arg(long, default_value = "profile.toml")]
+    out: PathBuf,
+}
+
+pub fn cmd_profile(a: ProfileArgs) -> Result<()> {
+    let model = match &a.model {
+        Some(f) => {
+            let text = std::fs::read_to_string(f)
+                .map_err(|e| BadInput(format!("{}: cannot read: {e}", f.display())))?;
+            pipewright_core::error::parse_toml::<GptConfig>(&f.display().to_string(), &text)?
+        }
+        None => GptConfig::default(),
+    };
+    model.check().map_err(BadInput)?;
+    if a.rows == 0 || a.repeats == 0 {
+        return Err(BadInput("--rows and --repeats must be at least 1".into()).into());
+    }
+    let prof = pipewright_runtime::profile::profile_model(&model, a.rows, a.repeats, 42);
+    write_file(&a.out, &prof.to_toml())?;
+    let (f, b): (f64, f64) = prof
+        .layers
+        .iter()
+        .fold((0.0, 0.0), |(f, b), l| (f + l.forward, b + l.backward()));
+    println!(
+        "{} layer blocks; forward {:.4} s, backward {:.4} s per micro-batch of {} sequences",
+        prof.layers.len(),
+        f,
+        b,
+        a.rows
+    );
+    Ok(())
+}
+
+/// The run's settings: the config file, then the flags over it.
+fn config(a: &TrainArgs) -> Result<TrainConfig> {
+    let mut cfg = match &a.config {
+        Some(f) => {
+            let text = std::fs::read_to_string(f)
+                .map_err(|e| BadInput(format!("{}: cannot read: {e}", f.display())))?;
+            pipewright_core::error::parse_toml::<TrainConfig>(&f.display().to_string(), &text)?
+        }
+        None => TrainConfig::default(),
+    };
+    macro_rules! set {
+        ($($f:ident),*) => { $(if let Some(v) = a.$f.clone() { cfg.$f = v; })* };
+    }
+    set!(
+        schedule,
+        stages,
+        chunks,
+        replicas,
+        microbatches,
+        rows,
+        steps,
+        lr,
+        seed
+    );
+    macro_rules! set_model {
+        ($($f:ident),*) => { $(if let Some(v) = a.$f { cfg.model.$f = v; })* };
+    }
+    set_model!(d_model, layers, heads, seq_len);
+    if a.chunks.is_none() && a.schedule.is_some() {
+        cfg.chunks = cfg.schedule.default_chunks();
+    }
+    if a.eval_every == 0 || a.eval_batches == 0 {
+        return Err(BadInput("--eval-every and --eval-batches must be at least 1".into()).into());
+    }
+    cfg.check()?;
+    Ok(cfg)
+}
+
+pub fn cmd_train(a: TrainArgs) -> Result<()> {
+    let cfg = config(&a)?;
+    let plan = match &a.plan {
+        Some(f) => {
+            let plan = load_valid_plan(f)?;
+            cfg.check_plan(&plan)
+                .map_err(|e| BadInput(format!("{}: {e}", f.display())))?;
+            plan
+        }
+        None => cfg.plan()?,
+    };
+    let corpus = match &a.data {
+        Some(f) => Corpus::load(f).map_err(BadInput)?,
+        None => Corpus::builtin(),
+    };
+    corpus.check(cfg.model.seq_len).map_err(BadInput)?;
+    let links = match &a.cluster {
+        Some(f) => {
+            let c = Cluster::load(f)?;
+            devices_for_plan(&plan, &c).map_err(|e| BadInput(format!("{}: {e}", f.display())))?;
+            Some(c)
+        }
+        None => None,
+    };
+    if a.compare_sim && cfg.steps < 3 {
+        return Err(BadInput(
+            "--compare-sim needs at least 3 steps (the first two are left out as warm-up)".into(),
+        )
+        .into());
+    }
+    if !a.no_checkpoint {
+        std::fs::create_dir_all(&a.checkpoint_dir).map_err(|e| {
+            BadInput(format!(
+                "--checkpoint-dir {}: cannot create: {e}",
+                a.checkpoint_dir.display()
+            ))
+        })?;
+    }
+    let mut trainer = Trainer::with_links(cfg.clone(), plan, links.clone())?;
+    if a.resume {
+        trainer.load_checkpoint(&a.checkpoint_dir)?;
+        eprintln!(
+            "resumed from {} at step {}",
+            a.checkpoint_dir.display(),
+            trainer.step
+        );
+    }
+    let baseline = corpus.unigram_baseline();
+    eprintln!(
+        "training gpt ({} layer blocks, d_model {}) on {}: {}; {} steps; unigram baseline {:.3}",
+        cfg.model.num_blocks(),
+        cfg.model.d_model,
+        corpus.name,
+        pipewright_runtime::train::describe(&trainer.plan),
+        cfg.steps,
+        baseline
+    );
+    let mut metrics = match &a.metrics {
+        Some(f) => Some(std::io::BufWriter::new(
+            // A resumed run continues the same metrics file.
+            std::fs::OpenOptions::new()
+                .create(true)
+                .write(true)
+                .append(a.resume)
+                .truncate(!a.resume)
+                .open(f)
+                .with_context(|| format!("cannot write {}", f.display()))?,
+        )),
+        None => None,
+    };
+    let mut emit = |row: serde_json::Value| -> Result<()> {
+        if let Some(m) = metrics.as_mut() {
+            use std::io::Write;
+            writeln!(m, "{row}")?;
+            m.flush()?;
+        }
+        Ok(())
+    };
+    let first_val = trainer.evaluate(&corpus, a.eval_batches);
+    emit(
+        json!({"step": trainer.step, "loss": null, "val_loss": first_val, "val_perplexity": first_val.exp(), "tokens_per_s": null}),
+    )?;
+    let bar = indicatif::ProgressBar::new(cfg.steps);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} ETA {eta}")
+            .expect("template"),
+    );
+    bar.set_position(trainer.step);
+    let mut last = None;
+    let mut step_seconds = Vec::new();
+    let mut last_val = first_val;
+    while trainer.step < cfg.steps {
+        let r = trainer
+            .train_step(&corpus)
+            .map_err(|e| anyhow!("step {}: {e}", trainer.step + 1))?;
+        let tps = r.tokens as f64 / r.seconds;
+        let val = (r.step % a.eval_every == 0 || r.step == cfg.steps)
+            .then(|| trainer.evaluate(&corpus, a.eval_batches));
+        if let Some(v) = val {
+            last_val = v;
+        }
+        emit(
+            json!({"step": r.step, "loss": r.loss, "val_loss": val, "val_perplexity": val.map(f64::exp), "tokens_per_s": tps, "lr": r.lr, "grad_norm": r.grad_norm, "busy": r.busy, "seconds": r.seconds}),
+        )?;
+        bar.set_message(format!(
+            "loss {:.3} val {:.3} {:.0} tok/s",
+            r.loss, last_val, tps
+        ));
+        bar.inc(1);
+        if !a.no_checkpoint
+            && a.checkpoint_every > 0
+            && r.step % a.checkpoint_every == 0
+            && r.step < cfg.steps
+        {
+            trainer.save_checkpoint(&a.checkpoint_dir)?;
+        }
+        step_seconds.push(r.seconds);
+        last = Some(r);
+    }
+    bar.finish();
+    if !a.no_checkpoint {
+        let p = trainer.save_checkpoint(&a.checkpoint_dir)?;
+        eprintln!("checkpoint: {}", p.display());
+    }
+    if let (Some(f), Some(r)) = (&a.trace, &last) {
+        write_file(f, &trainer.timeline(r).to_chrome_trace())?;
+    }
+    println!(
+        "val loss {:.4} -> {:.4} (perplexity {:.2}; unigram baseline {:.4}) after {} steps",
+        first_val,
+        last_val,
+        last_val.exp(),
+        baseline,
+        trainer.step
+    );
+    if a.compare_sim {
+        if step_seconds.len() < 3 {
+            return Err(BadInput(format!(
+                "--compare-sim: this run took {} steps after resuming; it needs at least 3",
+                step_seconds.len()
+            ))
+            .into());
+        }
+        compare_sim(&trainer, links.as_ref(), &step_seconds)?;
+    }
+    Ok(())
+}
+
+/// Profile the model, simulate the same plan with the measured costs and print it beside the
+/// measured iteration time.
+fn compare_sim(trainer: &Trainer, links: Option<&Cluster>, step_seconds: &[f64]) -> Result<()> {
+    let cfg = &trainer.cfg;
+    let plan = &trainer.plan;
+    let profile = pipewright_runtime::profile::profile_model(&cfg.model, cfg.rows, 5, cfg.seed);
+    let stages = profile.stage_costs(&plan.layers_per_stage());
+    let cl = match links {
+        Some(c) => devices_for_plan(plan, c)?,
+        None => Cluster::uniform(plan.num_workers()),
+    };
+    let r = simulate(&SimSetup {
+        plan,
+        stages: &stages,
+        cluster: &cl,
+    })?;
+    let mut measured: Vec<f64> = step_seconds[2..].to_vec();
+    measured.sort_by(f64::total_cmp);
+    let m = measured[measured.len() / 2];
+    let serial: f64 = r.busy.iter().sum();
+    println!(
+        "iteration time: simulated {:.4} s, measured {:.4} s (median of {} steps), measured/simulated {:.2}",
+        r.iteration_time, m, measured.len(), m / r.iteration_time
+    );
+    println!(
+        "  in-process workers serialise autodiff work (see crates/runtime/src/backend.rs); the compute-only bound for that is {:.4} s, measured/bound {:.2}",
+        serial.max(r.iteration_time), m / serial.max(r.iteration_time)
+    );
+    Ok(())
+}
