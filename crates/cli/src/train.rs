@@ -89,6 +89,10 @@ pub struct TrainArgs {
     /// Emulate this cluster's links between workers (each worker on the plan's device for it).
     #[arg(long)]
     cluster: Option<PathBuf>,
+    /// Switch to another whole-job plan after step STEP (STEP:FILE; repeatable): parameters
+    /// and optimizer state move in memory to the new plan's workers.
+    #[arg(long, value_name = "STEP:FILE")]
+    switch_plan: Vec<String>,
     /// After training, profile the model and print simulated vs measured iteration time of the
     /// same plan (needs at least 3 steps in this run).
     #[arg(long)]
@@ -216,6 +220,32 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
             ))
         })?;
     }
+    let mut switches = Vec::new();
+    for s in &a.switch_plan {
+        let bad = || {
+            BadInput(format!(
+                "--switch-plan {s:?}: expected STEP:FILE, e.g. 20:deeper.json"
+            ))
+        };
+        let (step, file) = s.split_once(':').ok_or_else(bad)?;
+        let step: u64 = step.parse().map_err(|_| bad())?;
+        let file = PathBuf::from(file);
+        let next = load_valid_plan(&file)?;
+        cfg.check_plan(&next)
+            .map_err(|e| BadInput(format!("{}: {e}", file.display())))?;
+        if let Some(c) = &links {
+            devices_for_plan(&next, c).map_err(|e| BadInput(format!("{}: {e}", file.display())))?;
+        }
+        if step == 0 || step >= cfg.steps {
+            return Err(BadInput(format!(
+                "--switch-plan {s:?}: step {step} is not between 1 and {} (the run's last step is {})",
+                cfg.steps.saturating_sub(1),
+                cfg.steps
+            ))
+            .into());
+        }
+        switches.push((step, next));
+    }
     let mut trainer = Trainer::with_links(cfg.clone(), plan, links.clone())?;
     if a.resume {
         trainer.load_checkpoint(&a.checkpoint_dir)?;
@@ -295,6 +325,15 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
             trainer.save_checkpoint(&a.checkpoint_dir)?;
         }
         step_seconds.push(r.seconds);
+        for (_, next) in switches.iter().filter(|(at, _)| *at == r.step) {
+            let rep = trainer.replan(next.clone())?;
+            bar.suspend(|| {
+                eprintln!(
+                    "step {}: re-planned in {:.3} s\n  before: {}\n  after:  {}",
+                    r.step, rep.seconds, rep.before, rep.after
+                )
+            });
+        }
         last = Some(r);
     }
     bar.finish();

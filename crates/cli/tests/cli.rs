@@ -448,3 +448,161 @@ fn train_small_run_and_bad_input() {
         "corrupt weights",
     );
 }
+
+/// profile -> plan --out -> simulate --plan -> train --plan on examples/local4.toml, the same
+/// file throughout; then a switch of plan mid-run and the errors of a plan that does not fit.
+#[test]
+fn whole_job_plan_workflow() {
+    let model = tmp(
+        "tiny-model.toml",
+        "vocab = 256\nd_model = 16\nheads = 2\nlayers = 2\nseq_len = 16\n",
+    );
+    let tiny = [
+        "--d-model",
+        "16",
+        "--heads",
+        "2",
+        "--layers",
+        "2",
+        "--seq-len",
+        "16",
+    ];
+    let prof = tmp("tiny-prof.toml", "");
+    let run = tmp("run.json", "");
+    let local4 = shared("examples/local4.toml");
+    let o = pw(&[
+        "profile",
+        "--model",
+        &model,
+        "--rows",
+        "2",
+        "--repeats",
+        "1",
+        "--out",
+        &prof,
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = pw(&[
+        "plan",
+        "--profile",
+        &prof,
+        "--cluster",
+        &local4,
+        "--global-batch",
+        "4",
+        "--out",
+        &run,
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&run).unwrap()).unwrap();
+    assert_eq!(plan["num_microbatches"], 4);
+    let j = json(&pw(&[
+        "simulate",
+        "--plan",
+        &run,
+        "--cluster",
+        &local4,
+        "--json",
+    ]));
+    let layers: u64 = j["layers_per_stage"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .sum();
+    assert_eq!(layers, 4, "embedding, 2 blocks, head");
+    assert!(j["iteration_time"].as_f64().unwrap() >= j["makespan"].as_f64().unwrap());
+    let train = |extra: &[&str]| {
+        pw(&[
+            &[
+                "train",
+                "--plan",
+                &run,
+                "--cluster",
+                &local4,
+                "--rows",
+                "2",
+                "--no-checkpoint",
+            ][..],
+            &tiny,
+            extra,
+        ]
+        .concat())
+    };
+    let o = train(&["--steps", "3"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // Switch to a deeper, replicated plan mid-run.
+    let deeper = tmp("deeper.json", "");
+    let o = pw(&[
+        "schedule",
+        "--kind",
+        "zbh1",
+        "--stages",
+        "2",
+        "--replicas",
+        "2",
+        "--microbatches",
+        "2",
+        "--layers",
+        "4",
+        "--format",
+        "json",
+    ]);
+    std::fs::write(&deeper, &o.stdout).unwrap();
+    let o = train(&["--steps", "4", "--switch-plan", &format!("2:{deeper}")]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("step 2: re-planned in") && err.contains("after:  zbh1 on 4 workers"),
+        "{err}"
+    );
+    // A flag the plan makes meaningless is an error, and so is a plan for another model.
+    bad(
+        &["train", "--plan", &run, "--stages", "2"],
+        "cannot be used with",
+    );
+    bad(&["train", "--plan", &run], "the plan holds 4 layers");
+    bad(
+        &[
+            &[
+                "train",
+                "--plan",
+                &deeper,
+                "--cluster",
+                &shared("examples/vit_b16_params.toml"),
+            ][..],
+            &tiny,
+        ]
+        .concat(),
+        "vit_b16_params.toml",
+    );
+    // A route that does not start at the embedding is refused, naming the rule.
+    let mut broken = plan.clone();
+    let r0 = broken["routes"][0].as_array().unwrap().clone();
+    if r0.len() == 1 {
+        broken["routes"][0] = serde_json::json!([]);
+        bad(
+            &["validate", &tmp("empty-route.json", &broken.to_string())],
+            "route of mb 0 is empty",
+        );
+    }
+    let mut skip = serde_json::from_slice::<serde_json::Value>(
+        &pw(&[
+            "schedule",
+            "--stages",
+            "3",
+            "--microbatches",
+            "2",
+            "--format",
+            "json",
+        ])
+        .stdout,
+    )
+    .unwrap();
+    skip["routes"][1] = serde_json::json!([[1, 1], [2, 2]]);
+    bad(
+        &["validate", &tmp("skip0.json", &skip.to_string())],
+        "rule route-start",
+    );
+}

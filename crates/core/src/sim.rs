@@ -10,6 +10,7 @@ use crate::cluster::Cluster;
 use crate::error::{Error, Result};
 use crate::ir::{Action, Hop, Op, Plan, RouteIndex, Topology};
 use crate::profile::StageCost;
+use crate::timeline::{TimedAction, TimedTransfer, Timeline};
 use serde::Serialize;
 use std::cmp::{Ordering, Reverse};
 use std::collections::BinaryHeap;
@@ -17,36 +18,6 @@ use std::collections::BinaryHeap;
 /// Bytes of weights, gradients and the two AdamW moments: what a stage holds besides activations.
 pub fn static_memory_bytes(params: u64) -> u64 {
     4 * params
-}
-
-/// One action on the timeline.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct TimedAction {
-    pub worker: usize,
-    pub action: Action,
-    pub start: f64,
-    pub end: f64,
-}
-
-/// One message on the timeline (activation forward, gradient backward, or all-reduce share).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct TimedTransfer {
-    pub from: usize,
-    pub to: usize,
-    /// The action whose result is carried.
-    pub action: Action,
-    pub bytes: u64,
-    pub start: f64,
-    pub end: f64,
-}
-
-/// What happened, in order of start time per worker: the format both the simulator and the
-/// runtime's measurements produce.
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct Timeline {
-    pub worker_names: Vec<String>,
-    pub actions: Vec<TimedAction>,
-    pub transfers: Vec<TimedTransfer>,
 }
 
 /// In-flight activations of one worker at their peak.

@@ -3,9 +3,39 @@
 
 use crate::error::{Error, Result};
 use crate::ir::{Action, Op};
-use crate::sim::{TimedAction, TimedTransfer, Timeline};
+use serde::Serialize;
 use serde_json::{json, Value};
 use std::fmt::Write;
+
+/// One action on the timeline.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct TimedAction {
+    pub worker: usize,
+    pub action: Action,
+    pub start: f64,
+    pub end: f64,
+}
+
+/// One message on the timeline (activation forward, gradient backward, or all-reduce share).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct TimedTransfer {
+    pub from: usize,
+    pub to: usize,
+    /// The action whose result is carried.
+    pub action: Action,
+    pub bytes: u64,
+    pub start: f64,
+    pub end: f64,
+}
+
+/// What happened, in order of start time per worker: the format both the simulator and the
+/// runtime's measurements produce.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Timeline {
+    pub worker_names: Vec<String>,
+    pub actions: Vec<TimedAction>,
+    pub transfers: Vec<TimedTransfer>,
+}
 
 const US: f64 = 1e6;
 

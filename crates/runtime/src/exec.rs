@@ -11,7 +11,7 @@ use crate::transport::{Kind, Payload, Tag, Transport, TransportError};
 use burn::optim::ModuleOptimizer;
 use burn::tensor::{Tensor, TensorData};
 use pipewright_core::ir::{Op, Plan, RouteIndex};
-use pipewright_core::sim::TimedAction;
+use pipewright_core::timeline::TimedAction;
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 

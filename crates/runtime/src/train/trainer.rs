@@ -14,7 +14,8 @@ use burn::module::Module;
 use burn::optim::{AdamWConfig, ModuleOptimizer};
 use pipewright_core::cluster::Cluster;
 use pipewright_core::ir::{Plan, RouteIndex, Topology};
-use pipewright_core::sim::{devices_for_plan, TimedAction, Timeline};
+use pipewright_core::sim::devices_for_plan;
+use pipewright_core::timeline::{TimedAction, Timeline};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -54,7 +55,7 @@ pub fn describe(plan: &Plan) -> String {
     let topo = Topology::new(plan);
     let replicas = topo.groups.iter().map(Vec::len).max().unwrap_or(0);
     format!(
-        "{} on {} workers: {} stages (layers {:?}), {} micro-batches, up to {} hosts per stage",
+        "{} on {} workers: {} stages (layers {:?}), {} micro-batches a step, replica groups of up to {}",
         plan.kind,
         plan.num_workers(),
         plan.num_stages(),
