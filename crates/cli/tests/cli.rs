@@ -34,6 +34,18 @@ fn json(out: &Output) -> serde_json::Value {
     serde_json::from_slice(&out.stdout).expect("one JSON object")
 }
 
+/// Model flags of a tiny model that trains in moments.
+const TINY: [&str; 8] = [
+    "--d-model",
+    "16",
+    "--heads",
+    "2",
+    "--layers",
+    "2",
+    "--seq-len",
+    "16",
+];
+
 /// Exit 2, one line on stderr containing `want`, nothing panicked.
 fn bad(args: &[&str], want: &str) {
     let o = pw(args);
@@ -303,16 +315,7 @@ fn train_small_run_and_bad_input() {
     std::fs::create_dir_all(&dir).unwrap();
     let m = dir.join("m.jsonl");
     let ck = dir.join("ck");
-    let tiny = [
-        "--d-model",
-        "16",
-        "--heads",
-        "2",
-        "--layers",
-        "2",
-        "--seq-len",
-        "16",
-    ];
+    let tiny = TINY;
     let o = pw(&[
         &[
             "train",
@@ -457,16 +460,7 @@ fn whole_job_plan_workflow() {
         "tiny-model.toml",
         "vocab = 256\nd_model = 16\nheads = 2\nlayers = 2\nseq_len = 16\n",
     );
-    let tiny = [
-        "--d-model",
-        "16",
-        "--heads",
-        "2",
-        "--layers",
-        "2",
-        "--seq-len",
-        "16",
-    ];
+    let tiny = TINY;
     let prof = tmp("tiny-prof.toml", "");
     let run = tmp("run.json", "");
     let local4 = shared("examples/local4.toml");

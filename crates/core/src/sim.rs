@@ -439,6 +439,52 @@ pub fn simulate(setup: &SimSetup) -> Result<SimResult> {
     })
 }
 
+/// Ring all-reduce of `bytes` over `devices` (in ring order): `2 (R - 1)` steps, each moving
+/// `bytes / R` over every ring link at once, so each step lasts as long as the slowest link.
+pub fn ring_allreduce_time(cluster: &Cluster, devices: &[usize], bytes: u64) -> f64 {
+    let r = devices.len();
+    if r < 2 {
+        return 0.0;
+    }
+    let chunk = bytes.div_ceil(r as u64);
+    let step = (0..r)
+        .map(|i| cluster.transfer_time(devices[i], devices[(i + 1) % r], chunk))
+        .fold(0.0, f64::max);
+    2.0 * (r - 1) as f64 * step
+}
+
+/// The cluster's devices for a plan's workers, in worker order: the devices the plan names, or
+/// the cluster's first devices when it names none.
+pub fn devices_for_plan(plan: &Plan, cluster: &Cluster) -> Result<Cluster> {
+    let p = plan.num_workers();
+    if plan.devices.is_empty() {
+        if cluster.len() < p {
+            return Err(Error::Invalid(format!(
+                "the plan needs {p} workers but the cluster has {} devices",
+                cluster.len()
+            )));
+        }
+        return Ok(cluster.subset(&(0..p).collect::<Vec<_>>()));
+    }
+    let ids = plan
+        .devices
+        .iter()
+        .enumerate()
+        .map(|(w, name)| {
+            cluster
+                .devices
+                .iter()
+                .position(|d| &d.name == name)
+                .ok_or_else(|| {
+                    Error::Invalid(format!(
+                        "the plan puts worker {w} on device {name:?}, which the cluster does not have"
+                    ))
+                })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(cluster.subset(&ids))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -487,50 +533,4 @@ mod tests {
             v.peak_activations
         );
     }
-}
-
-/// Ring all-reduce of `bytes` over `devices` (in ring order): `2 (R - 1)` steps, each moving
-/// `bytes / R` over every ring link at once, so each step lasts as long as the slowest link.
-pub fn ring_allreduce_time(cluster: &Cluster, devices: &[usize], bytes: u64) -> f64 {
-    let r = devices.len();
-    if r < 2 {
-        return 0.0;
-    }
-    let chunk = bytes.div_ceil(r as u64);
-    let step = (0..r)
-        .map(|i| cluster.transfer_time(devices[i], devices[(i + 1) % r], chunk))
-        .fold(0.0, f64::max);
-    2.0 * (r - 1) as f64 * step
-}
-
-/// The cluster's devices for a plan's workers, in worker order: the devices the plan names, or
-/// the cluster's first devices when it names none.
-pub fn devices_for_plan(plan: &Plan, cluster: &Cluster) -> Result<Cluster> {
-    let p = plan.num_workers();
-    if plan.devices.is_empty() {
-        if cluster.len() < p {
-            return Err(Error::Invalid(format!(
-                "the plan needs {p} workers but the cluster has {} devices",
-                cluster.len()
-            )));
-        }
-        return Ok(cluster.subset(&(0..p).collect::<Vec<_>>()));
-    }
-    let ids = plan
-        .devices
-        .iter()
-        .enumerate()
-        .map(|(w, name)| {
-            cluster
-                .devices
-                .iter()
-                .position(|d| &d.name == name)
-                .ok_or_else(|| {
-                    Error::Invalid(format!(
-                        "the plan puts worker {w} on device {name:?}, which the cluster does not have"
-                    ))
-                })
-        })
-        .collect::<Result<Vec<_>>>()?;
-    Ok(cluster.subset(&ids))
 }

@@ -393,6 +393,8 @@ impl burn::module::ModuleMapper for Init {
 
 /// One layer block of the model: what a plan's stages are made of, and the unit that owns
 /// parameters and optimizer state (so state survives any change of plan).
+// A model has a few dozen of these; boxing the large variant would buy nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Module, Debug)]
 pub enum LayerBlock {
     Embed(Embed),
