@@ -174,9 +174,6 @@ impl RouteIndex {
         self.position(mb, stage)
             .and_then(|i| i.checked_sub(1).map(|j| plan.routes[mb][j]))
     }
-    pub fn visits(&self, mb: usize, stage: usize) -> bool {
-        self.position(mb, stage).is_some()
-    }
 }
 
 /// Who talks to whom, derived from a plan in one place: each stage's replica group (the hosts
@@ -353,10 +350,6 @@ impl Plan {
     /// The default route: every stage in model order.
     pub fn full_routes(num_stages: usize, num_microbatches: usize) -> Vec<Vec<usize>> {
         vec![(0..num_stages).collect(); num_microbatches]
-    }
-    /// Stage numbers of `mb`'s route, in order.
-    pub fn route_stages(&self, mb: usize) -> Vec<usize> {
-        self.routes[mb].iter().map(|h| h.stage).collect()
     }
     /// Does the plan split any backward into `B` and `W`?
     pub fn splits_backward(&self) -> bool {
