@@ -56,6 +56,59 @@ enum Format {
     Csv,
 }
 
+/// This process's MPI rank, once MPI is up (errors of input are then printed by rank 0 only).
+static RANK: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+
+pub fn set_rank(rank: usize) {
+    let _ = RANK.set(rank);
+}
+
+/// The signal that asked this process to stop, 0 if none.
+static STOP_SIGNAL: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+extern "C" fn on_stop_signal(sig: libc::c_int) {
+    STOP_SIGNAL.store(sig, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// Over MPI, the launcher ends every rank when one dies: say what this rank was waiting for
+/// (which names the peer it needed) before exiting, instead of vanishing silently.
+pub fn watch_signals(rank: usize) {
+    #[cfg(unix)]
+    unsafe {
+        libc::signal(
+            libc::SIGTERM,
+            on_stop_signal as *const () as libc::sighandler_t,
+        );
+        libc::signal(
+            libc::SIGINT,
+            on_stop_signal as *const () as libc::sighandler_t,
+        );
+    }
+    std::thread::spawn(move || loop {
+        let sig = STOP_SIGNAL.load(std::sync::atomic::Ordering::SeqCst);
+        if sig != 0 {
+            #[cfg(feature = "mpi")]
+            let waiting = pipewright_runtime::mpi::waiting_for();
+            #[cfg(not(feature = "mpi"))]
+            let waiting: Option<String> = None;
+            let name = if sig == libc::SIGINT {
+                "SIGINT"
+            } else {
+                "SIGTERM"
+            };
+            eprintln!(
+                "rank {rank}: stopped by {name} (the launcher ends the job when a rank fails) {}",
+                match waiting {
+                    Some(w) => format!("while waiting for {w}"),
+                    None => "while computing, not waiting for a peer".into(),
+                }
+            );
+            std::process::exit(128 + sig);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    });
+}
+
 /// Errors that are the user's input: exit 2.
 #[derive(Debug)]
 pub struct BadInput(pub String);
@@ -108,13 +161,19 @@ fn main() {
                     )
                 )
         });
-        eprintln!(
-            "error: {}",
-            e.chain()
-                .map(|c| c.to_string())
-                .collect::<Vec<_>>()
-                .join(": ")
-        );
+        let text = e
+            .chain()
+            .map(|c| c.to_string())
+            .collect::<Vec<_>>()
+            .join(": ");
+        match RANK.get() {
+            // Every rank sees the same bad input; one message is enough.
+            Some(&r) if bad && r > 0 => {}
+            Some(&r) if text.contains(&format!("rank {r}:")) => eprintln!("error: {text}"),
+            Some(&r) => eprintln!("error: rank {r}: {text}"),
+            None => eprintln!("error: {text}"),
+        }
+        // Over MPI, exit without finalising: a peer may be dead.
         std::process::exit(if bad { 2 } else { 1 });
     }
 }

@@ -11,6 +11,17 @@ use pipewright_runtime::model::GptConfig;
 use pipewright_runtime::train::{TrainConfig, Trainer};
 use serde_json::json;
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How the plan's workers run.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum TransportKind {
+    /// One process, a thread per worker.
+    Threads,
+    /// One process per worker, started by `mpirun -np WORKERS` or `srun`: rank r runs worker r.
+    Mpi,
+}
 
 #[derive(Args)]
 pub struct TrainArgs {
@@ -97,6 +108,12 @@ pub struct TrainArgs {
     /// same plan (needs at least 3 steps in this run).
     #[arg(long)]
     compare_sim: bool,
+    /// Threads in this process, or MPI processes (launch with `mpirun -np WORKERS`).
+    #[arg(long, value_enum, default_value = "threads")]
+    transport: TransportKind,
+    /// Seconds a worker waits for a peer's message before it gives up and names the peer.
+    #[arg(long, default_value_t = 60.0)]
+    peer_timeout: f64,
 }
 
 #[derive(Args)]
@@ -182,7 +199,41 @@ fn config(a: &TrainArgs) -> Result<TrainConfig> {
     Ok(cfg)
 }
 
+/// This process's part in an MPI job, once MPI is up.
+#[cfg(feature = "mpi")]
+type Procs = Option<Arc<pipewright_runtime::mpi::Mpi>>;
+#[cfg(not(feature = "mpi"))]
+type Procs = Option<std::convert::Infallible>;
+
+/// Start MPI if asked (before anything that may fail, so errors can be printed by rank 0 only).
+fn start_transport(a: &TrainArgs) -> Result<Procs> {
+    if !(a.peer_timeout.is_finite() && a.peer_timeout > 0.0 && a.peer_timeout <= 1e6) {
+        return Err(BadInput(format!(
+            "--peer-timeout {}: expected seconds between 0 and 1000000",
+            a.peer_timeout
+        ))
+        .into());
+    }
+    if a.transport == TransportKind::Threads {
+        return Ok(None);
+    }
+    #[cfg(feature = "mpi")]
+    {
+        let m = pipewright_runtime::mpi::Mpi::start(Duration::from_secs_f64(a.peer_timeout))
+            .map_err(|e| anyhow!("{e}"))?;
+        crate::set_rank(m.world().rank);
+        crate::watch_signals(m.world().rank);
+        Ok(Some(Arc::new(m)))
+    }
+    #[cfg(not(feature = "mpi"))]
+    Err(BadInput(
+        "--transport mpi: this pipewright was built without MPI (cargo feature `mpi`; scripts/test installs Open MPI and builds it)".into(),
+    )
+    .into())
+}
+
 pub fn cmd_train(a: TrainArgs) -> Result<()> {
+    let procs = start_transport(&a)?;
     let cfg = config(&a)?;
     let plan = match &a.plan {
         Some(f) => {
@@ -199,6 +250,12 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
     };
     corpus.check(cfg.model.seq_len).map_err(BadInput)?;
     let links = match &a.cluster {
+        Some(_) if procs.is_some() => {
+            return Err(BadInput(
+                "--cluster emulates links between threads; over MPI the network is real (drop --cluster)".into(),
+            )
+            .into())
+        }
         Some(f) => {
             let c = Cluster::load(f)?;
             devices_for_plan(&plan, &c).map_err(|e| BadInput(format!("{}: {e}", f.display())))?;
@@ -212,7 +269,7 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
         )
         .into());
     }
-    if !a.no_checkpoint {
+    if !a.no_checkpoint && procs.as_ref().is_none_or(|m| is_rank0(m)) {
         std::fs::create_dir_all(&a.checkpoint_dir).map_err(|e| {
             BadInput(format!(
                 "--checkpoint-dir {}: cannot create: {e}",
@@ -246,17 +303,54 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
         }
         switches.push((step, next));
     }
-    let mut trainer = Trainer::with_links(cfg.clone(), plan, links.clone())?;
+    let mut trainer = match &procs {
+        None => Trainer::in_process(
+            cfg.clone(),
+            plan,
+            links.clone(),
+            Duration::from_secs_f64(a.peer_timeout),
+        )?,
+        #[cfg(feature = "mpi")]
+        Some(m) => {
+            let w = m.world();
+            if w.size != plan.num_workers() {
+                return Err(BadInput(format!(
+                    "the plan has {} workers but MPI started {} ranks: launch with `mpirun -np {}`",
+                    plan.num_workers(),
+                    w.size,
+                    plan.num_workers()
+                ))
+                .into());
+            }
+            if let Some((step, next)) = switches.iter().find(|(_, p)| p.num_workers() != w.size) {
+                return Err(BadInput(format!(
+                    "--switch-plan at step {step}: that plan has {} workers, this MPI job {} ranks (a re-plan keeps the processes)",
+                    next.num_workers(),
+                    w.size
+                ))
+                .into());
+            }
+            let t: Arc<dyn pipewright_runtime::transport::Transport> = m.clone();
+            Trainer::distributed(cfg.clone(), plan, w.rank, t)?
+        }
+        #[cfg(not(feature = "mpi"))]
+        Some(never) => match *never {},
+    };
+    let root = trainer.is_root();
+    // Only rank 0 speaks, writes metrics and checkpoints.
+    macro_rules! say {
+        ($($t:tt)*) => { if root { eprintln!($($t)*); } };
+    }
     if a.resume {
         trainer.load_checkpoint(&a.checkpoint_dir)?;
-        eprintln!(
+        say!(
             "resumed from {} at step {}",
             a.checkpoint_dir.display(),
             trainer.step
         );
     }
     let baseline = corpus.unigram_baseline();
-    eprintln!(
+    say!(
         "training gpt ({} layer blocks, d_model {}) on {}: {}; {} steps; unigram baseline {:.3}",
         cfg.model.num_blocks(),
         cfg.model.d_model,
@@ -266,7 +360,7 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
         baseline
     );
     let mut metrics = match &a.metrics {
-        Some(f) => Some(std::io::BufWriter::new(
+        Some(f) if root => Some(std::io::BufWriter::new(
             // A resumed run continues the same metrics file.
             std::fs::OpenOptions::new()
                 .create(true)
@@ -276,7 +370,7 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
                 .open(f)
                 .with_context(|| format!("cannot write {}", f.display()))?,
         )),
-        None => None,
+        _ => None,
     };
     let mut emit = |row: serde_json::Value| -> Result<()> {
         if let Some(m) = metrics.as_mut() {
@@ -286,11 +380,15 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
         }
         Ok(())
     };
-    let first_val = trainer.evaluate(&corpus, a.eval_batches);
+    let first_val = trainer.evaluate(&corpus, a.eval_batches)?;
     emit(
         json!({"step": trainer.step, "loss": null, "val_loss": first_val, "val_perplexity": first_val.exp(), "tokens_per_s": null}),
     )?;
-    let bar = indicatif::ProgressBar::new(cfg.steps);
+    let bar = if root {
+        indicatif::ProgressBar::new(cfg.steps)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
     bar.set_style(
         indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} ETA {eta}")
             .expect("template"),
@@ -304,8 +402,11 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
             .train_step(&corpus)
             .map_err(|e| anyhow!("step {}: {e}", trainer.step + 1))?;
         let tps = r.tokens as f64 / r.seconds;
-        let val = (r.step % a.eval_every == 0 || r.step == cfg.steps)
-            .then(|| trainer.evaluate(&corpus, a.eval_batches));
+        let val = if r.step % a.eval_every == 0 || r.step == cfg.steps {
+            Some(trainer.evaluate(&corpus, a.eval_batches)?)
+        } else {
+            None
+        };
         if let Some(v) = val {
             last_val = v;
         }
@@ -328,9 +429,12 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
         for (_, next) in switches.iter().filter(|(at, _)| *at == r.step) {
             let rep = trainer.replan(next.clone())?;
             bar.suspend(|| {
-                eprintln!(
+                say!(
                     "step {}: re-planned in {:.3} s\n  before: {}\n  after:  {}",
-                    r.step, rep.seconds, rep.before, rep.after
+                    r.step,
+                    rep.seconds,
+                    rep.before,
+                    rep.after
                 )
             });
         }
@@ -339,7 +443,14 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
     bar.finish();
     if !a.no_checkpoint {
         let p = trainer.save_checkpoint(&a.checkpoint_dir)?;
-        eprintln!("checkpoint: {}", p.display());
+        say!("checkpoint: {}", p.display());
+    }
+    #[cfg(feature = "mpi")]
+    if let Some(m) = &procs {
+        m.finish();
+    }
+    if !root {
+        return Ok(());
     }
     if let (Some(f), Some(r)) = (&a.trace, &last) {
         write_file(f, &trainer.timeline(r).to_chrome_trace())?;
@@ -363,6 +474,15 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
         compare_sim(&trainer, links.as_ref(), &step_seconds)?;
     }
     Ok(())
+}
+
+#[cfg(feature = "mpi")]
+fn is_rank0(m: &Arc<pipewright_runtime::mpi::Mpi>) -> bool {
+    m.world().rank == 0
+}
+#[cfg(not(feature = "mpi"))]
+fn is_rank0(never: &std::convert::Infallible) -> bool {
+    match *never {}
 }
 
 /// Profile the model, simulate the same plan with the measured costs and print it beside the

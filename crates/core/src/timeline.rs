@@ -3,12 +3,12 @@
 
 use crate::error::{Error, Result};
 use crate::ir::{Action, Op};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::fmt::Write;
 
 /// One action on the timeline.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct TimedAction {
     pub worker: usize,
     pub action: Action,

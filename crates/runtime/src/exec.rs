@@ -134,7 +134,9 @@ impl Worker {
                 Op::F => {
                     let received = match prev {
                         None => None,
-                        Some(_) => Some(transport.recv(self.rank, recv_tag(Kind::Activation))?),
+                        Some(p) => {
+                            Some(transport.recv(self.rank, p.worker, recv_tag(Kind::Activation))?)
+                        }
                     };
                     let _guard = autodiff_lock();
                     let start = clock.elapsed().as_secs_f64();
@@ -198,11 +200,11 @@ impl Worker {
                     let s = saved
                         .remove(&(a.stage, a.mb))
                         .ok_or_else(|| bad(format!("{a} before its forward")))?;
-                    let received = match &s.output {
-                        Out::Hidden(_) => {
-                            Some(transport.recv(self.rank, recv_tag(Kind::Gradient))?)
+                    let received = match (&s.output, next) {
+                        (Out::Hidden(_), Some(n)) => {
+                            Some(transport.recv(self.rank, n.worker, recv_tag(Kind::Gradient))?)
                         }
-                        Out::Loss(_) => None,
+                        _ => None,
                     };
                     let _guard = autodiff_lock();
                     let start = clock.elapsed().as_secs_f64();

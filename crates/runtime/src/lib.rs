@@ -6,6 +6,8 @@ pub mod error;
 pub mod exec;
 pub mod grads;
 pub mod model;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 pub mod profile;
 pub mod train;
 pub mod transport;

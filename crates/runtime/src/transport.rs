@@ -1,7 +1,7 @@
 //! How workers exchange activations, gradients and reductions. The in-process transport runs
 //! workers as threads over shared mailboxes; optional emulated links delay each message by
 //! `latency + bytes / bandwidth + overhead` (FIFO per directed link), so a heterogeneous network
-//! can be reproduced on one machine.
+//! can be reproduced on one machine. Worker processes use `crate::mpi` (feature `mpi`).
 
 use pipewright_core::cluster::Cluster;
 use std::collections::HashMap;
@@ -24,6 +24,16 @@ pub struct Tag {
     pub mb: usize,
 }
 
+impl std::fmt::Display for Tag {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let what = match self.kind {
+            Kind::Activation => "activation into",
+            Kind::Gradient => "gradient of the output of",
+        };
+        write!(f, "{what} stage {}, micro-batch {}", self.stage, self.mb)
+    }
+}
+
 /// A tensor on the wire: shape and values.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Payload {
@@ -39,16 +49,36 @@ impl Payload {
 
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
 pub enum TransportError {
-    #[error("worker {worker}: no message {tag:?} after {secs} s (a peer died or the plan is inconsistent)")]
-    Timeout { worker: usize, tag: Tag, secs: u64 },
+    /// A point-to-point message did not come: its sender died, hangs, or the plan is wrong.
+    #[error("{unit} {at}: waited {secs} s for the {tag} from {unit} {from}, in vain ({unit} {from} died or is stuck; --peer-timeout sets the bound)")]
+    Timeout {
+        unit: &'static str,
+        at: usize,
+        from: usize,
+        tag: Tag,
+        secs: u64,
+    },
+    /// A collective did not complete: a member died or is stuck.
+    #[error("{unit} {at}: {what} over {unit}s {group:?} did not complete in {secs} s (one of them died or is stuck; --peer-timeout sets the bound)")]
+    Collective {
+        unit: &'static str,
+        at: usize,
+        what: &'static str,
+        group: Vec<usize>,
+        secs: u64,
+    },
     #[error("aborted: another worker failed")]
     Aborted,
+    #[error("MPI: {0}")]
+    Mpi(String),
 }
 
-/// Point-to-point messages and all-reduce between workers (ranks are global worker ids).
+/// Point-to-point messages, all-reduce and all-gather between workers (ranks are the plan's
+/// worker ids). Every wait is bounded by the transport's peer timeout.
 pub trait Transport: Send + Sync {
     fn send(&self, from: usize, to: usize, tag: Tag, payload: Payload);
-    fn recv(&self, at: usize, tag: Tag) -> Result<Payload, TransportError>;
+    /// Wait at worker `at` for the message `tag` that worker `from` sends.
+    fn recv(&self, at: usize, from: usize, tag: Tag) -> Result<Payload, TransportError>;
     /// Sum `data` element-wise over the ranks in `group` (every member calls with the same
     /// group, in the same order of calls); each gets the sum.
     fn all_reduce(
@@ -57,6 +87,13 @@ pub trait Transport: Send + Sync {
         group: &[usize],
         data: &mut [f32],
     ) -> Result<(), TransportError>;
+    /// Every worker's `part` in rank order, to every worker (each calls once per round).
+    fn all_gather(&self, rank: usize, part: Vec<u8>) -> Result<Vec<Vec<u8>>, TransportError>;
+    /// Get ready for a plan with these stage groups (MPI builds a communicator per group).
+    /// Every worker calls it with the same groups.
+    fn prepare(&self, _groups: &[Vec<usize>]) -> Result<(), TransportError> {
+        Ok(())
+    }
     /// Tell everyone waiting that a worker failed, so nobody hangs.
     fn abort(&self);
 }
@@ -67,11 +104,11 @@ struct Mailbox {
 }
 
 #[derive(Default)]
-struct Reduction {
-    /// Contributions by position in the group, summed in that order once all arrived, so the
-    /// result is bit-identical whatever the arrival order.
-    parts: Vec<Option<Vec<f32>>>,
-    sum: Option<Vec<f32>>,
+struct Exchange {
+    /// Contributions by position in the group; complete once all arrived, so a reduction can
+    /// sum them in group order and be bit-identical whatever the arrival order.
+    parts: Vec<Option<Vec<u8>>>,
+    /// Members yet to read the completed parts.
     left: usize,
 }
 
@@ -83,28 +120,30 @@ pub struct InProcess {
     boxes: Vec<Mailbox>,
     /// Emulated network: device per worker and the cluster's links; `None` = instant.
     links: Option<EmulatedLinks>,
-    reductions: Mutex<HashMap<(Vec<usize>, u64), Reduction>>,
-    /// Calls of all_reduce per (rank, group), so repeated reductions pair up.
+    exchanges: Mutex<HashMap<(Vec<usize>, u64), Exchange>>,
+    /// Collective calls per (rank, group), so repeated rounds pair up.
     rounds: Mutex<HashMap<(usize, Vec<usize>), u64>>,
-    reduced: Condvar,
+    exchanged: Condvar,
     aborted: AtomicBool,
     timeout: Duration,
 }
 
 impl InProcess {
     pub fn new(workers: usize) -> Arc<Self> {
-        Arc::new(Self::build(workers, None))
+        Arc::new(Self::build(workers, None, DEFAULT_TIMEOUT))
     }
 
-    /// Emulate `cluster`'s links; worker `w` sits on the cluster's device `w`.
-    pub fn emulated(workers: usize, cluster: Cluster) -> Arc<Self> {
+    /// Emulate `cluster`'s links; worker `w` sits on the cluster's device `w`. Waits give up
+    /// after `timeout`.
+    pub fn emulated(workers: usize, cluster: Option<Cluster>, timeout: Duration) -> Arc<Self> {
         Arc::new(Self::build(
             workers,
-            Some((cluster, Mutex::new(HashMap::new()))),
+            cluster.map(|c| (c, Mutex::new(HashMap::new()))),
+            timeout,
         ))
     }
 
-    fn build(workers: usize, links: Option<EmulatedLinks>) -> Self {
+    fn build(workers: usize, links: Option<EmulatedLinks>, timeout: Duration) -> Self {
         InProcess {
             boxes: (0..workers)
                 .map(|_| Mailbox {
@@ -113,14 +152,78 @@ impl InProcess {
                 })
                 .collect(),
             links,
-            reductions: Mutex::new(HashMap::new()),
+            exchanges: Mutex::new(HashMap::new()),
             rounds: Mutex::new(HashMap::new()),
-            reduced: Condvar::new(),
+            exchanged: Condvar::new(),
             aborted: AtomicBool::new(false),
-            timeout: Duration::from_secs(600),
+            timeout,
+        }
+    }
+
+    /// Every member's `part`, in group order, once all have called.
+    fn exchange(
+        &self,
+        rank: usize,
+        group: &[usize],
+        part: Vec<u8>,
+        what: &'static str,
+    ) -> Result<Vec<Vec<u8>>, TransportError> {
+        let round = {
+            let mut r = self.rounds.lock().unwrap();
+            let c = r.entry((rank, group.to_vec())).or_insert(0);
+            *c += 1;
+            *c
+        };
+        let key = (group.to_vec(), round);
+        let deadline = Instant::now() + self.timeout;
+        let mut ex = self.exchanges.lock().unwrap();
+        {
+            let slot = ex.entry(key.clone()).or_default();
+            if slot.parts.is_empty() {
+                slot.parts = vec![None; group.len()];
+                slot.left = group.len();
+            }
+            let me = group
+                .iter()
+                .position(|&g| g == rank)
+                .expect("rank is in its group");
+            slot.parts[me] = Some(part);
+        }
+        self.exchanged.notify_all();
+        loop {
+            if self.aborted.load(Ordering::SeqCst) {
+                return Err(TransportError::Aborted);
+            }
+            let slot = ex.get_mut(&key).expect("slot lives until all read it");
+            if slot.parts.iter().all(Option::is_some) {
+                slot.left -= 1;
+                let parts = if slot.left == 0 {
+                    ex.remove(&key).expect("slot").parts
+                } else {
+                    slot.parts.clone()
+                };
+                return Ok(parts.into_iter().flatten().collect());
+            }
+            if Instant::now() >= deadline {
+                return Err(TransportError::Collective {
+                    unit: "worker",
+                    at: rank,
+                    what,
+                    group: group.to_vec(),
+                    secs: self.timeout.as_secs(),
+                });
+            }
+            ex = self
+                .exchanged
+                .wait_timeout(ex, Duration::from_millis(100))
+                .unwrap()
+                .0;
         }
     }
 }
+
+/// How long a worker waits for a peer by default.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
 impl Transport for InProcess {
     fn send(&self, from: usize, to: usize, tag: Tag, payload: Payload) {
@@ -141,7 +244,7 @@ impl Transport for InProcess {
         mb.ready.notify_all();
     }
 
-    fn recv(&self, at: usize, tag: Tag) -> Result<Payload, TransportError> {
+    fn recv(&self, at: usize, from: usize, tag: Tag) -> Result<Payload, TransportError> {
         let mb = &self.boxes[at];
         let deadline = Instant::now() + self.timeout;
         let mut msgs = mb.messages.lock().unwrap();
@@ -162,7 +265,9 @@ impl Transport for InProcess {
             }
             if now >= deadline {
                 return Err(TransportError::Timeout {
-                    worker: at,
+                    unit: "worker",
+                    at,
+                    from,
                     tag,
                     secs: self.timeout.as_secs(),
                 });
@@ -184,65 +289,20 @@ impl Transport for InProcess {
         if group.len() <= 1 {
             return Ok(());
         }
-        let round = {
-            let mut r = self.rounds.lock().unwrap();
-            let c = r.entry((rank, group.to_vec())).or_insert(0);
-            *c += 1;
-            *c
-        };
-        let key = (group.to_vec(), round);
-        let deadline = Instant::now() + self.timeout;
-        let mut red = self.reductions.lock().unwrap();
-        {
-            let slot = red.entry(key.clone()).or_default();
-            if slot.parts.is_empty() {
-                slot.parts = vec![None; group.len()];
-                slot.left = group.len();
-            }
-            let me = group
-                .iter()
-                .position(|&g| g == rank)
-                .expect("rank is in its group");
-            slot.parts[me] = Some(data.to_vec());
-            if slot.parts.iter().all(Option::is_some) {
-                let mut sum = vec![0.0f32; data.len()];
-                for part in slot.parts.iter().flatten() {
-                    sum.iter_mut().zip(part).for_each(|(s, d)| *s += d);
-                }
-                slot.sum = Some(sum);
+        let part = data.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let parts = self.exchange(rank, group, part, "all-reduce")?;
+        data.fill(0.0);
+        for p in &parts {
+            for (d, b) in data.iter_mut().zip(p.chunks_exact(4)) {
+                *d += f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
             }
         }
-        self.reduced.notify_all();
-        loop {
-            if self.aborted.load(Ordering::SeqCst) {
-                return Err(TransportError::Aborted);
-            }
-            let slot = red.get_mut(&key).expect("slot lives until all read it");
-            if let Some(sum) = &slot.sum {
-                data.copy_from_slice(sum);
-                slot.left -= 1;
-                if slot.left == 0 {
-                    red.remove(&key);
-                }
-                return Ok(());
-            }
-            if Instant::now() >= deadline {
-                return Err(TransportError::Timeout {
-                    worker: rank,
-                    tag: Tag {
-                        kind: Kind::Gradient,
-                        stage: usize::MAX,
-                        mb: usize::MAX,
-                    },
-                    secs: self.timeout.as_secs(),
-                });
-            }
-            red = self
-                .reduced
-                .wait_timeout(red, Duration::from_millis(100))
-                .unwrap()
-                .0;
-        }
+        Ok(())
+    }
+
+    fn all_gather(&self, rank: usize, part: Vec<u8>) -> Result<Vec<Vec<u8>>, TransportError> {
+        let everyone: Vec<usize> = (0..self.boxes.len()).collect();
+        self.exchange(rank, &everyone, part, "all-gather")
     }
 
     fn abort(&self) {
@@ -250,6 +310,6 @@ impl Transport for InProcess {
         for b in &self.boxes {
             b.ready.notify_all();
         }
-        self.reduced.notify_all();
+        self.exchanged.notify_all();
     }
 }

@@ -48,7 +48,10 @@ fn resume_equals_straight_training() {
     for _ in 0..10 {
         second.train_step(&corpus).unwrap();
     }
-    let (a, b) = (second.flat_params(), straight.flat_params());
+    let (a, b) = (
+        second.flat_params().unwrap(),
+        straight.flat_params().unwrap(),
+    );
     let diff = a
         .iter()
         .zip(&b)
@@ -93,7 +96,7 @@ fn resume_under_another_plan() {
     for _ in 0..10 {
         second.train_step(&corpus).unwrap();
     }
-    let (a, b) = (second.flat_params(), plain.flat_params());
+    let (a, b) = (second.flat_params().unwrap(), plain.flat_params());
     let diff = a
         .iter()
         .zip(&b)

@@ -3,7 +3,7 @@
 //! depends on the plan, so a run resumes under any other plan (depth, boundaries, replicas,
 //! schedule).
 
-use super::trainer::{optimizer, LayerState};
+use super::trainer::{fresh_state, optimizer, LayerState};
 use super::{TrainConfig, Trainer};
 use crate::backend::train_device;
 use crate::error::{Error, Result};
@@ -109,26 +109,127 @@ impl ModuleMapper for Load<'_> {
     }
 }
 
+/// (name, shape, little-endian f32 bytes) of every parameter of the given layers.
+fn named_params<'a>(
+    layers: impl IntoIterator<Item = (usize, &'a LayerBlock)>,
+    num_blocks: usize,
+) -> Vec<(String, Vec<usize>, Vec<u8>)> {
+    let mut named = Named {
+        prefix: String::new(),
+        path: Vec::new(),
+        out: Vec::new(),
+    };
+    for (i, block) in layers {
+        named.prefix = format!("{}.", layer_name(i, num_blocks));
+        visit_inner(block, &mut named);
+    }
+    named
+        .out
+        .into_iter()
+        .map(|(n, shape, v)| (n, shape, v.iter().flat_map(|x| x.to_le_bytes()).collect()))
+        .collect()
+}
+
+/// Serialise tensors (name, dtype, shape, bytes) as safetensors.
+fn to_safetensors(
+    entries: &[(String, safetensors::Dtype, Vec<usize>, Vec<u8>)],
+) -> std::result::Result<Vec<u8>, String> {
+    let views = entries
+        .iter()
+        .map(|(n, dt, shape, b)| {
+            safetensors::tensor::TensorView::new(*dt, shape.clone(), b)
+                .map(|v| (n.clone(), v))
+                .map_err(|e| format!("tensor {n}: {e}"))
+        })
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    safetensors::serialize(views, None).map_err(|e| e.to_string())
+}
+
+/// Load layer `i` of the model into `template` from `tensors`.
+fn load_layer(
+    template: LayerBlock,
+    tensors: &safetensors::SafeTensors,
+    i: usize,
+    num_blocks: usize,
+) -> std::result::Result<LayerBlock, String> {
+    let mut l = Load {
+        tensors,
+        prefix: format!("{}.", layer_name(i, num_blocks)),
+        path: Vec::new(),
+        error: None,
+    };
+    let block = map_inner(template, &mut l);
+    match l.error {
+        Some(e) => Err(e),
+        None => Ok(block),
+    }
+}
+
+/// Some layers (model index, block, optimizer) as one safetensors blob: parameters by layer
+/// name, optimizer state as `optimizer/<layer>` bytes. What processes exchange to move state.
+pub(crate) fn encode_layers(layers: &[(usize, LayerState)], num_blocks: usize) -> Result<Vec<u8>> {
+    let mut entries: Vec<_> = named_params(layers.iter().map(|(i, (b, _))| (*i, b)), num_blocks)
+        .into_iter()
+        .map(|(n, shape, b)| (n, safetensors::Dtype::F32, shape, b))
+        .collect();
+    for (i, (_, o)) in layers {
+        let b = o
+            .into_bytes()
+            .map_err(|e| Error::Config(format!("optimizer state: {e:?}")))?
+            .to_vec();
+        entries.push((
+            format!("optimizer/{}", layer_name(*i, num_blocks)),
+            safetensors::Dtype::U8,
+            vec![b.len()],
+            b,
+        ));
+    }
+    to_safetensors(&entries).map_err(Error::Config)
+}
+
+/// The whole model's state from blobs of [`encode_layers`] that together hold every layer.
+pub(crate) fn decode_layers(parts: &[Vec<u8>], cfg: &TrainConfig) -> Result<Vec<LayerState>> {
+    let bad = |m: String| Error::Config(format!("layer state from a peer: {m}"));
+    let tensors = parts
+        .iter()
+        .map(|p| safetensors::SafeTensors::deserialize(p).map_err(|e| bad(e.to_string())))
+        .collect::<Result<Vec<_>>>()?;
+    let num_blocks = cfg.model.layers;
+    fresh_state(cfg)
+        .into_iter()
+        .enumerate()
+        .map(|(i, (template, _))| {
+            let key = format!("optimizer/{}", layer_name(i, num_blocks));
+            let (t, view) = tensors
+                .iter()
+                .find_map(|t| t.tensor(&key).ok().map(|v| (t, v)))
+                .ok_or_else(|| bad(format!("no part holds {}", layer_name(i, num_blocks))))?;
+            let block = load_layer(template, t, i, num_blocks).map_err(bad)?;
+            let optim = optimizer(cfg)
+                .from_bytes(burn::tensor::Bytes::from_bytes_vec(view.data().to_vec()))
+                .map_err(|e| bad(format!("optimizer state: {e:?}")))?;
+            Ok((block, optim))
+        })
+        .collect()
+}
+
 impl Trainer {
     /// Write `dir/step-NNNNNN/` (safetensors weights, optimizer state per layer, JSON state)
     /// through a temporary directory and a rename, then point `dir/latest` at it the same way.
+    /// Across processes every rank calls it; the layers are gathered and rank 0 writes.
     pub fn save_checkpoint(&self, dir: &Path) -> Result<PathBuf> {
         let io = |p: &Path, e: std::io::Error| Error::checkpoint(p, e.to_string());
-        std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
+        let state = self.layer_state()?;
         let name = format!("step-{:06}", self.step);
+        if !self.is_root() {
+            return Ok(dir.join(name));
+        }
+        std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
         let tmp = dir.join(format!("{name}.tmp"));
         let _ = std::fs::remove_dir_all(&tmp);
         std::fs::create_dir_all(tmp.join("optimizer")).map_err(|e| io(&tmp, e))?;
         let layers = self.cfg.model.layers;
-        let state = self.layer_state();
-        let mut named = Named {
-            prefix: String::new(),
-            path: Vec::new(),
-            out: Vec::new(),
-        };
-        for (i, (block, optim)) in state.iter().enumerate() {
-            named.prefix = format!("{}.", layer_name(i, layers));
-            visit_inner(block, &mut named);
+        for (i, (_, optim)) in state.iter().enumerate() {
             let f = tmp
                 .join("optimizer")
                 .join(format!("{}.bin", layer_name(i, layers)));
@@ -137,26 +238,13 @@ impl Trainer {
                 .map_err(|e| Error::checkpoint(&f, format!("optimizer state: {e:?}")))?;
             std::fs::write(&f, &b[..]).map_err(|e| io(&f, e))?;
         }
-        let bytes: Vec<Vec<u8>> = named
-            .out
-            .iter()
-            .map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
-            .collect();
-        let views: Vec<(String, safetensors::tensor::TensorView)> = named
-            .out
-            .iter()
-            .zip(&bytes)
-            .map(|((n, shape, _), b)| {
-                (
-                    n.clone(),
-                    safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), b)
-                        .expect("consistent view"),
-                )
-            })
+        let entries: Vec<_> = named_params(state.iter().map(|(b, _)| b).enumerate(), layers)
+            .into_iter()
+            .map(|(n, shape, b)| (n, safetensors::Dtype::F32, shape, b))
             .collect();
         let wpath = tmp.join("weights.safetensors");
-        safetensors::serialize_to_file(views, None, &wpath)
-            .map_err(|e| Error::checkpoint(&wpath, e.to_string()))?;
+        let bytes = to_safetensors(&entries).map_err(|e| Error::checkpoint(&wpath, e))?;
+        std::fs::write(&wpath, bytes).map_err(|e| io(&wpath, e))?;
         let st = CheckpointState {
             step: self.step,
             config: self.cfg.clone(),
@@ -205,18 +293,10 @@ impl Trainer {
             .map_err(|e| Error::checkpoint(&wpath, format!("corrupt weights: {e}")))?;
         let layers = self.cfg.model.layers;
         let mut loaded: Vec<LayerState> = Vec::new();
-        for (i, (block, _)) in self.layer_state().into_iter().enumerate() {
+        for (i, (block, _)) in fresh_state(&self.cfg).into_iter().enumerate() {
             let name = layer_name(i, layers);
-            let mut l = Load {
-                tensors: &tensors,
-                prefix: format!("{name}."),
-                path: Vec::new(),
-                error: None,
-            };
-            let block = map_inner(block, &mut l);
-            if let Some(e) = l.error {
-                return Err(Error::checkpoint(&wpath, e));
-            }
+            let block =
+                load_layer(block, &tensors, i, layers).map_err(|e| Error::checkpoint(&wpath, e))?;
             let f = ck.join("optimizer").join(format!("{name}.bin"));
             let b = std::fs::read(&f).map_err(|e| Error::checkpoint(&f, e.to_string()))?;
             let optim = optimizer(&self.cfg)

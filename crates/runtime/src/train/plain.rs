@@ -2,12 +2,11 @@
 //! thread; each micro-batch runs the layer sequence its route in the plan visits (skipped and
 //! swapped stages included), and one backward covers all micro-batches at once.
 
-use super::trainer::{optimizer, LayerState};
+use super::trainer::{fresh_state, LayerState};
 use super::TrainConfig;
-use crate::backend::train_device;
 use crate::data::{micro_batch, Corpus, MicroBatch};
 use crate::grads::{add_grads, clip_factor, flat_params, grads_params, sum_squares, GradSource};
-use crate::model::{loss, LayerBlock, Layers, Stage, StageInput};
+use crate::model::{loss, LayerBlock, Stage, StageInput};
 use burn::tensor::Tensor;
 use pipewright_core::ir::Plan;
 
@@ -28,12 +27,7 @@ impl PlainTrainer {
             .iter()
             .map(|r| r.iter().flat_map(|h| ranges[h.stage].clone()).collect())
             .collect();
-        let layers = Layers::new(&cfg.model, cfg.seed, &train_device());
-        let state = layers
-            .into_blocks()
-            .into_iter()
-            .map(|b| (b, optimizer(&cfg)))
-            .collect();
+        let state = fresh_state(&cfg);
         PlainTrainer {
             cfg,
             sequences,

@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::exec::{ExecError, HeldStage, Worker, WorkerOutput};
 use crate::grads::{clip_factor, flat_params, grads_params, sum_squares};
 use crate::model::{fresh_copy, loss, LayerBlock, Layers, Stage, StageInput};
-use crate::transport::{InProcess, Transport};
+use crate::transport::{InProcess, Transport, DEFAULT_TIMEOUT};
 use burn::module::Module;
 use burn::optim::{AdamWConfig, ModuleOptimizer};
 use pipewright_core::cluster::Cluster;
@@ -17,7 +17,7 @@ use pipewright_core::ir::{Plan, RouteIndex, Topology};
 use pipewright_core::sim::devices_for_plan;
 use pipewright_core::timeline::{TimedAction, Timeline};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// What one optimizer step measured.
 #[derive(Debug, Clone)]
@@ -70,11 +70,16 @@ pub struct Trainer {
     pub plan: Plan,
     routes: RouteIndex,
     topo: Topology,
-    /// One per plan worker, in rank order.
+    /// `None`: every plan worker runs in this process, as a thread. `Some(r)`: this process is
+    /// one of several (an MPI rank) and runs worker `r` only.
+    rank: Option<usize>,
+    /// The workers this process runs, in rank order.
     pub workers: Vec<Worker>,
     /// Emulated links (a cluster whose devices the plan's workers sit on), if any.
     links: Option<Cluster>,
     transport: Arc<dyn Transport>,
+    /// How long an in-process worker waits for a peer.
+    timeout: Duration,
     /// Optimizer steps done.
     pub step: u64,
 }
@@ -94,48 +99,120 @@ impl Trainer {
     /// Like [`Trainer::new`], each message delayed as `links`' network would (worker `w` on the
     /// plan's device for `w`).
     pub fn with_links(cfg: TrainConfig, plan: Plan, links: Option<Cluster>) -> Result<Self> {
+        Self::in_process(cfg, plan, links, DEFAULT_TIMEOUT)
+    }
+
+    /// Every worker a thread of this process; a worker waits at most `timeout` for a peer.
+    pub fn in_process(
+        cfg: TrainConfig,
+        plan: Plan,
+        links: Option<Cluster>,
+        timeout: Duration,
+    ) -> Result<Self> {
+        let transport = transport_for(&plan, links.as_ref(), timeout)?;
+        Self::build(cfg, plan, None, links, transport, timeout)
+    }
+
+    /// This process runs worker `rank` of `plan`; the others run elsewhere (MPI ranks) and
+    /// reach it through `transport`. Every rank calls this, and then the same methods in the
+    /// same order: steps, evaluations, checkpoints and re-plans are collective.
+    pub fn distributed(
+        cfg: TrainConfig,
+        plan: Plan,
+        rank: usize,
+        transport: Arc<dyn Transport>,
+    ) -> Result<Self> {
+        if rank >= plan.num_workers() {
+            return Err(Error::Config(format!(
+                "rank {rank} has no worker in a plan of {} workers",
+                plan.num_workers()
+            )));
+        }
+        transport
+            .prepare(&Topology::new(&plan).groups)
+            .map_err(ExecError::from)?;
+        Self::build(cfg, plan, Some(rank), None, transport, DEFAULT_TIMEOUT)
+    }
+
+    fn build(
+        cfg: TrainConfig,
+        plan: Plan,
+        rank: Option<usize>,
+        links: Option<Cluster>,
+        transport: Arc<dyn Transport>,
+        timeout: Duration,
+    ) -> Result<Self> {
         cfg.check()?;
         cfg.check_plan(&plan)?;
-        let layers = Layers::new(&cfg.model, cfg.seed, &train_device());
-        let state: Vec<LayerState> = layers
-            .into_blocks()
-            .into_iter()
-            .map(|b| (b, optimizer(&cfg)))
-            .collect();
-        let transport = transport_for(&plan, links.as_ref())?;
-        let workers = build_workers(&plan, &state);
+        let state = fresh_state(&cfg);
+        let workers = build_workers(&plan, &state, rank);
         Ok(Trainer {
             routes: RouteIndex::new(&plan),
             topo: Topology::new(&plan),
             cfg,
             plan,
+            rank,
             workers,
             links,
             transport,
+            timeout,
             step: 0,
         })
     }
 
-    /// Every layer block and its optimizer, in model order (copies from each stage's first
-    /// host; all hosts agree after a step).
-    pub(crate) fn layer_state(&self) -> Vec<LayerState> {
-        let mut out = Vec::with_capacity(self.plan.num_layers());
-        for (s, group) in self.topo.groups.iter().enumerate() {
-            let held = self.held(group[0], s);
-            for (l, o) in held.module.layers.iter().zip(&held.optims) {
-                out.push((l.clone(), o.clone()));
+    /// Whether this process writes metrics, progress and checkpoints (rank 0, or the only
+    /// process).
+    pub fn is_root(&self) -> bool {
+        self.rank.is_none_or(|r| r == 0)
+    }
+
+    /// Every layer block and its optimizer, in model order (from each stage's first host; all
+    /// hosts agree after a step). Across processes every rank calls this: the stage leaders'
+    /// layers are gathered to all.
+    pub(crate) fn layer_state(&self) -> Result<Vec<LayerState>> {
+        let Some(rank) = self.rank else {
+            let mut out = Vec::with_capacity(self.plan.num_layers());
+            for (s, group) in self.topo.groups.iter().enumerate() {
+                let held = self.held(group[0], s);
+                for (l, o) in held.module.layers.iter().zip(&held.optims) {
+                    out.push((l.clone(), o.clone()));
+                }
             }
-        }
-        out
+            return Ok(out);
+        };
+        let mine: Vec<(usize, LayerState)> = self
+            .workers
+            .iter()
+            .flat_map(|w| &w.stages)
+            .filter(|h| self.topo.leads(rank, h.stage))
+            .flat_map(|h| {
+                h.module
+                    .layers
+                    .iter()
+                    .zip(&h.optims)
+                    .enumerate()
+                    .map(|(k, (l, o))| (h.first_layer + k, (l.clone(), o.clone())))
+            })
+            .collect();
+        let part = super::checkpoint::encode_layers(&mine, self.cfg.model.layers)?;
+        let parts = self
+            .transport
+            .all_gather(rank, part)
+            .map_err(ExecError::from)?;
+        super::checkpoint::decode_layers(&parts, &self.cfg)
     }
 
     /// Put `state` (model order) onto this plan's workers.
     pub(crate) fn set_layer_state(&mut self, state: &[LayerState]) {
-        self.workers = build_workers(&self.plan, state);
+        self.workers = build_workers(&self.plan, state, self.rank);
     }
 
+    /// A stage as held by worker `w` (one this process runs).
     fn held(&self, w: usize, s: usize) -> &HeldStage {
-        self.workers[w]
+        self.workers
+            .iter()
+            .find(|x| x.rank == w)
+            .expect("a worker of this process")
             .stages
             .iter()
             .find(|h| h.stage == s)
@@ -147,13 +224,25 @@ impl Trainer {
     pub fn replan(&mut self, plan: Plan) -> Result<ReplanReport> {
         let t0 = Instant::now();
         self.cfg.check_plan(&plan)?;
-        let transport = transport_for(&plan, self.links.as_ref())?;
-        let state = self.layer_state();
+        let state = self.layer_state()?;
+        match self.rank {
+            None => self.transport = transport_for(&plan, self.links.as_ref(), self.timeout)?,
+            Some(r) => {
+                if r >= plan.num_workers() {
+                    return Err(Error::Config(format!(
+                        "the new plan has {} workers; rank {r} would have none (a re-plan keeps the number of processes)",
+                        plan.num_workers()
+                    )));
+                }
+                self.transport
+                    .prepare(&Topology::new(&plan).groups)
+                    .map_err(ExecError::from)?;
+            }
+        }
         let before = describe(&self.plan);
         self.routes = RouteIndex::new(&plan);
         self.topo = Topology::new(&plan);
         self.plan = plan;
-        self.transport = transport;
         self.set_layer_state(&state);
         Ok(ReplanReport {
             before,
@@ -254,7 +343,7 @@ impl Trainer {
                     .collect()
             });
         let seconds = clock.elapsed().as_secs_f64();
-        let mut busy = vec![0.0; self.workers.len()];
+        let mut busy = vec![0.0; self.plan.num_workers()];
         let mut actions = Vec::new();
         let (mut norm, mut loss_total) = (0.0, 0.0);
         let mut first_err = None;
@@ -278,10 +367,32 @@ impl Trainer {
         }
         if let Some(e) = first_err {
             // The transport is poisoned by the abort; a fresh one lets the caller carry on.
-            if let Ok(t) = transport_for(&self.plan, self.links.as_ref()) {
-                self.transport = t;
+            if self.rank.is_none() {
+                if let Ok(t) = transport_for(&self.plan, self.links.as_ref(), self.timeout) {
+                    self.transport = t;
+                }
             }
             return Err(e);
+        }
+        if let Some(rank) = self.rank {
+            // Every rank gets every rank's measured actions (for metrics and traces).
+            let mine = serde_json::to_vec(&actions).expect("actions serialise");
+            let parts = self.transport.all_gather(rank, mine)?;
+            actions = Vec::new();
+            for p in parts {
+                let theirs: Vec<TimedAction> =
+                    serde_json::from_slice(&p).map_err(|e| ExecError::Plan {
+                        worker: rank,
+                        msg: format!("a peer's timeline does not parse: {e}"),
+                    })?;
+                actions.extend(theirs);
+            }
+            busy.iter_mut().for_each(|b| *b = 0.0);
+            for a in &actions {
+                if let Some(b) = busy.get_mut(a.worker) {
+                    *b += a.end - a.start;
+                }
+            }
         }
         let loss = loss_total / n as f64;
         if !loss.is_finite() {
@@ -301,18 +412,13 @@ impl Trainer {
         })
     }
 
-    /// Each stage's module from its first host, in model order.
-    fn stages_in_order(&self) -> Vec<&Stage> {
-        (0..self.plan.num_stages())
-            .map(|s| &self.held(self.topo.groups[s][0], s).module)
-            .collect()
-    }
-
-    /// Mean held-out loss over `batches` fixed micro-batches, through every stage in model
-    /// order. Runs on `valid()` copies without autodiff, so it joins no worker's graph.
-    pub fn evaluate(&self, corpus: &Corpus, batches: usize) -> f64 {
+    /// Mean held-out loss over `batches` fixed micro-batches, through every layer in model
+    /// order. Runs on `valid()` copies without autodiff, so it joins no worker's graph. Across
+    /// processes every rank calls it (the layers are gathered first).
+    pub fn evaluate(&self, corpus: &Corpus, batches: usize) -> Result<f64> {
+        let layers: Vec<LayerBlock> = self.layer_state()?.into_iter().map(|(l, _)| l).collect();
         let _guard = autodiff_lock();
-        let stages: Vec<Stage> = self.stages_in_order().iter().map(|s| s.valid()).collect();
+        let model = Stage { layers }.valid();
         let dev = plain_device();
         let mut total = 0.0;
         for i in 0..batches {
@@ -324,38 +430,34 @@ impl Trainer {
                 u64::MAX,
                 i as u64,
             );
-            let mut x = StageInput::Tokens(mb.ids_on(&mb.tokens, &dev));
-            for s in &stages {
-                x = StageInput::Hidden(s.forward(x));
-            }
-            let StageInput::Hidden(logits) = x else {
-                unreachable!("a plan has at least one stage")
-            };
+            let logits = model.forward(StageInput::Tokens(mb.ids_on(&mb.tokens, &dev)));
             total += loss(logits, mb.ids_on(&mb.targets, &dev)).into_scalar::<f32>() as f64;
         }
-        total / batches.max(1) as f64
+        Ok(total / batches.max(1) as f64)
     }
 
     /// All parameters in model order, flattened (for comparisons).
-    pub fn flat_params(&self) -> Vec<f32> {
-        self.stages_in_order()
-            .iter()
-            .flat_map(|s| flat_params(*s))
-            .collect()
+    pub fn flat_params(&self) -> Result<Vec<f32>> {
+        Ok(self
+            .layer_state()?
+            .into_iter()
+            .flat_map(|(l, _)| flat_params(&l))
+            .collect())
     }
 
     /// Optimizer state of every layer block in model order, as bytes (for comparisons).
-    pub fn optimizer_bytes(&self) -> Vec<Vec<u8>> {
-        self.layer_state()
+    pub fn optimizer_bytes(&self) -> Result<Vec<Vec<u8>>> {
+        Ok(self
+            .layer_state()?
             .iter()
             .map(|(_, o)| o.into_bytes().expect("optimizer state serialises").to_vec())
-            .collect()
+            .collect())
     }
 
     /// The measured timeline of a step, in the simulator's format.
     pub fn timeline(&self, report: &StepReport) -> Timeline {
         Timeline {
-            worker_names: (0..self.workers.len())
+            worker_names: (0..self.plan.num_workers())
                 .map(|w| match self.plan.devices.get(w) {
                     Some(d) => format!("worker {w} ({d})"),
                     None => format!("worker {w}"),
@@ -368,20 +470,35 @@ impl Trainer {
 }
 
 /// The in-process transport for a plan's workers, with emulated links if asked.
-fn transport_for(plan: &Plan, links: Option<&Cluster>) -> Result<Arc<dyn Transport>> {
-    let p = plan.num_workers();
-    Ok(match links {
-        Some(c) => InProcess::emulated(p, devices_for_plan(plan, c).map_err(Error::from)?),
-        None => InProcess::new(p),
-    })
+fn transport_for(
+    plan: &Plan,
+    links: Option<&Cluster>,
+    timeout: Duration,
+) -> Result<Arc<dyn Transport>> {
+    let links = match links {
+        Some(c) => Some(devices_for_plan(plan, c).map_err(Error::from)?),
+        None => None,
+    };
+    Ok(InProcess::emulated(plan.num_workers(), links, timeout))
 }
 
-/// Workers for `plan`, each with copies of the layer blocks (and optimizers) of the stages it
-/// hosts. Copies get their own autodiff leaves: replicas must not share graph nodes.
-fn build_workers(plan: &Plan, state: &[LayerState]) -> Vec<Worker> {
+/// Freshly initialised layer blocks (the model's seed) with fresh optimizers.
+pub(crate) fn fresh_state(cfg: &TrainConfig) -> Vec<LayerState> {
+    Layers::new(&cfg.model, cfg.seed, &train_device())
+        .into_blocks()
+        .into_iter()
+        .map(|b| (b, optimizer(cfg)))
+        .collect()
+}
+
+/// Workers for `plan` (all, or only `rank`), each with copies of the layer blocks (and
+/// optimizers) of the stages it hosts. Copies get their own autodiff leaves: replicas must not
+/// share graph nodes.
+fn build_workers(plan: &Plan, state: &[LayerState], rank: Option<usize>) -> Vec<Worker> {
     let ranges = plan.layer_ranges();
     let topo = Topology::new(plan);
     (0..plan.num_workers())
+        .filter(|&w| rank.is_none_or(|r| r == w))
         .map(|w| Worker {
             rank: w,
             stages: topo.held[w]

@@ -1,0 +1,225 @@
+//! Worker processes over MPI, through the real binary under `mpirun`: exact gradients against
+//! single-worker training, a refused rank count, and a rank killed mid-run (the others exit in
+//! bounded time naming it; the last checkpoint resumes). Needs Open MPI (`scripts/test` installs
+//! it); without `mpirun` these tests fail rather than pass silently.
+#![cfg(feature = "mpi")]
+
+use pipewright_core::ir::Plan;
+use pipewright_runtime::data::Corpus;
+use pipewright_runtime::train::{PlainTrainer, TrainConfig, Trainer};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn mpirun(np: usize) -> Command {
+    let ok = Command::new("mpirun")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(
+        ok,
+        "mpirun not found: run scripts/test, which installs Open MPI"
+    );
+    let mut c = Command::new("mpirun");
+    c.args([
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-np",
+        &np.to_string(),
+    ])
+    .arg(env!("CARGO_BIN_EXE_pipewright"));
+    c
+}
+
+fn dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("pw-mpi-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A small model and 3 steps.
+const RUN: [&str; 16] = [
+    "--d-model",
+    "16",
+    "--heads",
+    "2",
+    "--layers",
+    "2",
+    "--seq-len",
+    "16",
+    "--steps",
+    "3",
+    "--microbatches",
+    "4",
+    "--eval-every",
+    "3",
+    "--eval-batches",
+    "1",
+];
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// The config and plan a checkpoint was written with, and its parameters.
+fn checkpoint_params(ck: &Path) -> (TrainConfig, Plan, Vec<f32>) {
+    let name = std::fs::read_to_string(ck.join("latest")).unwrap();
+    let state: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(ck.join(name.trim()).join("state.json")).unwrap(),
+    )
+    .unwrap();
+    let cfg: TrainConfig = serde_json::from_value(state["config"].clone()).unwrap();
+    let plan: Plan = serde_json::from_value(state["plan"].clone()).unwrap();
+    let mut t = Trainer::new(cfg.clone(), plan.clone()).unwrap();
+    t.load_checkpoint(ck).unwrap();
+    (cfg, plan, t.flat_params().unwrap())
+}
+
+fn exact_under_mpi(np: usize, flags: &[&str]) {
+    let d = dir(&format!("exact{np}"));
+    let ck = d.join("ck");
+    let o = mpirun(np)
+        .args(["train", "--transport", "mpi"])
+        .args(RUN)
+        .args(flags)
+        .arg("--checkpoint-dir")
+        .arg(&ck)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{np} ranks: {}", text(&o));
+    let (cfg, plan, got) = checkpoint_params(&ck);
+    assert_eq!(plan.num_workers(), np);
+    assert_eq!(cfg.steps, 3);
+    let corpus = Corpus::builtin();
+    let mut plain = PlainTrainer::new(cfg, &plan);
+    for _ in 0..3 {
+        plain.train_step(&corpus);
+    }
+    let want = plain.flat_params();
+    assert_eq!(got.len(), want.len());
+    let worst = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(worst <= 1e-5, "{np} ranks: max |diff| {worst}");
+}
+
+#[test]
+fn two_ranks_two_stages_equal_single_worker_training() {
+    exact_under_mpi(2, &["--schedule", "1f1b", "--stages", "2"]);
+}
+
+#[test]
+fn four_ranks_two_stages_two_replicas_equal_single_worker_training() {
+    exact_under_mpi(
+        4,
+        &["--schedule", "zbh1", "--stages", "2", "--replicas", "2"],
+    );
+}
+
+#[test]
+fn a_rank_count_unlike_the_plan_is_refused_once() {
+    let o = mpirun(3)
+        .args([
+            "train",
+            "--transport",
+            "mpi",
+            "--stages",
+            "2",
+            "--no-checkpoint",
+        ])
+        .args(RUN)
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    let ours: Vec<&str> = err.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(ours.len(), 1, "{err}");
+    assert!(
+        ours[0].contains("the plan has 2 workers but MPI started 3 ranks"),
+        "{err}"
+    );
+}
+
+/// The pid of `rank` among mpirun's children.
+fn rank_pid(launcher: &Child, rank: usize) -> Option<u32> {
+    let want = format!("OMPI_COMM_WORLD_RANK={rank}");
+    let kids =
+        std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", launcher.id())).ok()?;
+    kids.split_whitespace()
+        .filter_map(|p| p.parse::<u32>().ok())
+        .find(|p| {
+            std::fs::read(format!("/proc/{p}/environ"))
+                .is_ok_and(|e| e.split(|&b| b == 0).any(|v| v == want.as_bytes()))
+        })
+}
+
+#[test]
+fn a_killed_rank_is_named_within_the_bound_and_the_checkpoint_resumes() {
+    let d = dir("kill");
+    let ck = d.join("ck");
+    let timeout = 5;
+    let mut job = mpirun(2)
+        .args(["train", "--transport", "mpi", "--stages", "2"])
+        .args(&RUN[..8])
+        .args(["--steps", "100000", "--checkpoint-every", "2"])
+        .args(["--peer-timeout", &timeout.to_string()])
+        .arg("--checkpoint-dir")
+        .arg(&ck)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait for a complete checkpoint, then kill rank 1.
+    let t0 = Instant::now();
+    while !ck.join("latest").exists() {
+        assert!(t0.elapsed() < Duration::from_secs(120), "no checkpoint");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let pid = rank_pid(&job, 1).expect("rank 1 is a child of mpirun");
+    let killed = Instant::now();
+    unsafe {
+        libc::kill(pid as i32, libc::SIGKILL);
+    }
+    let bound = Duration::from_secs(timeout + 10);
+    let status = loop {
+        if let Some(s) = job.try_wait().unwrap() {
+            break s;
+        }
+        if killed.elapsed() > bound {
+            let _ = job.kill();
+            panic!("the job outlived rank 1 by more than {bound:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let o = job.wait_with_output().unwrap();
+    let all = text(&o);
+    assert!(!status.success());
+    assert!(
+        all.contains("rank 0:") && all.contains("from rank 1"),
+        "rank 0 does not name rank 1: {all}"
+    );
+    assert!(!all.contains("panicked"), "{all}");
+    // The last complete checkpoint loads and training resumes from it.
+    let name = std::fs::read_to_string(ck.join("latest")).unwrap();
+    let step: u64 = name.trim().trim_start_matches("step-").parse().unwrap();
+    assert!(step >= 2);
+    let o = mpirun(2)
+        .args(["train", "--transport", "mpi", "--stages", "2", "--resume"])
+        .args(&RUN[..8])
+        .args(["--steps", &(step + 2).to_string()])
+        .arg("--checkpoint-dir")
+        .arg(&ck)
+        .output()
+        .unwrap();
+    let all = text(&o);
+    assert!(o.status.success(), "{all}");
+    assert!(all.contains(&format!("at step {step}")), "{all}");
+}
