@@ -11,6 +11,7 @@ use pipewright_runtime::model::GptConfig;
 use pipewright_runtime::train::{TrainConfig, Trainer};
 use serde_json::json;
 use std::path::PathBuf;
+#[cfg(feature = "mpi")]
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -269,7 +270,7 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
         )
         .into());
     }
-    if !a.no_checkpoint && procs.as_ref().is_none_or(|m| is_rank0(m)) {
+    if !a.no_checkpoint && procs.as_ref().is_none_or(is_rank0) {
         std::fs::create_dir_all(&a.checkpoint_dir).map_err(|e| {
             BadInput(format!(
                 "--checkpoint-dir {}: cannot create: {e}",
