@@ -369,7 +369,8 @@ fn serve(rx: mpsc::Receiver<Cmd>, ready: mpsc::Sender<Result<MpiWorld, Transport
         }
         let progressed = s.turn();
         if !progressed && !idle {
-            std::thread::yield_now();
+            // Nothing moved: give the cores to compute (2 ranks may share 2 cores).
+            std::thread::sleep(Duration::from_micros(50));
         }
     }
     // Normal end: let sends drain before finalising.
