@@ -79,6 +79,9 @@ pub struct TrainArgs {
     /// Do not write checkpoints.
     #[arg(long, conflicts_with = "checkpoint_every")]
     no_checkpoint: bool,
+    /// Checkpoints to keep in --checkpoint-dir (the newest).
+    #[arg(long, default_value_t = 3)]
+    keep: usize,
     /// Continue from the latest checkpoint in --checkpoint-dir (under this run's plan, which
     /// may differ from the one that wrote it).
     #[arg(long)]
@@ -270,13 +273,11 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
         )
         .into());
     }
+    if a.keep == 0 {
+        return Err(BadInput("--keep must be at least 1".into()).into());
+    }
     if !a.no_checkpoint && procs.as_ref().is_none_or(is_rank0) {
-        std::fs::create_dir_all(&a.checkpoint_dir).map_err(|e| {
-            BadInput(format!(
-                "--checkpoint-dir {}: cannot create: {e}",
-                a.checkpoint_dir.display()
-            ))
-        })?;
+        check_writable_dir(&a.checkpoint_dir)?;
     }
     let mut switches = Vec::new();
     for s in &a.switch_plan {
@@ -342,13 +343,16 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
     macro_rules! say {
         ($($t:tt)*) => { if root { eprintln!($($t)*); } };
     }
+    trainer.keep_checkpoints = a.keep;
     if a.resume {
-        trainer.load_checkpoint(&a.checkpoint_dir)?;
-        say!(
-            "resumed from {} at step {}",
-            a.checkpoint_dir.display(),
-            trainer.step
-        );
+        let r = trainer.load_checkpoint(&a.checkpoint_dir)?;
+        if let Some(why) = &r.fallback {
+            say!("warning: {why}; resuming from the newest checkpoint that verifies");
+        }
+        say!("resumed from {} at step {}", r.path.display(), r.step);
+        if let (Some(f), true) = (&a.metrics, root) {
+            cut_metrics(f, r.step)?;
+        }
     }
     let baseline = corpus.unigram_baseline();
     say!(
@@ -382,9 +386,11 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
         Ok(())
     };
     let first_val = trainer.evaluate(&corpus, a.eval_batches)?;
-    emit(
-        json!({"step": trainer.step, "loss": null, "val_loss": first_val, "val_perplexity": first_val.exp(), "tokens_per_s": null}),
-    )?;
+    if !a.resume {
+        emit(
+            json!({"step": trainer.step, "loss": null, "val_loss": first_val, "val_perplexity": first_val.exp(), "tokens_per_s": null}),
+        )?;
+    }
     let bar = if root {
         indicatif::ProgressBar::new(cfg.steps)
     } else {
@@ -475,6 +481,45 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
         compare_sim(&trainer, links.as_ref(), &step_seconds)?;
     }
     Ok(())
+}
+
+/// Create `dir` if needed and make sure files can be written there, before any training.
+fn check_writable_dir(dir: &std::path::Path) -> Result<()> {
+    let bad = |e: std::io::Error| {
+        BadInput(format!(
+            "--checkpoint-dir {}: cannot write there: {e}",
+            dir.display()
+        ))
+    };
+    std::fs::create_dir_all(dir).map_err(bad)?;
+    let probe = dir.join(format!(".write-test-{}", std::process::id()));
+    std::fs::write(&probe, b"").map_err(bad)?;
+    std::fs::remove_file(&probe).map_err(bad)?;
+    Ok(())
+}
+
+/// A resumed run continues the metrics file from the resumed step: rows of later steps (from
+/// the run that was cut short) are dropped, so no step appears twice.
+fn cut_metrics(f: &std::path::Path, step: u64) -> Result<()> {
+    let text = match std::fs::read_to_string(f) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(BadInput(format!("{}: cannot read: {e}", f.display())).into()),
+    };
+    let kept: String = text
+        .lines()
+        .filter(|l| {
+            serde_json::from_str::<serde_json::Value>(l)
+                .ok()
+                .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
+                .is_some_and(|s| s <= step)
+        })
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let tmp = f.with_extension("tmp~");
+    std::fs::write(&tmp, kept)
+        .and_then(|_| std::fs::rename(&tmp, f))
+        .with_context(|| format!("cannot rewrite {}", f.display()))
 }
 
 #[cfg(feature = "mpi")]

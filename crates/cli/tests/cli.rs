@@ -327,6 +327,8 @@ fn train_small_run_and_bad_input() {
             "4",
             "--eval-every",
             "2",
+            "--checkpoint-every",
+            "2",
             "--metrics",
             m.to_str().unwrap(),
             "--checkpoint-dir",
@@ -366,6 +368,13 @@ fn train_small_run_and_bad_input() {
         .concat(),
         "different model",
     );
+    // The step-4 checkpoint is corrupt: resume falls back to step 2, says why, and the
+    // metrics file keeps each step once.
+    let w4 = ck.join("step-000004/weights.safetensors");
+    let mut bytes = std::fs::read(&w4).unwrap();
+    let i = bytes.len() / 2;
+    bytes[i] ^= 1;
+    std::fs::write(&w4, bytes).unwrap();
     let o = pw(&[
         &[
             "train",
@@ -385,8 +394,14 @@ fn train_small_run_and_bad_input() {
         &tiny,
     ]
     .concat());
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    // The resumed run appends: its first validation at step 4, then step 5.
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("step-000004/weights.safetensors: does not match the manifest")
+            && err.contains("resuming from the newest checkpoint that verifies")
+            && err.contains("at step 2"),
+        "{err}"
+    );
     let steps: Vec<u64> = std::fs::read_to_string(&m)
         .unwrap()
         .lines()
@@ -396,7 +411,7 @@ fn train_small_run_and_bad_input() {
                 .unwrap()
         })
         .collect();
-    assert_eq!(steps, [0, 1, 2, 3, 4, 4, 5]);
+    assert_eq!(steps, [0, 1, 2, 3, 4, 5]);
     // Bad input.
     bad(
         &["train", "--data", "/nonexistent/corpus.txt"],
@@ -430,7 +445,7 @@ fn train_small_run_and_bad_input() {
         ],
         "no checkpoint to resume",
     );
-    std::fs::write(ck.join("step-000004/weights.safetensors"), b"garbage").unwrap();
+    std::fs::write(ck.join("step-000002/weights.safetensors"), b"garbage").unwrap();
     bad(
         &[
             &[
@@ -448,7 +463,7 @@ fn train_small_run_and_bad_input() {
             &tiny,
         ]
         .concat(),
-        "corrupt weights",
+        "weights.safetensors: does not match the manifest",
     );
 }
 

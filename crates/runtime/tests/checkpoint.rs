@@ -1,4 +1,5 @@
-//! Resume equals straight training; bad checkpoints and divergence are clear errors.
+//! Resume equals straight training; bad checkpoints and divergence are clear errors; a crash
+//! at any point of a checkpoint write leaves one that resumes; a flipped byte is named.
 
 use pipewright_runtime::data::Corpus;
 use pipewright_runtime::exec::ExecError;
@@ -136,7 +137,10 @@ fn bad_checkpoints_are_named() {
         .load_checkpoint(&d)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("weights.safetensors: corrupt weights"), "{e}");
+    assert!(
+        e.contains("weights.safetensors: does not match the manifest"),
+        "{e}"
+    );
     // No checkpoint at all.
     let e = Trainer::from_config(cfg())
         .unwrap()
@@ -161,4 +165,114 @@ fn divergence_is_an_error_not_a_nan_model() {
         .find_map(|_| t.train_step(&corpus).err())
         .expect("diverges");
     assert!(matches!(err, ExecError::NonFinite(_)), "{err}");
+}
+
+/// Every file under `d`, relative.
+fn files(d: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(d).unwrap().flatten() {
+        if e.path().is_dir() {
+            out.extend(files(&e.path()));
+        } else {
+            out.push(e.path());
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn a_crash_between_any_two_file_operations_leaves_a_checkpoint_that_resumes() {
+    let corpus = Corpus::builtin();
+    let mut old = Trainer::from_config(cfg()).unwrap();
+    old.train_step(&corpus).unwrap();
+    let mut new = Trainer::from_config(cfg()).unwrap();
+    new.train_step(&corpus).unwrap();
+    new.train_step(&corpus).unwrap();
+    let (p_old, p_new) = (old.flat_params().unwrap(), new.flat_params().unwrap());
+    let mut crashed = 0;
+    for n in 0.. {
+        let d = dir(&format!("crash{n}"));
+        old.save_checkpoint(&d).unwrap();
+        match new.save_checkpoint_crashing(&d, Some(n)) {
+            Err(e) => {
+                assert!(e.to_string().contains("simulated crash"), "{e}");
+                crashed += 1;
+            }
+            Ok(_) => {
+                assert!(crashed > 10, "only {crashed} operations");
+                let mut t = Trainer::from_config(cfg()).unwrap();
+                assert_eq!(t.load_checkpoint(&d).unwrap().step, 2);
+                let _ = std::fs::remove_dir_all(&d);
+                break;
+            }
+        }
+        let mut t = Trainer::from_config(cfg()).unwrap();
+        let r = t
+            .load_checkpoint(&d)
+            .unwrap_or_else(|e| panic!("crash after {n} operations: {e}"));
+        let want = if r.step == 1 { &p_old } else { &p_new };
+        assert!(r.step == 1 || r.step == 2, "step {}", r.step);
+        assert_eq!(&t.flat_params().unwrap(), want, "crash after {n}");
+        // The next save after a crash succeeds and becomes the latest.
+        new.save_checkpoint(&d).unwrap();
+        assert_eq!(t.load_checkpoint(&d).unwrap().step, 2);
+        let _ = std::fs::remove_dir_all(&d);
+    }
+}
+
+#[test]
+fn a_flipped_byte_in_any_checkpoint_file_is_named_and_an_older_one_is_used() {
+    let corpus = Corpus::builtin();
+    let mut t = Trainer::from_config(cfg()).unwrap();
+    t.train_step(&corpus).unwrap();
+    let d = dir("flip");
+    let older = t.save_checkpoint(&d).unwrap();
+    t.train_step(&corpus).unwrap();
+    let newest = t.save_checkpoint(&d).unwrap();
+    let all = files(&newest);
+    assert!(all.len() >= 5, "{all:?}");
+    for f in all {
+        let good = std::fs::read(&f).unwrap();
+        let mut bad = good.clone();
+        let i = bad.len() / 2;
+        bad[i] ^= 0x10;
+        std::fs::write(&f, &bad).unwrap();
+        let name = f.file_name().unwrap().to_string_lossy().to_string();
+        // Alone, the corrupt checkpoint is refused, naming the file.
+        let only = dir("flip-only");
+        std::fs::create_dir_all(&only).unwrap();
+        let copy = only.join(newest.file_name().unwrap());
+        copy_dir(&newest, &copy);
+        std::fs::write(
+            only.join("latest"),
+            newest.file_name().unwrap().to_string_lossy().as_bytes(),
+        )
+        .unwrap();
+        let e = Trainer::from_config(cfg())
+            .unwrap()
+            .load_checkpoint(&only)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(&name), "{name}: {e}");
+        // Beside an older good one, resume falls back to it and says why.
+        let mut u = Trainer::from_config(cfg()).unwrap();
+        let r = u.load_checkpoint(&d).unwrap();
+        assert_eq!(r.path, older);
+        assert!(r.fallback.as_deref().unwrap_or("").contains(&name), "{r:?}");
+        std::fs::write(&f, &good).unwrap();
+        let _ = std::fs::remove_dir_all(&only);
+    }
+}
+
+fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap().flatten() {
+        let dest = to.join(e.file_name());
+        if e.path().is_dir() {
+            copy_dir(&e.path(), &dest);
+        } else {
+            std::fs::copy(e.path(), dest).unwrap();
+        }
+    }
 }

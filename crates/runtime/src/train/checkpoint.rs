@@ -3,6 +3,7 @@
 //! depends on the plan, so a run resumes under any other plan (depth, boundaries, replicas,
 //! schedule).
 
+use super::store::{newest_verified, Writer};
 use super::trainer::{fresh_state, optimizer, LayerState};
 use super::{TrainConfig, Trainer};
 use crate::backend::train_device;
@@ -213,71 +214,75 @@ pub(crate) fn decode_layers(parts: &[Vec<u8>], cfg: &TrainConfig) -> Result<Vec<
         .collect()
 }
 
+/// What a resume loaded.
+#[derive(Debug, Clone)]
+pub struct Resumed {
+    pub path: PathBuf,
+    pub step: u64,
+    /// Why the checkpoint `latest` names was passed over for an older one, if it was.
+    pub fallback: Option<String>,
+}
+
 impl Trainer {
-    /// Write `dir/step-NNNNNN/` (safetensors weights, optimizer state per layer, JSON state)
-    /// through a temporary directory and a rename, then point `dir/latest` at it the same way.
-    /// Across processes every rank calls it; the layers are gathered and rank 0 writes.
+    /// Write a checkpoint into `dir` durably (see `store`): weights as safetensors, optimizer
+    /// state per layer, JSON state, and a manifest of checksums; keep the newest
+    /// `self.keep_checkpoints`. Across processes every rank calls it; rank 0 writes.
     pub fn save_checkpoint(&self, dir: &Path) -> Result<PathBuf> {
-        let io = |p: &Path, e: std::io::Error| Error::checkpoint(p, e.to_string());
+        self.save_checkpoint_crashing(dir, None)
+    }
+
+    /// [`Trainer::save_checkpoint`], stopped after `crash_after` file-system operations as a
+    /// kill would stop it (for crash tests).
+    #[doc(hidden)]
+    pub fn save_checkpoint_crashing(
+        &self,
+        dir: &Path,
+        crash_after: Option<usize>,
+    ) -> Result<PathBuf> {
         let state = self.layer_state()?;
-        let name = format!("step-{:06}", self.step);
         if !self.is_root() {
-            return Ok(dir.join(name));
+            return Ok(dir.join(format!("step-{:06}", self.step)));
         }
-        std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
-        let tmp = dir.join(format!("{name}.tmp"));
-        let _ = std::fs::remove_dir_all(&tmp);
-        std::fs::create_dir_all(tmp.join("optimizer")).map_err(|e| io(&tmp, e))?;
+        let mut w = Writer::begin(dir, self.step, crash_after)?;
         let layers = self.cfg.model.layers;
         for (i, (_, optim)) in state.iter().enumerate() {
-            let f = tmp
-                .join("optimizer")
-                .join(format!("{}.bin", layer_name(i, layers)));
-            let b = optim
-                .into_bytes()
-                .map_err(|e| Error::checkpoint(&f, format!("optimizer state: {e:?}")))?;
-            std::fs::write(&f, &b[..]).map_err(|e| io(&f, e))?;
+            let rel = format!("optimizer/{}.bin", layer_name(i, layers));
+            let b = optim.into_bytes().map_err(|e| {
+                Error::checkpoint(dir.join(&rel), format!("optimizer state: {e:?}"))
+            })?;
+            w.file(&rel, &b)?;
         }
         let entries: Vec<_> = named_params(state.iter().map(|(b, _)| b).enumerate(), layers)
             .into_iter()
             .map(|(n, shape, b)| (n, safetensors::Dtype::F32, shape, b))
             .collect();
-        let wpath = tmp.join("weights.safetensors");
-        let bytes = to_safetensors(&entries).map_err(|e| Error::checkpoint(&wpath, e))?;
-        std::fs::write(&wpath, bytes).map_err(|e| io(&wpath, e))?;
+        let bytes = to_safetensors(&entries).map_err(|e| Error::checkpoint(dir, e))?;
+        w.file("weights.safetensors", &bytes)?;
         let st = CheckpointState {
             step: self.step,
             config: self.cfg.clone(),
             plan: self.plan.clone(),
         };
-        let spath = tmp.join("state.json");
-        std::fs::write(&spath, serde_json::to_string_pretty(&st).expect("state"))
-            .map_err(|e| io(&spath, e))?;
-        let fin = dir.join(&name);
-        let _ = std::fs::remove_dir_all(&fin);
-        std::fs::rename(&tmp, &fin).map_err(|e| io(&fin, e))?;
-        let latest = dir.join("latest.tmp");
-        std::fs::write(&latest, &name).map_err(|e| io(&latest, e))?;
-        std::fs::rename(&latest, dir.join("latest")).map_err(|e| io(&latest, e))?;
-        Ok(fin)
+        w.file(
+            "state.json",
+            serde_json::to_string_pretty(&st).expect("state").as_bytes(),
+        )?;
+        w.finish(self.keep_checkpoints)
     }
 
-    /// Load the checkpoint `dir/latest` into this trainer: the same model is required; the
-    /// plan, batch and optimizer settings may differ.
-    pub fn load_checkpoint(&mut self, dir: &Path) -> Result<()> {
-        let lp = dir.join("latest");
-        let latest = std::fs::read_to_string(&lp)
-            .map_err(|e| Error::checkpoint(&lp, format!("no checkpoint to resume ({e})")))?;
-        let ck = dir.join(latest.trim());
+    /// Load the newest checkpoint in `dir` that verifies (normally the one `latest` names):
+    /// the same model is required; the plan, batch and optimizer settings may differ.
+    pub fn load_checkpoint(&mut self, dir: &Path) -> Result<Resumed> {
+        let (v, fallback) = newest_verified(dir)?;
+        let ck = v.path.clone();
+        let get = |rel: &str| {
+            v.files
+                .get(rel)
+                .ok_or_else(|| Error::checkpoint(ck.join(rel), "missing from the manifest"))
+        };
         let spath = ck.join("state.json");
-        let text = std::fs::read_to_string(&spath)
-            .map_err(|e| Error::checkpoint(&spath, e.to_string()))?;
-        let state: CheckpointState = serde_json::from_str(&text).map_err(|e| {
-            Error::checkpoint(
-                &spath,
-                format!("corrupt state, or written by pipewright 0.1 (stage-keyed checkpoints cannot be resumed): {e}"),
-            )
-        })?;
+        let state: CheckpointState = serde_json::from_slice(get("state.json")?)
+            .map_err(|e| Error::checkpoint(&spath, format!("state does not parse: {e}")))?;
         if state.config.model != self.cfg.model {
             return Err(Error::checkpoint(
                 &ck,
@@ -288,8 +293,7 @@ impl Trainer {
             ));
         }
         let wpath = ck.join("weights.safetensors");
-        let raw = std::fs::read(&wpath).map_err(|e| Error::checkpoint(&wpath, e.to_string()))?;
-        let tensors = safetensors::SafeTensors::deserialize(&raw)
+        let tensors = safetensors::SafeTensors::deserialize(get("weights.safetensors")?)
             .map_err(|e| Error::checkpoint(&wpath, format!("corrupt weights: {e}")))?;
         let layers = self.cfg.model.layers;
         let mut loaded: Vec<LayerState> = Vec::new();
@@ -297,15 +301,20 @@ impl Trainer {
             let name = layer_name(i, layers);
             let block =
                 load_layer(block, &tensors, i, layers).map_err(|e| Error::checkpoint(&wpath, e))?;
-            let f = ck.join("optimizer").join(format!("{name}.bin"));
-            let b = std::fs::read(&f).map_err(|e| Error::checkpoint(&f, e.to_string()))?;
+            let rel = format!("optimizer/{name}.bin");
             let optim = optimizer(&self.cfg)
-                .from_bytes(burn::tensor::Bytes::from_bytes_vec(b))
-                .map_err(|e| Error::checkpoint(&f, format!("corrupt optimizer state: {e:?}")))?;
+                .from_bytes(burn::tensor::Bytes::from_bytes_vec(get(&rel)?.clone()))
+                .map_err(|e| {
+                    Error::checkpoint(ck.join(&rel), format!("corrupt optimizer state: {e:?}"))
+                })?;
             loaded.push((block, optim));
         }
         self.set_layer_state(&loaded);
         self.step = state.step;
-        Ok(())
+        Ok(Resumed {
+            path: ck,
+            step: state.step,
+            fallback,
+        })
     }
 }

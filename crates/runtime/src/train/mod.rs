@@ -4,8 +4,10 @@
 mod checkpoint;
 mod config;
 mod plain;
+pub mod store;
 mod trainer;
 
+pub use checkpoint::Resumed;
 pub use config::TrainConfig;
 pub use plain::PlainTrainer;
 pub use trainer::{describe, ReplanReport, StepReport, Trainer};

@@ -82,6 +82,8 @@ pub struct Trainer {
     timeout: Duration,
     /// Optimizer steps done.
     pub step: u64,
+    /// Checkpoints kept in the directory (the newest ones).
+    pub keep_checkpoints: usize,
 }
 
 impl Trainer {
@@ -157,6 +159,7 @@ impl Trainer {
             transport,
             timeout,
             step: 0,
+            keep_checkpoints: 3,
         })
     }
 

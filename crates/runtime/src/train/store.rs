@@ -1,0 +1,261 @@
+//! The checkpoint directory: durable writes and verified reads. A checkpoint is a directory
+//! `step-NNNNNN` (or `step-NNNNNN.K` when that step was saved before) holding its files and a
+//! `manifest.json` with the SHA-256 and size of each. It is written under a temporary name, every
+//! file and directory fsynced, renamed into place, and only then does `latest` (replaced by an
+//! atomic rename) point at it. Older checkpoints are pruned after that, keeping the newest K,
+//! so a crash at any point leaves a complete checkpoint that `latest` or a fallback finds.
+
+use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+const MANIFEST: &str = "manifest.json";
+const LATEST: &str = "latest";
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Manifest {
+    step: u64,
+    /// Relative path -> (hex SHA-256, bytes).
+    files: BTreeMap<String, (String, u64)>,
+}
+
+fn sha256(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn io(p: &Path, e: std::io::Error) -> Error {
+    Error::checkpoint(p, e.to_string())
+}
+
+fn fsync_dir(p: &Path) -> Result<()> {
+    File::open(p)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| io(p, e))
+}
+
+/// Writes one checkpoint, one file-system operation at a time. `crash_after` stops it after
+/// that many operations, as a kill would (for tests that crash between every pair).
+pub struct Writer {
+    dir: PathBuf,
+    tmp: PathBuf,
+    step: u64,
+    files: BTreeMap<String, (String, u64)>,
+    ops: usize,
+    crash_after: Option<usize>,
+}
+
+/// The error a simulated crash returns.
+pub const CRASH: &str = "simulated crash";
+
+impl Writer {
+    pub fn begin(dir: &Path, step: u64, crash_after: Option<usize>) -> Result<Writer> {
+        let mut w = Writer {
+            dir: dir.to_path_buf(),
+            tmp: dir.join(format!(".step-{step:06}.partial")),
+            step,
+            files: BTreeMap::new(),
+            ops: 0,
+            crash_after,
+        };
+        w.op()?;
+        std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
+        // A partial directory is what a crash left behind: never a checkpoint.
+        for e in std::fs::read_dir(dir).map_err(|e| io(dir, e))?.flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            if name.starts_with(".step-") && name.ends_with(".partial") {
+                w.op()?;
+                std::fs::remove_dir_all(e.path()).map_err(|x| io(&e.path(), x))?;
+            }
+        }
+        w.op()?;
+        std::fs::create_dir_all(&w.tmp).map_err(|e| io(&w.tmp, e))?;
+        Ok(w)
+    }
+
+    fn op(&mut self) -> Result<()> {
+        if self.crash_after == Some(self.ops) {
+            return Err(Error::checkpoint(&self.dir, CRASH));
+        }
+        self.ops += 1;
+        Ok(())
+    }
+
+    /// Write `rel` (a path inside the checkpoint), then fsync it.
+    pub fn file(&mut self, rel: &str, bytes: &[u8]) -> Result<()> {
+        let p = self.tmp.join(rel);
+        if let Some(parent) = p.parent() {
+            if !parent.exists() {
+                self.op()?;
+                std::fs::create_dir_all(parent).map_err(|e| io(parent, e))?;
+            }
+        }
+        self.op()?;
+        let mut f = File::create(&p).map_err(|e| io(&p, e))?;
+        f.write_all(bytes).map_err(|e| io(&p, e))?;
+        self.op()?;
+        f.sync_all().map_err(|e| io(&p, e))?;
+        self.files
+            .insert(rel.to_string(), (sha256(bytes), bytes.len() as u64));
+        Ok(())
+    }
+
+    /// Seal the checkpoint: manifest, fsyncs, rename into place, point `latest` at it, prune
+    /// to the newest `keep`. Returns the checkpoint's directory.
+    pub fn finish(mut self, keep: usize) -> Result<PathBuf> {
+        let manifest = Manifest {
+            step: self.step,
+            files: std::mem::take(&mut self.files),
+        };
+        let text = serde_json::to_vec_pretty(&manifest).expect("manifest serialises");
+        let mp = self.tmp.join(MANIFEST);
+        self.op()?;
+        let mut f = File::create(&mp).map_err(|e| io(&mp, e))?;
+        f.write_all(&text).map_err(|e| io(&mp, e))?;
+        self.op()?;
+        f.sync_all().map_err(|e| io(&mp, e))?;
+        let mut dirs: Vec<PathBuf> = manifest
+            .files
+            .keys()
+            .filter_map(|k| Path::new(k).parent().map(|p| self.tmp.join(p)))
+            .filter(|p| *p != self.tmp)
+            .collect();
+        dirs.dedup();
+        dirs.push(self.tmp.clone());
+        for d in dirs {
+            self.op()?;
+            fsync_dir(&d)?;
+        }
+        // A name no complete checkpoint has: the step, or the step and a counter.
+        let base = format!("step-{:06}", self.step);
+        let name = (0..)
+            .map(|k| {
+                if k == 0 {
+                    base.clone()
+                } else {
+                    format!("{base}.{k}")
+                }
+            })
+            .find(|n| !self.dir.join(n).exists())
+            .expect("a free name");
+        let fin = self.dir.join(&name);
+        self.op()?;
+        std::fs::rename(&self.tmp, &fin).map_err(|e| io(&fin, e))?;
+        self.op()?;
+        fsync_dir(&self.dir)?;
+        let lt = self.dir.join(".latest.partial");
+        self.op()?;
+        let mut f = File::create(&lt).map_err(|e| io(&lt, e))?;
+        f.write_all(name.as_bytes()).map_err(|e| io(&lt, e))?;
+        self.op()?;
+        f.sync_all().map_err(|e| io(&lt, e))?;
+        self.op()?;
+        std::fs::rename(&lt, self.dir.join(LATEST)).map_err(|e| io(&lt, e))?;
+        self.op()?;
+        fsync_dir(&self.dir)?;
+        // Prune: keep the newest `keep` (the new one among them).
+        let all = list(&self.dir);
+        let keep = keep.max(1);
+        if all.len() > keep {
+            for (_, old) in &all[..all.len() - keep] {
+                if *old == fin {
+                    continue;
+                }
+                self.op()?;
+                std::fs::remove_dir_all(old).map_err(|e| io(old, e))?;
+            }
+        }
+        Ok(fin)
+    }
+}
+
+/// Checkpoint directories in `dir`, oldest first, by (step, counter).
+pub fn list(dir: &Path) -> Vec<((u64, u64), PathBuf)> {
+    let mut out: Vec<((u64, u64), PathBuf)> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().to_string();
+            let rest = name.strip_prefix("step-")?;
+            let (step, k) = match rest.split_once('.') {
+                Some((s, k)) => (s.parse().ok()?, k.parse().ok()?),
+                None => (rest.parse().ok()?, 0),
+            };
+            e.path().is_dir().then(|| ((step, k), e.path()))
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// A checkpoint whose every file matches its manifest: the files' bytes by relative path.
+pub struct Verified {
+    pub path: PathBuf,
+    pub step: u64,
+    pub files: BTreeMap<String, Vec<u8>>,
+}
+
+/// Read `ck` and check every file against the manifest; the error names the file that fails.
+pub fn verify(ck: &Path) -> Result<Verified> {
+    let mp = ck.join(MANIFEST);
+    let text = std::fs::read(&mp).map_err(|e| io(&mp, e))?;
+    let m: Manifest = serde_json::from_slice(&text)
+        .map_err(|e| Error::checkpoint(&mp, format!("corrupt manifest: {e}")))?;
+    let mut files = BTreeMap::new();
+    for (rel, (hash, len)) in &m.files {
+        let p = ck.join(rel);
+        let bytes = std::fs::read(&p).map_err(|e| io(&p, e))?;
+        if bytes.len() as u64 != *len || sha256(&bytes) != *hash {
+            return Err(Error::checkpoint(
+                &p,
+                format!(
+                    "does not match the manifest (expected {len} bytes with SHA-256 {}..., found {} bytes with {}...): the file is corrupt",
+                    &hash[..12.min(hash.len())],
+                    bytes.len(),
+                    &sha256(&bytes)[..12]
+                ),
+            ));
+        }
+        files.insert(rel.clone(), bytes);
+    }
+    Ok(Verified {
+        path: ck.to_path_buf(),
+        step: m.step,
+        files,
+    })
+}
+
+/// The checkpoint to resume: the one `latest` names if it verifies, else the newest that
+/// does. The second value says why `latest` was passed over, if it was.
+pub fn newest_verified(dir: &Path) -> Result<(Verified, Option<String>)> {
+    let lp = dir.join(LATEST);
+    let first = match std::fs::read_to_string(&lp) {
+        Ok(name) => {
+            let ck = dir.join(name.trim());
+            match verify(&ck) {
+                Ok(v) => return Ok((v, None)),
+                Err(e) => (e.to_string(), Some(ck)),
+            }
+        }
+        Err(e) => (format!("{}: {e}", lp.display()), None),
+    };
+    for (_, ck) in list(dir).into_iter().rev() {
+        if Some(&ck) == first.1.as_ref() {
+            continue;
+        }
+        if let Ok(v) = verify(&ck) {
+            return Ok((v, Some(first.0)));
+        }
+    }
+    Err(Error::checkpoint(
+        dir,
+        format!("no checkpoint to resume: {}", first.0),
+    ))
+}
