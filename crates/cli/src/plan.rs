@@ -152,6 +152,15 @@ pub fn cmd_plan(a: PlanArgs) -> Result<()> {
 
 pub fn cmd_partition(a: PartitionArgs) -> Result<()> {
     let profile = Profile::load(&a.profile)?;
+    if a.stages > profile.layers.len() {
+        return Err(BadInput(format!(
+            "--stages {}: {} has only {} layers to cut",
+            a.stages,
+            a.profile.display(),
+            profile.layers.len()
+        ))
+        .into());
+    }
     let cluster = match &a.cluster {
         Some(f) => Cluster::load(f)?,
         None => Cluster::uniform(a.stages.max(1)),

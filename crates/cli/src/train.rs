@@ -146,9 +146,21 @@ pub fn cmd_profile(a: ProfileArgs) -> Result<()> {
         None => GptConfig::default(),
     };
     model.check().map_err(BadInput)?;
-    if a.rows == 0 || a.repeats == 0 {
-        return Err(BadInput("--rows and --repeats must be at least 1".into()).into());
+    if a.rows == 0 || a.repeats == 0 || a.repeats > 1000 {
+        return Err(BadInput(format!(
+            "--rows must be at least 1 and --repeats between 1 and 1000 (got {} and {})",
+            a.rows, a.repeats
+        ))
+        .into());
     }
+    // The same size limits as training the model.
+    TrainConfig {
+        model: model.clone(),
+        rows: a.rows,
+        ..TrainConfig::default()
+    }
+    .check()
+    .map_err(|e| BadInput(format!("--rows {}: {e}", a.rows)))?;
     let prof = pipewright_runtime::profile::profile_model(&model, a.rows, a.repeats, 42);
     write_file(&a.out, &prof.to_toml())?;
     let (f, b): (f64, f64) = prof

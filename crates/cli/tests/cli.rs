@@ -175,6 +175,58 @@ fn bad_input_is_one_line_and_exit_2() {
         &["simulate", "--kind", "pipedream"],
         "invalid value 'pipedream'",
     );
+    // Sizes that would overflow or exhaust memory are refused before anything is allocated.
+    let huge = "18446744073709551615";
+    let vit = shared("examples/vit_b16_params.toml");
+    for (args, want) in [
+        (vec!["schedule", "--stages", huge], "more than 2^64 actions"),
+        (
+            vec!["simulate", "--kind", "zbv", "--microbatches", "2000000000"],
+            "above the limit of 20000000",
+        ),
+        (
+            vec!["schedule", "--replicas", huge],
+            "more than 2^64 actions",
+        ),
+        (
+            vec!["partition", "--profile", &vit, "--stages", "200000"],
+            "has only 27 layers",
+        ),
+        (
+            vec!["train", "--rows", huge, "--no-checkpoint"],
+            "more than 2^31 values",
+        ),
+        (
+            vec!["train", "--layers", huge, "--no-checkpoint"],
+            "more than 2^34 parameters",
+        ),
+        (vec!["profile", "--rows", huge], "more than 2^31 values"),
+        (
+            vec!["profile", "--repeats", huge],
+            "--repeats between 1 and 1000",
+        ),
+        (
+            vec!["train", "--transport", "threads", "--peer-timeout", "nan"],
+            "--peer-timeout NaN",
+        ),
+    ] {
+        bad(&args, want);
+    }
+    let wrap = tmp(
+        "wrap.toml",
+        &(0..8)
+            .map(|i| {
+                format!(
+                    "[[layers]]\nname = \"l{i}\"\nforward = 1\nparams = {}\nactivation = 8\n",
+                    (1u64 << 61) + i
+                )
+            })
+            .fold("[model]\nname = \"w\"\n".to_string(), |a, b| a + &b),
+    );
+    bad(
+        &["simulate", "--profile", &wrap, "--stages", "2"],
+        "memory figures cannot overflow",
+    );
     bad(&["simulate", "--stages", "0"], "--stages 0");
     bad(&["simulate", "--cost-b", "-1"], "--cost-b -1");
     bad(

@@ -129,6 +129,26 @@ impl Profile {
                 ));
             }
         }
+        // Memory figures add weights, gradients and AdamW (4 x params) and activations of up to
+        // MAX_ACTIONS micro-batch passes: keep every such sum inside u64, or refuse.
+        let limit: u64 = 1 << 60;
+        let static_bytes = self.layers.iter().try_fold(0u64, |acc, l| {
+            l.params.checked_mul(4).and_then(|b| acc.checked_add(b))
+        });
+        let act = self
+            .layers
+            .iter()
+            .try_fold(0u64, |acc, l| acc.checked_add(l.activation));
+        let act_peak = act.and_then(|a| a.checked_mul(crate::ir::MAX_ACTIONS));
+        if static_bytes.is_none_or(|b| b > limit) || act_peak.is_none_or(|b| b > limit) {
+            return Err(Error::input(
+                file,
+                format!(
+                    "parameter or activation bytes too large: 4 x total params and total activation x {} in-flight passes must stay under 2^60 bytes, so memory figures cannot overflow",
+                    crate::ir::MAX_ACTIONS
+                ),
+            ));
+        }
         Ok(())
     }
 

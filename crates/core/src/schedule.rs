@@ -104,6 +104,7 @@ pub fn generate(
     if chunks == 0 {
         return err("needs at least 1 chunk per worker (got --chunks 0)".into());
     }
+    crate::ir::check_size(workers, chunks, 1, microbatches)?;
     match kind {
         ScheduleKind::Custom => err("is not a generator: custom plans are written by hand or by a planner".into()),
         ScheduleKind::GPipe | ScheduleKind::OneFOneB | ScheduleKind::ZbH1 if chunks != 1 => {

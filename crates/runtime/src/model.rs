@@ -52,6 +52,22 @@ impl GptConfig {
                 self.vocab
             ));
         }
+        // About 12 d^2 per block plus the embeddings and head: refuse what cannot be held.
+        let params = self
+            .d_model
+            .checked_mul(self.d_model)
+            .and_then(|d2| d2.checked_mul(12))
+            .and_then(|b| b.checked_mul(self.layers))
+            .and_then(|b| {
+                let emb = (self.vocab.checked_add(self.seq_len)?).checked_mul(self.d_model)?;
+                b.checked_add(emb.checked_mul(2)?)
+            });
+        if params.is_none_or(|p| p > 1 << 34) {
+            return Err(format!(
+                "a model of d_model {}, {} layers, vocab {}, seq_len {} has more than 2^34 parameters; this trainer holds them in memory",
+                self.d_model, self.layers, self.vocab, self.seq_len
+            ));
+        }
         Ok(())
     }
 

@@ -76,6 +76,18 @@ impl TrainConfig {
         if self.rows == 0 {
             return bad("rows (sequences per micro-batch) must be at least 1".into());
         }
+        // The largest tensor of a micro-batch: rows x seq_len x max(d_model, vocab) values.
+        let m = &self.model;
+        let values = self
+            .rows
+            .checked_mul(m.seq_len)
+            .and_then(|x| x.checked_mul(m.d_model.max(m.vocab)));
+        if values.is_none_or(|v| v > 1 << 31) {
+            return bad(format!(
+                "rows {} x seq_len {} x max(d_model {}, vocab {}) is more than 2^31 values in one micro-batch's tensors; use fewer rows",
+                self.rows, m.seq_len, m.d_model, m.vocab
+            ));
+        }
         if !(self.lr.is_finite() && self.lr > 0.0) {
             return bad(format!("lr {} must be a finite number > 0", self.lr));
         }
