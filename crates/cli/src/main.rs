@@ -238,7 +238,21 @@ pub fn cluster_for_plan(path: &Path, plan: &Plan) -> Result<pipewright_core::clu
 }
 
 /// Write via a temporary file and rename, so a failed write leaves no half file.
+/// An output path may be missing or a regular file; anything else (a directory, a symlink, a
+/// FIFO, a device) is refused rather than replaced by the rename that writes it.
+pub fn check_output(path: &Path) -> Result<()> {
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if !m.file_type().is_file() => Err(BadInput(format!(
+            "{}: exists and is not a regular file (a directory, link, FIFO or device); refusing to replace it",
+            path.display()
+        ))
+        .into()),
+        _ => Ok(()),
+    }
+}
+
 pub fn write_file(path: &Path, text: &str) -> Result<()> {
+    check_output(path)?;
     let tmp = path.with_extension("tmp~");
     std::fs::write(&tmp, text).with_context(|| format!("cannot write {}", tmp.display()))?;
     std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;

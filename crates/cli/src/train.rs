@@ -1,6 +1,6 @@
 //! `train` and `profile`: run a plan on the real model, and measure the model's layers.
 
-use crate::{load_valid_plan, write_file, BadInput};
+use crate::{check_output, load_valid_plan, write_file, BadInput};
 use anyhow::{anyhow, Context, Result};
 use clap::Args;
 use pipewright_core::cluster::Cluster;
@@ -284,6 +284,9 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
             "--compare-sim needs at least 3 steps (the first two are left out as warm-up)".into(),
         )
         .into());
+    }
+    for f in a.metrics.iter().chain(&a.trace) {
+        check_output(f)?;
     }
     if a.keep == 0 {
         return Err(BadInput("--keep must be at least 1".into()).into());

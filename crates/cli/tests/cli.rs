@@ -227,6 +227,20 @@ fn bad_input_is_one_line_and_exit_2() {
         &["simulate", "--profile", &wrap, "--stages", "2"],
         "memory figures cannot overflow",
     );
+    // Outputs replace only regular files: not a directory, not a symlink.
+    let d = std::env::temp_dir().join(format!("pw-outdir-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    bad(
+        &["simulate", "--svg", d.to_str().unwrap()],
+        "is not a regular file",
+    );
+    let link = d.join("link.json");
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink("/dev/null", &link).unwrap();
+    bad(
+        &["train", "--metrics", link.to_str().unwrap(), "--steps", "1"],
+        "is not a regular file",
+    );
     bad(&["simulate", "--stages", "0"], "--stages 0");
     bad(&["simulate", "--cost-b", "-1"], "--cost-b -1");
     bad(
