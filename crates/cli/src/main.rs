@@ -237,7 +237,6 @@ pub fn cluster_for_plan(path: &Path, plan: &Plan) -> Result<pipewright_core::clu
         .map_err(|e| BadInput(format!("{}: {e}", path.display())).into())
 }
 
-/// Write via a temporary file and rename, so a failed write leaves no half file.
 /// An output path may be missing or a regular file; anything else (a directory, a symlink, a
 /// FIFO, a device) is refused rather than replaced by the rename that writes it.
 pub fn check_output(path: &Path) -> Result<()> {
@@ -251,6 +250,7 @@ pub fn check_output(path: &Path) -> Result<()> {
     }
 }
 
+/// Write via a temporary file and rename, so a failed write leaves no half file.
 pub fn write_file(path: &Path, text: &str) -> Result<()> {
     check_output(path)?;
     let tmp = path.with_extension("tmp~");

@@ -681,3 +681,140 @@ fn whole_job_plan_workflow() {
         "rule route-start",
     );
 }
+
+/// The CLI under fuzzed files: real plan, profile and cluster files with numbers replaced by
+/// edge values (deterministic), through validate, simulate, partition and plan. Every run ends
+/// in exit 0, 1 or 2 with no panic (101) and no abort.
+#[test]
+fn fuzzed_files_through_the_cli_never_panic() {
+    const EDGES: [&str; 10] = [
+        "0",
+        "-1",
+        "2.5",
+        "1e308",
+        "nan",
+        "4294967296",
+        "18446744073709551615",
+        "18446744073709551616",
+        "100000000",
+        "7",
+    ];
+    let mut seed: u64 = 0x5eed;
+    let mut next = move || {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (seed >> 33) as usize
+    };
+    let plan = String::from_utf8(
+        pw(&[
+            "schedule",
+            "--kind",
+            "1f1b",
+            "--stages",
+            "2",
+            "--microbatches",
+            "3",
+            "--replicas",
+            "2",
+            "--format",
+            "json",
+        ])
+        .stdout,
+    )
+    .unwrap();
+    let profile = std::fs::read_to_string(shared("examples/vit_b16_params.toml")).unwrap();
+    let cluster = std::fs::read_to_string(shared("examples/pipetransformer_2x8.toml")).unwrap();
+    let digits = |t: &str| -> Vec<(usize, usize)> {
+        let b = t.as_bytes();
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < b.len() {
+            if b[i].is_ascii_digit() && (i == 0 || !b[i - 1].is_ascii_alphanumeric()) {
+                let s = i;
+                while i < b.len() && (b[i].is_ascii_digit() || b[i] == b'.') {
+                    i += 1;
+                }
+                out.push((s, i));
+            } else {
+                i += 1;
+            }
+        }
+        out
+    };
+    let mut ran = 0;
+    for case in 0..60 {
+        let (name, base) = match case % 3 {
+            0 => ("f.json", &plan),
+            1 => ("f-profile.toml", &profile),
+            _ => ("f-cluster.toml", &cluster),
+        };
+        let nums = digits(base);
+        let mut text = base.clone();
+        let mut picks: Vec<(usize, usize)> = (0..1 + next() % 3)
+            .map(|_| nums[next() % nums.len()])
+            .collect();
+        picks.sort_by_key(|p| std::cmp::Reverse(p.0));
+        picks.dedup();
+        for (s, t) in picks {
+            text.replace_range(s..t, EDGES[next() % EDGES.len()]);
+        }
+        let f = tmp(name, &text);
+        let prof = shared("examples/vit_b16_params.toml");
+        let clus = shared("examples/pipetransformer_2x8.toml");
+        let runs: Vec<Vec<&str>> = match case % 3 {
+            0 => vec![vec!["validate", &f], vec!["simulate", "--plan", &f]],
+            1 => vec![
+                vec![
+                    "partition",
+                    "--profile",
+                    &f,
+                    "--stages",
+                    "4",
+                    "--cluster",
+                    &clus,
+                ],
+                vec![
+                    "plan",
+                    "--profile",
+                    &f,
+                    "--cluster",
+                    &clus,
+                    "--global-batch",
+                    "16",
+                ],
+            ],
+            _ => vec![
+                vec![
+                    "simulate",
+                    "--profile",
+                    &prof,
+                    "--cluster",
+                    &f,
+                    "--stages",
+                    "4",
+                ],
+                vec![
+                    "plan",
+                    "--profile",
+                    &prof,
+                    "--cluster",
+                    &f,
+                    "--global-batch",
+                    "16",
+                ],
+            ],
+        };
+        for args in runs {
+            let o = pw(&args);
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert!(
+                matches!(o.status.code(), Some(0..=2)) && !err.contains("panicked"),
+                "case {case}: {args:?} on\n{text}\nexit {:?}: {err}",
+                o.status.code()
+            );
+            ran += 1;
+        }
+    }
+    assert_eq!(ran, 120);
+}
