@@ -87,8 +87,19 @@ pub fn watch_signals(rank: usize) {
     std::thread::spawn(move || loop {
         let sig = STOP_SIGNAL.load(std::sync::atomic::Ordering::SeqCst);
         if sig != 0 {
+            // A rank stopped mid-computation soon waits for the peer that died: give it a
+            // moment to get there (the launcher's SIGKILL follows after about a second).
             #[cfg(feature = "mpi")]
-            let waiting = pipewright_runtime::mpi::waiting_for();
+            let waiting = {
+                let t0 = std::time::Instant::now();
+                loop {
+                    let w = pipewright_runtime::mpi::waiting_for();
+                    if w.is_some() || t0.elapsed() > std::time::Duration::from_millis(700) {
+                        break w;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+            };
             #[cfg(not(feature = "mpi"))]
             let waiting: Option<String> = None;
             let name = if sig == libc::SIGINT {
@@ -250,12 +261,29 @@ pub fn check_output(path: &Path) -> Result<()> {
     }
 }
 
-/// Write via a temporary file and rename, so a failed write leaves no half file.
-pub fn write_file(path: &Path, text: &str) -> Result<()> {
+/// Stream into `path` via a temporary file and rename, so a failed write leaves no half file.
+pub fn write_with(
+    path: &Path,
+    fill: impl FnOnce(&mut dyn std::io::Write) -> std::io::Result<()>,
+) -> Result<()> {
     check_output(path)?;
     let tmp = path.with_extension("tmp~");
-    std::fs::write(&tmp, text).with_context(|| format!("cannot write {}", tmp.display()))?;
+    let res = std::fs::File::create(&tmp).and_then(|f| {
+        let mut w = std::io::BufWriter::new(f);
+        fill(&mut w)?;
+        use std::io::Write;
+        w.flush()
+    });
+    if let Err(e) = res {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(anyhow::Error::new(e).context(format!("cannot write {}", tmp.display())));
+    }
     std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;
     eprintln!("wrote {}", path.display());
     Ok(())
+}
+
+/// Write via a temporary file and rename, so a failed write leaves no half file.
+pub fn write_file(path: &Path, text: &str) -> Result<()> {
+    write_with(path, |w| w.write_all(text.as_bytes()))
 }

@@ -1,6 +1,6 @@
 //! `partition` and `plan`: cut a model into stages, and search whole-job plans.
 
-use crate::{write_file, BadInput};
+use crate::{write_file, write_with, BadInput};
 use anyhow::Result;
 use clap::Args;
 use pipewright_core::cluster::Cluster;
@@ -87,7 +87,7 @@ pub fn cmd_plan(a: PlanArgs) -> Result<()> {
             write_file(f, &r.timeline.to_svg(&title))?;
         }
         if let Some(f) = &a.trace {
-            write_file(f, &r.timeline.to_chrome_trace())?;
+            write_with(f, |mut w| r.timeline.write_chrome_trace(&mut w))?;
         }
         if let Some(f) = &a.out {
             write_file(f, &w.plan.as_ref().expect("winner has a plan").to_json())?;

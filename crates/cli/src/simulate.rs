@@ -1,6 +1,6 @@
 //! `schedule` and `simulate`: generate plans and predict their time, bubbles and memory.
 
-use crate::{cluster_for_plan, load_valid_plan, write_file, BadInput};
+use crate::{cluster_for_plan, load_valid_plan, write_file, write_with, BadInput};
 use anyhow::{Context, Result};
 use clap::Args;
 use pipewright_core::cluster::Cluster;
@@ -172,7 +172,7 @@ pub fn cmd_simulate(a: SimulateArgs) -> Result<()> {
         100.0 * r.bubble_fraction
     );
     if let Some(f) = &a.trace {
-        write_file(f, &r.timeline.to_chrome_trace())?;
+        write_with(f, |mut w| r.timeline.write_chrome_trace(&mut w))?;
     }
     if let Some(f) = &a.svg {
         write_file(f, &r.timeline.to_svg(&title))?;

@@ -1,6 +1,6 @@
 //! `train` and `profile`: run a plan on the real model, and measure the model's layers.
 
-use crate::{check_output, load_valid_plan, write_file, BadInput};
+use crate::{check_output, load_valid_plan, write_file, write_with, BadInput};
 use anyhow::{anyhow, Context, Result};
 use clap::Args;
 use pipewright_core::cluster::Cluster;
@@ -475,7 +475,8 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
         return Ok(());
     }
     if let (Some(f), Some(r)) = (&a.trace, &last) {
-        write_file(f, &trainer.timeline(r).to_chrome_trace())?;
+        let tl = trainer.timeline(r);
+        write_with(f, |mut w| tl.write_chrome_trace(&mut w))?;
     }
     println!(
         "val loss {:.4} -> {:.4} (perplexity {:.2}; unigram baseline {:.4}) after {} steps",

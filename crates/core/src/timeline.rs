@@ -51,38 +51,71 @@ impl Timeline {
     /// Chrome trace: compute on process 0 (a thread per worker), transfers on process 1 (a
     /// thread per directed link). Times in microseconds of the timeline's seconds.
     pub fn to_chrome_trace(&self) -> String {
-        let mut ev: Vec<Value> = vec![
+        let mut out = Vec::new();
+        self.write_chrome_trace(&mut out)
+            .expect("writing to memory cannot fail");
+        String::from_utf8(out).expect("JSON is UTF-8")
+    }
+
+    /// Stream the Chrome trace to `w` event by event, so a large timeline needs no second copy
+    /// of itself as JSON in memory.
+    pub fn write_chrome_trace(&self, w: &mut impl std::io::Write) -> std::io::Result<()> {
+        let mut first = true;
+        let mut event = |w: &mut dyn std::io::Write, v: Value| -> std::io::Result<()> {
+            if !first {
+                w.write_all(b",")?;
+            }
+            first = false;
+            serde_json::to_writer(&mut *w, &v).map_err(std::io::Error::other)
+        };
+        w.write_all(b"{\"traceEvents\":[")?;
+        event(
+            w,
             json!({"ph": "M", "pid": 0, "name": "process_name", "args": {"name": "workers"}}),
+        )?;
+        event(
+            w,
             json!({"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "links"}}),
-        ];
-        for (w, n) in self.worker_names.iter().enumerate() {
-            ev.push(json!({"ph": "M", "pid": 0, "tid": w, "name": "thread_name", "args": {"name": format!("worker {w} ({n})")}}));
+        )?;
+        for (i, n) in self.worker_names.iter().enumerate() {
+            event(
+                w,
+                json!({"ph": "M", "pid": 0, "tid": i, "name": "thread_name", "args": {"name": format!("worker {i} ({n})")}}),
+            )?;
         }
         let p = self.worker_names.len().max(1);
         let mut links: Vec<usize> = self.transfers.iter().map(|t| t.from * p + t.to).collect();
         links.sort_unstable();
         links.dedup();
         for &l in &links {
-            ev.push(json!({"ph": "M", "pid": 1, "tid": l, "name": "thread_name", "args": {"name": format!("w{} -> w{}", l / p, l % p)}}));
+            event(
+                w,
+                json!({"ph": "M", "pid": 1, "tid": l, "name": "thread_name", "args": {"name": format!("w{} -> w{}", l / p, l % p)}}),
+            )?;
         }
         for a in &self.actions {
-            ev.push(json!({
-                "ph": "X", "pid": 0, "tid": a.worker, "cat": a.action.op.as_str(),
-                "name": format!("{}{}", a.action.op.as_str(), a.action.mb),
-                "ts": a.start * US, "dur": (a.end - a.start) * US,
-                "args": {"op": a.action.op.as_str(), "stage": a.action.stage, "mb": a.action.mb},
-            }));
+            event(
+                w,
+                json!({
+                    "ph": "X", "pid": 0, "tid": a.worker, "cat": a.action.op.as_str(),
+                    "name": format!("{}{}", a.action.op.as_str(), a.action.mb),
+                    "ts": a.start * US, "dur": (a.end - a.start) * US,
+                    "args": {"op": a.action.op.as_str(), "stage": a.action.stage, "mb": a.action.mb},
+                }),
+            )?;
         }
         for t in &self.transfers {
-            ev.push(json!({
-                "ph": "X", "pid": 1, "tid": t.from * p + t.to, "cat": "transfer",
-                "name": format!("{}{} s{}", t.action.op.as_str(), t.action.mb, t.action.stage),
-                "ts": t.start * US, "dur": (t.end - t.start) * US,
-                "args": {"from": t.from, "to": t.to, "bytes": t.bytes, "op": t.action.op.as_str(), "stage": t.action.stage, "mb": t.action.mb},
-            }));
+            event(
+                w,
+                json!({
+                    "ph": "X", "pid": 1, "tid": t.from * p + t.to, "cat": "transfer",
+                    "name": format!("{}{} s{}", t.action.op.as_str(), t.action.mb, t.action.stage),
+                    "ts": t.start * US, "dur": (t.end - t.start) * US,
+                    "args": {"from": t.from, "to": t.to, "bytes": t.bytes, "op": t.action.op.as_str(), "stage": t.action.stage, "mb": t.action.mb},
+                }),
+            )?;
         }
-        serde_json::to_string(&json!({"traceEvents": ev, "displayTimeUnit": "ms"}))
-            .expect("trace serialises")
+        w.write_all(b"],\"displayTimeUnit\":\"ms\"}")
     }
 
     /// Read back a trace written by [`Timeline::to_chrome_trace`] (simulated or measured).

@@ -63,9 +63,19 @@ pub struct MpiWorld {
 /// this rank because another one died).
 static WAITING: Mutex<Option<String>> = Mutex::new(None);
 
-/// The current wait, if any, in words.
+/// The ranks whose part of the all-gather in progress has not arrived (kept by the MPI thread).
+static GATHER_MISSING: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+
+/// The current wait, if any, in words (an all-gather names the ranks it still lacks).
 pub fn waiting_for() -> Option<String> {
-    WAITING.lock().ok().and_then(|w| w.clone())
+    let w = WAITING.lock().ok().and_then(|w| w.clone())?;
+    let missing = GATHER_MISSING.lock().map(|m| m.clone()).unwrap_or_default();
+    Some(if w.starts_with("the all-gather") && !missing.is_empty() {
+        let names: Vec<String> = missing.iter().map(|r| format!("rank {r}")).collect();
+        format!("{w}, whose part from {} has not come", names.join(", "))
+    } else {
+        w
+    })
 }
 
 pub struct Mpi {
@@ -201,14 +211,17 @@ impl Transport for Mpi {
 
     fn all_gather(&self, rank: usize, part: Vec<u8>) -> Result<Vec<Vec<u8>>, TransportError> {
         let (reply, rx) = mpsc::channel();
+        // Until the MPI thread has looked, every other rank's part is missing.
+        if let Ok(mut m) = GATHER_MISSING.lock() {
+            *m = (0..self.world.size).filter(|&r| r != rank).collect();
+        }
         self.post(Cmd::AllGather { part, reply })?;
-        let group: Vec<usize> = (0..self.world.size).collect();
         self.wait(rx, "the all-gather over every rank".into(), |secs| {
             TransportError::Collective {
                 unit: "rank",
                 at: rank,
-                what: "all-gather",
-                group,
+                what: "all-gather (still without the parts of these)",
+                group: GATHER_MISSING.lock().map(|m| m.clone()).unwrap_or_default(),
                 secs,
             }
         })
@@ -568,6 +581,12 @@ impl Served {
                 if slot.is_none() {
                     *slot = self.parts.remove(&(r, g.round));
                 }
+            }
+            let missing: Vec<usize> = (0..g.parts.len())
+                .filter(|&r| g.parts[r].is_none())
+                .collect();
+            if let Ok(mut m) = GATHER_MISSING.lock() {
+                *m = missing;
             }
             if g.parts.iter().all(Option::is_some) {
                 let g = self.gathering.take().expect("gathering");
