@@ -209,6 +209,10 @@ fn bad_input_is_one_line_and_exit_2() {
             vec!["train", "--transport", "threads", "--peer-timeout", "nan"],
             "--peer-timeout NaN",
         ),
+        (
+            vec!["simulate", "--cost-f", "1e308", "--cost-b", "1e308"],
+            "total compute time overflows",
+        ),
     ] {
         bad(&args, want);
     }

@@ -357,6 +357,24 @@ pub fn simulate(setup: &SimSetup) -> Result<SimResult> {
             cluster.len()
         )));
     }
+    // Times must stay finite: a sum of the work that overflows f64 is refused, not simulated.
+    let slowest = cluster
+        .devices
+        .iter()
+        .take(p)
+        .map(|d| d.speed)
+        .fold(f64::INFINITY, f64::min);
+    let work: f64 = stages
+        .iter()
+        .map(|c| c.forward + c.backward_input + c.backward_weight)
+        .sum::<f64>()
+        * plan.num_microbatches as f64
+        / slowest;
+    if !work.is_finite() {
+        return Err(Error::Invalid(format!(
+            "the plan's total compute time overflows ({work} s): stage costs too large for f64 seconds"
+        )));
+    }
     let mut st = State::new(plan, stages, cluster);
     for w in 0..p {
         st.try_start(w);
