@@ -97,6 +97,22 @@ impl TrainConfig {
                 self.min_lr, self.lr
             ));
         }
+        let Some(need) = self.memory_estimate() else {
+            return bad(format!(
+                "the memory this model and batch need overflows u64 (d_model {}, {} layers, seq_len {}, rows {}, {} micro-batches)",
+                self.model.d_model, self.model.layers, self.model.seq_len, self.rows, self.microbatches
+            ));
+        };
+        if let Some(have) = physical_memory() {
+            if need > have {
+                return bad(format!(
+                    "this model and batch need about {:.1} GiB (weights, gradients, AdamW and the activations of {} micro-batches) but the machine has {:.1} GiB",
+                    need as f64 / (1u64 << 30) as f64,
+                    self.microbatches,
+                    have as f64 / (1u64 << 30) as f64
+                ));
+            }
+        }
         if !(self.clip.is_finite() && self.clip > 0.0) {
             return bad(format!("clip {} must be a finite number > 0", self.clip));
         }
@@ -107,6 +123,27 @@ impl TrainConfig {
             ));
         }
         Ok(())
+    }
+
+    /// Bytes training needs at least, roughly: 16 per parameter (weights, gradients, two AdamW
+    /// moments) and per micro-batch in flight about (12 d_model + 3 heads seq_len) floats per
+    /// token per block. `None` if it overflows u64.
+    pub fn memory_estimate(&self) -> Option<u64> {
+        let m = &self.model;
+        let d = m.d_model as u64;
+        let params = (12 * d)
+            .checked_mul(d)?
+            .checked_mul(m.layers as u64)?
+            .checked_add(((m.vocab + m.seq_len) as u64).checked_mul(2 * d)?)?;
+        let tokens = (self.rows as u64).checked_mul(m.seq_len as u64)?;
+        let per_token =
+            (12 * d).checked_add((3 * m.heads as u64).checked_mul(m.seq_len as u64)?)?;
+        let acts = tokens
+            .checked_mul(per_token)?
+            .checked_mul(m.layers.max(1) as u64)?
+            .checked_mul(4)?
+            .checked_mul(self.microbatches.max(1) as u64)?;
+        params.checked_mul(16)?.checked_add(acts)
     }
 
     /// The whole-job plan of the schedule flags: `replicas` copies of a `stages`-deep pipeline,
@@ -147,4 +184,17 @@ impl TrainConfig {
         validate(plan)?;
         Ok(())
     }
+}
+
+/// The machine's memory (Linux: MemTotal), if known.
+fn physical_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kb: u64 = text
+        .lines()
+        .find(|l| l.starts_with("MemTotal:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()?;
+    kb.checked_mul(1024)
 }
