@@ -46,6 +46,16 @@ enum Cmd {
     Validate {
         /// Plan file (.json or .csv).
         file: PathBuf,
+        /// Also check SkipPipe's rules: each micro-batch skips exactly K middle stages (stage 0
+        /// and the head stage on its data node; visits balanced within 1).
+        #[arg(long, value_name = "K")]
+        skip: Option<usize>,
+        /// With --skip: swaps of neighbouring stages allowed per route.
+        #[arg(long, default_value_t = 1, requires = "skip")]
+        max_swaps: usize,
+        /// With --skip: micro-batches a worker may hold in flight.
+        #[arg(long, requires = "skip")]
+        max_in_flight: Option<usize>,
     },
 }
 
@@ -205,9 +215,23 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Plan(a) => plan::cmd_plan(a),
         Cmd::Train(a) => train::cmd_train(*a),
         Cmd::Profile(a) => train::cmd_profile(a),
-        Cmd::Validate { file } => {
+        Cmd::Validate {
+            file,
+            skip,
+            max_swaps,
+            max_in_flight,
+        } => {
             let plan = load_plan(&file)?;
             validate(&plan).map_err(|e| BadInput(format!("{}: {e}", file.display())))?;
+            if let Some(skip) = skip {
+                let rules = pipewright_core::skip::SkipRules {
+                    skip,
+                    max_swaps,
+                    max_in_flight,
+                };
+                pipewright_core::skip::check_skip_rules(&plan, &rules)
+                    .map_err(|e| BadInput(format!("{}: {e}", file.display())))?;
+            }
             println!(
                 "{}: valid ({} workers, {} stages holding {} layers, {} micro-batches, {} actions)",
                 file.display(),

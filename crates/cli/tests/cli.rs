@@ -231,6 +231,12 @@ fn bad_input_is_one_line_and_exit_2() {
         &["simulate", "--profile", &wrap, "--stages", "2"],
         "memory figures cannot overflow",
     );
+    // SkipPipe's rules on request: a plain pipeline's routes end away from their data node.
+    let plain = tmp(
+        "plain-1f1b.json",
+        &String::from_utf8(pw(&["schedule", "--kind", "1f1b", "--format", "json"]).stdout).unwrap(),
+    );
+    bad(&["validate", &plain, "--skip", "1"], "(rule skip-ends)");
     // Outputs replace only regular files: not a directory, not a symlink.
     let d = std::env::temp_dir().join(format!("pw-outdir-{}", std::process::id()));
     std::fs::create_dir_all(&d).unwrap();

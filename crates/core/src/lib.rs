@@ -11,6 +11,7 @@ pub mod planner;
 pub mod profile;
 pub mod schedule;
 pub mod sim;
+pub mod skip;
 pub mod timeline;
 pub mod validate;
 
