@@ -224,3 +224,75 @@ fn a_killed_rank_is_named_within_the_bound_and_the_checkpoint_resumes() {
     assert!(o.status.success(), "{all}");
     assert!(all.contains(&format!("at step {step}")), "{all}");
 }
+
+#[test]
+fn a_switch_of_plan_moves_state_between_processes_exactly() {
+    // 2 stages x 1 replica, then 1 stage x 2 replicas after step 2: the layers and AdamW
+    // state move between the ranks; the end result equals training that re-plans in threads.
+    let d = dir("switch");
+    let sched = |args: &[&str], name: &str| {
+        let o = Command::new(env!("CARGO_BIN_EXE_pipewright"))
+            .args(["schedule", "--format", "json", "--layers", "4"])
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", text(&o));
+        let p = d.join(name);
+        std::fs::write(&p, &o.stdout).unwrap();
+        p
+    };
+    let first = sched(
+        &["--kind", "1f1b", "--stages", "2", "--microbatches", "4"],
+        "a.json",
+    );
+    let second = sched(
+        &[
+            "--kind",
+            "1f1b",
+            "--stages",
+            "1",
+            "--replicas",
+            "2",
+            "--microbatches",
+            "2",
+        ],
+        "b.json",
+    );
+    let switch = format!("2:{}", second.display());
+    let run = |launcher: Option<usize>, ck: &Path| {
+        let mut c = match launcher {
+            Some(np) => {
+                let mut c = mpirun(np);
+                c.args(["train", "--transport", "mpi"]);
+                c
+            }
+            None => {
+                let mut c = Command::new(env!("CARGO_BIN_EXE_pipewright"));
+                c.arg("train");
+                c
+            }
+        };
+        let o = c
+            .arg("--plan")
+            .arg(&first)
+            .args(["--switch-plan", &switch])
+            .args(&RUN[..8])
+            .args(["--steps", "4", "--eval-batches", "1"])
+            .arg("--checkpoint-dir")
+            .arg(ck)
+            .output()
+            .unwrap();
+        let all = text(&o);
+        assert!(o.status.success(), "{all}");
+        assert!(all.contains("step 2: re-planned"), "{all}");
+        checkpoint_params(ck).2
+    };
+    let mpi = run(Some(2), &d.join("ck-mpi"));
+    let threads = run(None, &d.join("ck-threads"));
+    let worst = mpi
+        .iter()
+        .zip(&threads)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(worst <= 1e-5, "max |diff| {worst}");
+}
