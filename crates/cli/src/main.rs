@@ -2,6 +2,7 @@
 
 mod plan;
 mod simulate;
+mod skip;
 mod train;
 
 use anyhow::{Context, Result};
@@ -38,6 +39,8 @@ enum Cmd {
     Partition(plan::PartitionArgs),
     /// Search depth, replicas, micro-batches, schedule and layout for a model on a cluster; write the winning plan.
     Plan(plan::PlanArgs),
+    /// SkipPipe: routes that skip and swap stages on a slow, uneven network, with baselines.
+    SkipPlan(skip::SkipPlanArgs),
     /// Train a GPT-style byte-level model from a plan file or schedule flags (built-in corpus by default).
     Train(Box<train::TrainArgs>),
     /// Measure each layer block of the model on this machine and write a profile TOML.
@@ -213,6 +216,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Simulate(a) => simulate::cmd_simulate(a),
         Cmd::Partition(a) => plan::cmd_partition(a),
         Cmd::Plan(a) => plan::cmd_plan(a),
+        Cmd::SkipPlan(a) => skip::cmd_skip_plan(a),
         Cmd::Train(a) => train::cmd_train(*a),
         Cmd::Profile(a) => train::cmd_profile(a),
         Cmd::Validate {

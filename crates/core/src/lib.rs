@@ -12,6 +12,7 @@ pub mod profile;
 pub mod schedule;
 pub mod sim;
 pub mod skip;
+pub mod skipplan;
 pub mod timeline;
 pub mod validate;
 

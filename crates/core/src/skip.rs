@@ -30,6 +30,25 @@ fn broken(rule: &str, msg: String) -> Error {
     Error::Invalid(format!("{msg} (rule {rule})"))
 }
 
+/// How many swaps of two neighbours turn the sorted order into `v`, or `None` if `v` is not
+/// made of such swaps.
+pub fn neighbour_swaps(v: &[usize]) -> Option<usize> {
+    let mut sorted = v.to_vec();
+    sorted.sort_unstable();
+    let (mut i, mut n) = (0, 0);
+    while i < v.len() {
+        if v[i] == sorted[i] {
+            i += 1;
+        } else if i + 1 < v.len() && v[i] == sorted[i + 1] && v[i + 1] == sorted[i] {
+            n += 1;
+            i += 2;
+        } else {
+            return None;
+        }
+    }
+    Some(n)
+}
+
 /// Check `plan` (already valid for [`crate::validate::validate`]) against SkipPipe's rules.
 pub fn check_skip_rules(plan: &Plan, rules: &SkipRules) -> Result<()> {
     let s = plan.num_stages();
@@ -73,22 +92,12 @@ pub fn check_skip_rules(plan: &Plan, rules: &SkipRules) -> Result<()> {
                 ),
             ));
         }
-        let mut sorted = mid.clone();
-        sorted.sort_unstable();
-        let (mut i, mut swaps) = (0, 0);
-        while i < mid.len() {
-            if mid[i] == sorted[i] {
-                i += 1;
-            } else if i + 1 < mid.len() && mid[i] == sorted[i + 1] && mid[i + 1] == sorted[i] {
-                swaps += 1;
-                i += 2;
-            } else {
-                return Err(broken(
-                    "skip-swaps",
-                    format!("route of mb {mb} visits stages {mid:?}: only swaps of two neighbours may reorder them"),
-                ));
-            }
-        }
+        let Some(swaps) = neighbour_swaps(&mid) else {
+            return Err(broken(
+                "skip-swaps",
+                format!("route of mb {mb} visits stages {mid:?}: only swaps of two neighbours may reorder them"),
+            ));
+        };
         if swaps > rules.max_swaps {
             return Err(broken(
                 "skip-swaps",
