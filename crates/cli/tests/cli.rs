@@ -237,6 +237,37 @@ fn bad_input_is_one_line_and_exit_2() {
         &String::from_utf8(pw(&["schedule", "--kind", "1f1b", "--format", "json"]).stdout).unwrap(),
     );
     bad(&["validate", &plain, "--skip", "1"], "(rule skip-ends)");
+    // skip-plan's own limits.
+    let llama = shared("examples/llama500m_skippipe.toml");
+    let geo = shared("examples/geo20_skippipe.toml");
+    let sp = |extra: &[&str]| -> Vec<String> {
+        [
+            "skip-plan",
+            "--profile",
+            &llama,
+            "--cluster",
+            &geo,
+            "--moves",
+            "10",
+        ]
+        .iter()
+        .chain(extra)
+        .map(|x| x.to_string())
+        .collect()
+    };
+    let bad_sp = |args: Vec<String>, want: &str| {
+        bad(&args.iter().map(String::as_str).collect::<Vec<_>>(), want)
+    };
+    bad_sp(sp(&["--stages", "6", "--skip", "2.5"]), "--skip 2.5");
+    bad_sp(
+        sp(&["--stages", "6", "--skip", "5"]),
+        "cannot skip 5 of the 5 middle stages",
+    );
+    bad_sp(sp(&["--stages", "40", "--skip", "1"]), "--stages 40");
+    bad_sp(
+        sp(&["--stages", "6", "--skip", "1", "--data-nodes", "19"]),
+        "cannot hold 19 data nodes",
+    );
     // Outputs replace only regular files: not a directory, not a symlink.
     let d = std::env::temp_dir().join(format!("pw-outdir-{}", std::process::id()));
     std::fs::create_dir_all(&d).unwrap();
