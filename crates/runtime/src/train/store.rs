@@ -14,6 +14,8 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 const MANIFEST: &str = "manifest.json";
+/// The manifest's own SHA-256, so a flipped byte in the manifest is named as such.
+const MANIFEST_SUM: &str = "manifest.sha256";
 const LATEST: &str = "latest";
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -120,6 +122,13 @@ impl Writer {
         f.write_all(&text).map_err(|e| io(&mp, e))?;
         self.op()?;
         f.sync_all().map_err(|e| io(&mp, e))?;
+        let sp = self.tmp.join(MANIFEST_SUM);
+        self.op()?;
+        let mut f = File::create(&sp).map_err(|e| io(&sp, e))?;
+        f.write_all(sha256(&text).as_bytes())
+            .map_err(|e| io(&sp, e))?;
+        self.op()?;
+        f.sync_all().map_err(|e| io(&sp, e))?;
         let mut dirs: Vec<PathBuf> = manifest
             .files
             .keys()
@@ -206,6 +215,14 @@ pub struct Verified {
 pub fn verify(ck: &Path) -> Result<Verified> {
     let mp = ck.join(MANIFEST);
     let text = std::fs::read(&mp).map_err(|e| io(&mp, e))?;
+    let sp = ck.join(MANIFEST_SUM);
+    let sum = std::fs::read_to_string(&sp).map_err(|e| io(&sp, e))?;
+    if sum.trim() != sha256(&text) {
+        return Err(Error::checkpoint(
+            &mp,
+            format!("does not match its checksum in {MANIFEST_SUM}: one of the two is corrupt"),
+        ));
+    }
     let m: Manifest = serde_json::from_slice(&text)
         .map_err(|e| Error::checkpoint(&mp, format!("corrupt manifest: {e}")))?;
     let mut files = BTreeMap::new();
