@@ -243,7 +243,7 @@ fn start_transport(a: &TrainArgs) -> Result<Procs> {
     }
     #[cfg(not(feature = "mpi"))]
     Err(BadInput(
-        "--transport mpi: this pipewright was built without MPI (cargo feature `mpi`; scripts/test installs Open MPI and builds it)".into(),
+        "--transport mpi: this pipewright was built without MPI (cargo feature `mpi`; scripts/install-deps installs Open MPI)".into(),
     )
     .into())
 }

@@ -1,6 +1,6 @@
 //! Worker processes over MPI, through the real binary under `mpirun`: exact gradients against
 //! single-worker training, a refused rank count, and a rank killed mid-run (the others exit in
-//! bounded time naming it; the last checkpoint resumes). Needs Open MPI (`scripts/test` installs
+//! bounded time naming it; the last checkpoint resumes). Needs Open MPI (`scripts/install-deps` installs
 //! it); without `mpirun` these tests fail rather than pass silently.
 #![cfg(feature = "mpi")]
 
@@ -25,7 +25,7 @@ fn mpirun(np: usize) -> Command {
         .is_ok_and(|o| o.status.success());
     assert!(
         ok,
-        "mpirun not found: run scripts/test, which installs Open MPI"
+        "mpirun not found: run scripts/install-deps, which installs Open MPI"
     );
     let mut c = Command::new("mpirun");
     c.args([
