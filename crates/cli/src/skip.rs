@@ -61,7 +61,7 @@ pub fn cmd_skip_plan(a: SkipPlanArgs) -> Result<()> {
     let cluster = Cluster::load(&a.cluster)?;
     if !(a.skip.is_finite() && a.skip >= 0.0) || (a.skip >= 1.0 && a.skip.fract() != 0.0) {
         return Err(BadInput(format!(
-            "--skip {}: a whole number of stages, or a fraction below 1",
+            "--skip {:?}: a whole number of stages, or a fraction below 1",
             a.skip
         ))
         .into());
@@ -73,7 +73,7 @@ pub fn cmd_skip_plan(a: SkipPlanArgs) -> Result<()> {
     };
     if !(a.time_limit.is_finite() && a.time_limit > 0.0 && a.time_limit <= 3600.0) {
         return Err(BadInput(format!(
-            "--time-limit {}: seconds between 0 and 3600",
+            "--time-limit {:?}: seconds between 0 and 3600",
             a.time_limit
         ))
         .into());

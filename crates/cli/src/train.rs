@@ -225,7 +225,7 @@ type Procs = Option<std::convert::Infallible>;
 fn start_transport(a: &TrainArgs) -> Result<Procs> {
     if !(a.peer_timeout.is_finite() && a.peer_timeout > 0.0 && a.peer_timeout <= 1e6) {
         return Err(BadInput(format!(
-            "--peer-timeout {}: expected seconds between 0 and 1000000",
+            "--peer-timeout {:?}: expected seconds between 0 and 1000000",
             a.peer_timeout
         ))
         .into());

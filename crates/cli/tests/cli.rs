@@ -1,5 +1,7 @@
 //! The command-line contract: figures, files and bad-input handling.
 
+mod common;
+use common::TINY;
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
@@ -33,18 +35,6 @@ fn json(out: &Output) -> serde_json::Value {
     );
     serde_json::from_slice(&out.stdout).expect("one JSON object")
 }
-
-/// Model flags of a tiny model that trains in moments.
-const TINY: [&str; 8] = [
-    "--d-model",
-    "16",
-    "--heads",
-    "2",
-    "--layers",
-    "2",
-    "--seq-len",
-    "16",
-];
 
 /// Exit 2, one line on stderr containing `want`, nothing panicked.
 fn bad(args: &[&str], want: &str) {
@@ -264,6 +254,17 @@ fn bad_input_is_one_line_and_exit_2() {
         "cannot skip 5 of the 5 middle stages",
     );
     bad_sp(sp(&["--stages", "40", "--skip", "1"]), "--stages 40");
+    bad_sp(
+        sp(&[
+            "--stages",
+            "6",
+            "--skip",
+            "1",
+            "--microbatches",
+            "18446744073709551615",
+        ]),
+        "above the limit of 20000000",
+    );
     bad_sp(
         sp(&["--stages", "6", "--skip", "1", "--data-nodes", "19"]),
         "cannot hold 19 data nodes",
@@ -728,25 +729,7 @@ fn whole_job_plan_workflow() {
 /// in exit 0, 1 or 2 with no panic (101) and no abort.
 #[test]
 fn fuzzed_files_through_the_cli_never_panic() {
-    const EDGES: [&str; 10] = [
-        "0",
-        "-1",
-        "2.5",
-        "1e308",
-        "nan",
-        "4294967296",
-        "18446744073709551615",
-        "18446744073709551616",
-        "100000000",
-        "7",
-    ];
-    let mut seed: u64 = 0x5eed;
-    let mut next = move || {
-        seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (seed >> 33) as usize
-    };
+    let mut rng = pipewright_core::rng::Lcg(0x5eed);
     let plan = String::from_utf8(
         pw(&[
             "schedule",
@@ -766,23 +749,6 @@ fn fuzzed_files_through_the_cli_never_panic() {
     .unwrap();
     let profile = std::fs::read_to_string(shared("examples/vit_b16_params.toml")).unwrap();
     let cluster = std::fs::read_to_string(shared("examples/pipetransformer_2x8.toml")).unwrap();
-    let digits = |t: &str| -> Vec<(usize, usize)> {
-        let b = t.as_bytes();
-        let mut out = Vec::new();
-        let mut i = 0;
-        while i < b.len() {
-            if b[i].is_ascii_digit() && (i == 0 || !b[i - 1].is_ascii_alphanumeric()) {
-                let s = i;
-                while i < b.len() && (b[i].is_ascii_digit() || b[i] == b'.') {
-                    i += 1;
-                }
-                out.push((s, i));
-            } else {
-                i += 1;
-            }
-        }
-        out
-    };
     let mut ran = 0;
     for case in 0..60 {
         let (name, base) = match case % 3 {
@@ -790,16 +756,10 @@ fn fuzzed_files_through_the_cli_never_panic() {
             1 => ("f-profile.toml", &profile),
             _ => ("f-cluster.toml", &cluster),
         };
-        let nums = digits(base);
-        let mut text = base.clone();
-        let mut picks: Vec<(usize, usize)> = (0..1 + next() % 3)
-            .map(|_| nums[next() % nums.len()])
+        let picks: Vec<(usize, usize)> = (0..1 + rng.below(3))
+            .map(|_| (rng.below(1 << 20), rng.below(1 << 20)))
             .collect();
-        picks.sort_by_key(|p| std::cmp::Reverse(p.0));
-        picks.dedup();
-        for (s, t) in picks {
-            text.replace_range(s..t, EDGES[next() % EDGES.len()]);
-        }
+        let text = pipewright_core::fuzz::mutate(base, &picks);
         let f = tmp(name, &text);
         let prof = shared("examples/vit_b16_params.toml");
         let clus = shared("examples/pipetransformer_2x8.toml");

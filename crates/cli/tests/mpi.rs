@@ -4,6 +4,8 @@
 //! it); without `mpirun` these tests fail rather than pass silently.
 #![cfg(feature = "mpi")]
 
+mod common;
+use common::TINY;
 use pipewright_core::ir::Plan;
 use pipewright_runtime::data::Corpus;
 use pipewright_runtime::train::{PlainTrainer, TrainConfig, Trainer};
@@ -45,16 +47,8 @@ fn dir(name: &str) -> PathBuf {
     d
 }
 
-/// A small model and 3 steps.
-const RUN: [&str; 16] = [
-    "--d-model",
-    "16",
-    "--heads",
-    "2",
-    "--layers",
-    "2",
-    "--seq-len",
-    "16",
+/// 3 short steps (with the tiny model).
+const SHORT: [&str; 8] = [
     "--steps",
     "3",
     "--microbatches",
@@ -92,7 +86,8 @@ fn exact_under_mpi(np: usize, flags: &[&str]) {
     let ck = d.join("ck");
     let o = mpirun(np)
         .args(["train", "--transport", "mpi"])
-        .args(RUN)
+        .args(TINY)
+        .args(SHORT)
         .args(flags)
         .arg("--checkpoint-dir")
         .arg(&ck)
@@ -144,7 +139,8 @@ fn a_rank_count_unlike_the_plan_is_refused_once() {
             "2",
             "--no-checkpoint",
         ])
-        .args(RUN)
+        .args(TINY)
+        .args(SHORT)
         .output()
         .unwrap();
     assert!(!o.status.success());
@@ -178,7 +174,7 @@ fn a_killed_rank_is_named_within_the_bound_and_the_checkpoint_resumes() {
     let timeout = 5;
     let mut job = mpirun(2)
         .args(["train", "--transport", "mpi", "--stages", "2"])
-        .args(&RUN[..8])
+        .args(TINY)
         .args(["--steps", "100000", "--checkpoint-every", "2"])
         .args(["--peer-timeout", &timeout.to_string()])
         .arg("--checkpoint-dir")
@@ -227,7 +223,7 @@ fn a_killed_rank_is_named_within_the_bound_and_the_checkpoint_resumes() {
     assert!(step >= 2);
     let o = mpirun(2)
         .args(["train", "--transport", "mpi", "--stages", "2", "--resume"])
-        .args(&RUN[..8])
+        .args(TINY)
         .args(["--steps", &(step + 2).to_string()])
         .arg("--checkpoint-dir")
         .arg(&ck)
@@ -290,7 +286,7 @@ fn a_switch_of_plan_moves_state_between_processes_exactly() {
             .arg("--plan")
             .arg(&first)
             .args(["--switch-plan", &switch])
-            .args(&RUN[..8])
+            .args(TINY)
             .args(["--steps", "4", "--eval-batches", "1"])
             .arg("--checkpoint-dir")
             .arg(ck)

@@ -5,10 +5,12 @@
 
 pub mod cluster;
 pub mod error;
+pub mod fuzz;
 pub mod ir;
 pub mod partition;
 pub mod planner;
 pub mod profile;
+pub mod rng;
 pub mod schedule;
 pub mod sim;
 pub mod skip;

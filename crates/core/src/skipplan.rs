@@ -13,6 +13,7 @@ use crate::error::{Error, Result};
 use crate::ir::{Action, Hop, Op, Plan, StagePlan};
 use crate::partition::{min_max_split, prefix};
 use crate::profile::Profile;
+use crate::rng::Lcg;
 use crate::schedule::ScheduleKind;
 use crate::sim::{simulate, SimSetup};
 use crate::skip::{check_skip_rules, neighbour_swaps, SkipRules};
@@ -48,21 +49,6 @@ pub struct SkipResult {
     pub plan: Plan,
     pub full_plan: Plan,
     pub random_plan: Plan,
-}
-
-/// A small deterministic generator (PCG-style LCG), so a seed gives the same search.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        self.0 >> 33
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
 }
 
 /// Who hosts what: data nodes (embedding and head) and one pool of devices per middle stage.
@@ -332,7 +318,7 @@ impl Problem<'_> {
     /// A random change that keeps the rules: another pool worker for a hop, exchanged skip
     /// sets of two micro-batches, a swap of two neighbouring stages toggled, or two devices
     /// exchanging their places (pools, data nodes) with every hop on them.
-    fn neighbour(&self, pl: &Placement, r: &Routes, rng: &mut Rng) -> (Placement, Routes) {
+    fn neighbour(&self, pl: &Placement, r: &Routes, rng: &mut Lcg) -> (Placement, Routes) {
         let mut out = r.clone();
         let mut place = pl.clone();
         let m = out.mid.len();
@@ -390,7 +376,7 @@ impl Problem<'_> {
     fn improve(
         &self,
         start: (Placement, Routes),
-        rng: &mut Rng,
+        rng: &mut Lcg,
         budget: usize,
         deadline: Instant,
     ) -> ((Placement, Routes), f64, usize) {
@@ -465,6 +451,8 @@ pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Res
             "--data-nodes and --microbatches must be at least 1".into(),
         ));
     }
+    // Each micro-batch runs a forward and a backward on each of its hops.
+    crate::ir::check_size(setup.data_nodes, s + 1, 1, setup.microbatches)?;
     let pool_devices = cluster.len().saturating_sub(setup.data_nodes);
     if pool_devices < middle {
         return Err(Error::Invalid(format!(
@@ -504,18 +492,18 @@ pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Res
     let full_start = (pl.clone(), pr.greedy_routes(&pl, 0));
     let ((full_pl, full), full_t, m1) = pr.improve(
         full_start,
-        &mut Rng(setup.seed ^ 0x1),
+        &mut Lcg(setup.seed ^ 0x1),
         setup.moves,
         t0 + setup.time_limit / 2,
     );
     let skip_start = (pl.clone(), pr.greedy_routes(&pl, setup.skip));
     let ((best_pl, best), best_t, m2) = pr.improve(
         skip_start,
-        &mut Rng(setup.seed ^ 0x2),
+        &mut Lcg(setup.seed ^ 0x2),
         setup.moves,
         deadline,
     );
-    let mut rng = Rng(setup.seed ^ 0x3);
+    let mut rng = Lcg(setup.seed ^ 0x3);
     // Network-blind random skipping: devices in a random order, random balanced skip sets
     // and random pool workers.
     let mut ids: Vec<usize> = (0..cluster.len()).collect();

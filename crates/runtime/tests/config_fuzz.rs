@@ -3,22 +3,9 @@
 //! value or an error, never a panic; whatever passes the check is small enough to allocate.
 
 use pipewright_core::error::parse_toml;
+use pipewright_core::fuzz::{mutate, number_spans};
+use pipewright_core::rng::Lcg;
 use pipewright_runtime::train::TrainConfig;
-
-const EDGES: [&str; 12] = [
-    "0",
-    "1",
-    "-1",
-    "2.5",
-    "1e308",
-    "nan",
-    "inf",
-    "4294967296",
-    "9223372036854775807",
-    "18446744073709551615",
-    "100000000",
-    "3",
-];
 
 #[test]
 fn mutated_train_configs_never_panic() {
@@ -28,42 +15,14 @@ fn mutated_train_configs_never_panic() {
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/gpt_bench.toml"),
         )
         .unwrap();
-    let spans: Vec<(usize, usize)> = {
-        let b = base.as_bytes();
-        let mut out = Vec::new();
-        let mut i = 0;
-        while i < b.len() {
-            if b[i].is_ascii_digit() && (i == 0 || !b[i - 1].is_ascii_alphanumeric()) {
-                let s = i;
-                while i < b.len() && (b[i].is_ascii_digit() || b[i] == b'.') {
-                    i += 1;
-                }
-                out.push((s, i));
-            } else {
-                i += 1;
-            }
-        }
-        out
-    };
-    assert!(spans.len() > 10);
-    let mut seed: u64 = 11;
-    let mut next = move || {
-        seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (seed >> 33) as usize
-    };
+    assert!(number_spans(&base).len() > 10);
+    let mut rng = Lcg(11);
     let (mut parsed, mut accepted) = (0, 0);
     for _ in 0..2000 {
-        let mut picks: Vec<(usize, usize)> = (0..1 + next() % 3)
-            .map(|_| spans[next() % spans.len()])
+        let picks: Vec<(usize, usize)> = (0..1 + rng.below(3))
+            .map(|_| (rng.below(1 << 20), rng.below(1 << 20)))
             .collect();
-        picks.sort_by_key(|p| std::cmp::Reverse(p.0));
-        picks.dedup();
-        let mut text = base.clone();
-        for (s, t) in picks {
-            text.replace_range(s..t, EDGES[next() % EDGES.len()]);
-        }
+        let text = mutate(&base, &picks);
         let Ok(cfg) = parse_toml::<TrainConfig>("fuzz.toml", &text) else {
             continue;
         };
