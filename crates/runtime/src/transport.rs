@@ -103,12 +103,21 @@ struct Mailbox {
     ready: Condvar,
 }
 
+/// One member's contribution to a collective.
+#[derive(Clone)]
+enum Part {
+    Sum(Vec<f32>),
+    Bytes(Vec<u8>),
+}
+
 #[derive(Default)]
 struct Exchange {
-    /// Contributions by position in the group; complete once all arrived, so a reduction can
-    /// sum them in group order and be bit-identical whatever the arrival order.
-    parts: Vec<Option<Vec<u8>>>,
-    /// Members yet to read the completed parts.
+    /// Contributions by position in the group; combined once all arrived, in group order, so a
+    /// sum is bit-identical whatever the arrival order.
+    parts: Vec<Option<Part>>,
+    /// The combined result, computed once by the last to arrive and shared by all.
+    done: Option<Arc<Vec<Part>>>,
+    /// Members yet to read the result.
     left: usize,
 }
 
@@ -160,14 +169,16 @@ impl InProcess {
         }
     }
 
-    /// Every member's `part`, in group order, once all have called.
+    /// Every member's `part`, in group order, once all have called, passed through `combine`
+    /// once (by the last to arrive) and shared.
     fn exchange(
         &self,
         rank: usize,
         group: &[usize],
-        part: Vec<u8>,
+        part: Part,
         what: &'static str,
-    ) -> Result<Vec<Vec<u8>>, TransportError> {
+        combine: fn(Vec<Part>) -> Vec<Part>,
+    ) -> Result<Arc<Vec<Part>>, TransportError> {
         let round = {
             let mut r = self.rounds.lock().unwrap();
             let c = r.entry((rank, group.to_vec())).or_insert(0);
@@ -188,6 +199,13 @@ impl InProcess {
                 .position(|&g| g == rank)
                 .expect("rank is in its group");
             slot.parts[me] = Some(part);
+            if slot.parts.iter().all(Option::is_some) {
+                let parts = std::mem::take(&mut slot.parts)
+                    .into_iter()
+                    .flatten()
+                    .collect();
+                slot.done = Some(Arc::new(combine(parts)));
+            }
         }
         self.exchanged.notify_all();
         loop {
@@ -195,14 +213,12 @@ impl InProcess {
                 return Err(TransportError::Aborted);
             }
             let slot = ex.get_mut(&key).expect("slot lives until all read it");
-            if slot.parts.iter().all(Option::is_some) {
+            if let Some(done) = slot.done.clone() {
                 slot.left -= 1;
-                let parts = if slot.left == 0 {
-                    ex.remove(&key).expect("slot").parts
-                } else {
-                    slot.parts.clone()
-                };
-                return Ok(parts.into_iter().flatten().collect());
+                if slot.left == 0 {
+                    ex.remove(&key);
+                }
+                return Ok(done);
             }
             if Instant::now() >= deadline {
                 return Err(TransportError::Collective {
@@ -289,20 +305,34 @@ impl Transport for InProcess {
         if group.len() <= 1 {
             return Ok(());
         }
-        let part = data.iter().flat_map(|x| x.to_le_bytes()).collect();
-        let parts = self.exchange(rank, group, part, "all-reduce")?;
-        data.fill(0.0);
-        for p in &parts {
-            for (d, b) in data.iter_mut().zip(p.chunks_exact(4)) {
-                *d += f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        let sum = |parts: Vec<Part>| {
+            let mut it = parts.into_iter().map(|p| match p {
+                Part::Sum(v) => v,
+                Part::Bytes(_) => unreachable!("all-reduce parts are sums"),
+            });
+            let mut acc = it.next().unwrap_or_default();
+            for v in it {
+                acc.iter_mut().zip(&v).for_each(|(a, b)| *a += b);
             }
+            vec![Part::Sum(acc)]
+        };
+        let done = self.exchange(rank, group, Part::Sum(data.to_vec()), "all-reduce", sum)?;
+        if let Some(Part::Sum(s)) = done.first() {
+            data.copy_from_slice(s);
         }
         Ok(())
     }
 
     fn all_gather(&self, rank: usize, part: Vec<u8>) -> Result<Vec<Vec<u8>>, TransportError> {
         let everyone: Vec<usize> = (0..self.boxes.len()).collect();
-        self.exchange(rank, &everyone, part, "all-gather")
+        let done = self.exchange(rank, &everyone, Part::Bytes(part), "all-gather", |p| p)?;
+        Ok(done
+            .iter()
+            .map(|p| match p {
+                Part::Bytes(b) => b.clone(),
+                Part::Sum(_) => unreachable!("all-gather parts are bytes"),
+            })
+            .collect())
     }
 
     fn abort(&self) {
