@@ -34,8 +34,9 @@ pub struct SkipPlanArgs {
     /// Swaps of neighbouring stages allowed per route.
     #[arg(long, default_value_t = 1)]
     max_swaps: usize,
-    /// Local-search moves per search (deterministic for a seed).
-    #[arg(long, default_value_t = 4000)]
+    /// Annealing moves per search, the full pipeline's and the skip routes' (they run side by
+    /// side; deterministic for a seed unless the time limit stops them).
+    #[arg(long, default_value_t = 40000)]
     moves: usize,
     /// Seconds the searches may take at most (they stop early, and the result then depends
     /// on the machine's speed).
