@@ -1,5 +1,6 @@
 //! `pipewright`: plan, simulate and run pipeline-parallel training.
 
+mod eval;
 mod plan;
 mod simulate;
 mod skip;
@@ -45,6 +46,8 @@ enum Cmd {
     Train(Box<train::TrainArgs>),
     /// Measure each layer block of the model on this machine and write a profile TOML.
     Profile(train::ProfileArgs),
+    /// Validation loss and perplexity of a checkpoint, also with stages left out (skip-robust inference).
+    Eval(eval::EvalArgs),
     /// Check a plan file (JSON or CSV) and say what is wrong, if anything.
     Validate {
         /// Plan file (.json or .csv).
@@ -219,6 +222,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::SkipPlan(a) => skip::cmd_skip_plan(a),
         Cmd::Train(a) => train::cmd_train(*a),
         Cmd::Profile(a) => train::cmd_profile(a),
+        Cmd::Eval(a) => eval::cmd_eval(a),
         Cmd::Validate {
             file,
             skip,

@@ -57,21 +57,26 @@ pub struct SkipPlanArgs {
     json: bool,
 }
 
-pub fn cmd_skip_plan(a: SkipPlanArgs) -> Result<()> {
-    let profile = Profile::load(&a.profile)?;
-    let cluster = Cluster::load(&a.cluster)?;
-    if !(a.skip.is_finite() && a.skip >= 0.0) || (a.skip >= 1.0 && a.skip.fract() != 0.0) {
+/// Stages each micro-batch skips from `--skip`: a whole count, or a fraction of `stages` below
+/// 1 (0.33 of 6 = 2).
+pub fn skip_count(skip: f64, stages: usize) -> Result<usize> {
+    if !(skip.is_finite() && skip >= 0.0) || (skip >= 1.0 && skip.fract() != 0.0) {
         return Err(BadInput(format!(
-            "--skip {:?}: a whole number of stages, or a fraction below 1",
-            a.skip
+            "--skip {skip:?}: a whole number of stages, or a fraction below 1"
         ))
         .into());
     }
-    let skip = if a.skip < 1.0 {
-        (a.skip * a.stages as f64).round() as usize
+    Ok(if skip < 1.0 {
+        (skip * stages as f64).round() as usize
     } else {
-        a.skip as usize
-    };
+        skip as usize
+    })
+}
+
+pub fn cmd_skip_plan(a: SkipPlanArgs) -> Result<()> {
+    let profile = Profile::load(&a.profile)?;
+    let cluster = Cluster::load(&a.cluster)?;
+    let skip = skip_count(a.skip, a.stages)?;
     if !(a.time_limit.is_finite() && a.time_limit > 0.0 && a.time_limit <= 3600.0) {
         return Err(BadInput(format!(
             "--time-limit {:?}: seconds between 0 and 3600",

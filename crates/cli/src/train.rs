@@ -104,6 +104,13 @@ pub struct TrainArgs {
     /// Emulate this cluster's links between workers (each worker on the plan's device for it).
     #[arg(long)]
     cluster: Option<PathBuf>,
+    /// SkipPipe: each micro-batch skips this many of the --stages model stages (a count, or
+    /// a fraction below 1: 0.25 of 4 = 1). The plan comes from the skip-plan scheduler:
+    /// --replicas data nodes (embedding and head), the other devices of --cluster (default
+    /// stages x replicas identical ones) as pools for the other stages, --microbatches per
+    /// data node. --skip 0 gives the full pipeline on the same layout.
+    #[arg(long, conflicts_with_all = ["plan", "schedule", "chunks"])]
+    skip: Option<f64>,
     /// Switch to another whole-job plan after step STEP (STEP:FILE; repeatable): parameters
     /// and optimizer state move in memory to the new plan's workers.
     #[arg(long, value_name = "STEP:FILE")]
@@ -258,7 +265,10 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
                 .map_err(|e| BadInput(format!("{}: {e}", f.display())))?;
             plan
         }
-        None => cfg.plan()?,
+        None => match a.skip {
+            Some(k) => skip_train_plan(&cfg, k, a.cluster.as_deref())?,
+            None => cfg.plan()?,
+        },
     };
     let corpus = match &a.data {
         Some(f) => Corpus::load(f).map_err(BadInput)?,
@@ -500,6 +510,35 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
 }
 
 /// Create `dir` if needed and make sure files can be written there, before any training.
+/// The SkipPipe plan of `train --skip`: the model's own cost profile, the cluster (or
+/// stages x replicas identical devices), a short deterministic search.
+fn skip_train_plan(
+    cfg: &TrainConfig,
+    skip: f64,
+    cluster: Option<&std::path::Path>,
+) -> Result<pipewright_core::ir::Plan> {
+    use pipewright_core::skipplan::{skip_plan, SkipSetup};
+    let skip = crate::skip::skip_count(skip, cfg.stages)?;
+    let cluster = match cluster {
+        Some(f) => Cluster::load(f)?,
+        None => Cluster::uniform(cfg.stages.saturating_mul(cfg.replicas).min(1 << 16)),
+    };
+    let setup = SkipSetup {
+        stages: cfg.stages,
+        skip,
+        data_nodes: cfg.replicas,
+        microbatches: cfg.microbatches,
+        max_swaps: 1,
+        moves: 2000,
+        time_limit: Duration::from_secs(30),
+        seed: cfg.seed,
+    };
+    let r = skip_plan(&cfg.model.cost_profile(cfg.rows), &cluster, &setup)
+        .map_err(|e| BadInput(format!("--skip {skip}: {e}")))?;
+    cfg.check_plan(&r.plan)?;
+    Ok(r.plan)
+}
+
 fn check_writable_dir(dir: &std::path::Path) -> Result<()> {
     let bad = |e: std::io::Error| {
         BadInput(format!(

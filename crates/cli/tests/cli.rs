@@ -819,3 +819,110 @@ fn fuzzed_files_through_the_cli_never_panic() {
     }
     assert_eq!(ran, 120);
 }
+
+/// `train --skip` trains along the skip-plan scheduler's routes; `eval` reads its checkpoint
+/// and reports perplexity with stages left out; bad requests are refused in one line.
+#[test]
+fn skip_training_and_skip_robust_eval() {
+    let dir = std::env::temp_dir().join(format!("pw-skip-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let ck = dir.join("ck");
+    let ck = ck.to_str().unwrap();
+    let model = [
+        "--d-model",
+        "16",
+        "--heads",
+        "2",
+        "--layers",
+        "4",
+        "--seq-len",
+        "16",
+    ];
+    let o = pw(&[
+        &[
+            "train",
+            "--skip",
+            "0.25",
+            "--stages",
+            "4",
+            "--replicas",
+            "2",
+            "--microbatches",
+            "2",
+            "--steps",
+            "3",
+            "--eval-every",
+            "3",
+            "--checkpoint-dir",
+            ck,
+        ][..],
+        &model,
+    ]
+    .concat());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    // 4 model stages and the head's own stage on 8 workers.
+    assert!(err.contains("on 8 workers: 5 stages"), "{err}");
+    let j = json(&pw(&["eval", "--checkpoint-dir", ck, "--json"]));
+    assert_eq!(j["step"], 3);
+    assert_eq!(j["may_omit"], serde_json::json!([1, 2, 3]));
+    let rows = j["omitted"].as_array().unwrap();
+    // Keep 3 of 4 and 2 of 4: every choice of 1 and 2 of the 3 middle stages.
+    assert_eq!(rows[0]["omitted"].as_array().unwrap().len(), 3);
+    assert_eq!(rows[1]["omitted"].as_array().unwrap().len(), 3);
+    let full = j["val_loss"].as_f64().unwrap();
+    assert!(full.is_finite() && full > 0.0);
+    // Leaving stages out changes the loss (the blocks do something).
+    assert!(rows[1]["val_losses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|l| (l.as_f64().unwrap() - full).abs() > 1e-6));
+    let one = json(&pw(&[
+        "eval",
+        "--checkpoint-dir",
+        ck,
+        "--omit",
+        "2",
+        "--json",
+    ]));
+    assert_eq!(one["omitted"][0]["omitted"], serde_json::json!([[2]]));
+    bad(
+        &["eval", "--checkpoint-dir", ck, "--omit", "0"],
+        "holds the embedding or the head",
+    );
+    bad(
+        &["eval", "--checkpoint-dir", ck, "--omit", "9"],
+        "stages 0..4",
+    );
+    bad(
+        &["eval", "--checkpoint-dir", ck, "--keep", "1.5"],
+        "--keep 1.5",
+    );
+    bad(
+        &["eval", "--checkpoint-dir", ck, "--draws", "0"],
+        "--draws must be at least 1",
+    );
+    bad(
+        &[
+            "eval",
+            "--checkpoint-dir",
+            dir.join("none").to_str().unwrap(),
+        ],
+        "none",
+    );
+    bad(
+        &[
+            &["train", "--skip", "3", "--stages", "4", "--steps", "1"][..],
+            &model,
+        ]
+        .concat(),
+        "--skip 3",
+    );
+    bad(
+        &[&["train", "--skip", "1.5", "--steps", "1"][..], &model].concat(),
+        "--skip 1.5",
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

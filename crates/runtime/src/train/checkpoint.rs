@@ -214,6 +214,23 @@ pub(crate) fn decode_layers(parts: &[Vec<u8>], cfg: &TrainConfig) -> Result<Vec<
         .collect()
 }
 
+fn parse_state(ck: &Path, bytes: &[u8]) -> Result<CheckpointState> {
+    serde_json::from_slice(bytes)
+        .map_err(|e| Error::checkpoint(ck.join("state.json"), format!("state does not parse: {e}")))
+}
+
+/// The configuration, plan and step of the newest checkpoint in `dir` that verifies: what a
+/// run that only reads the model (evaluation) needs to rebuild it.
+pub fn checkpoint_config(dir: &Path) -> Result<(TrainConfig, Plan, u64)> {
+    let (v, _) = newest_verified(dir)?;
+    let bytes = v
+        .files
+        .get("state.json")
+        .ok_or_else(|| Error::checkpoint(v.path.join("state.json"), "missing from the manifest"))?;
+    let st = parse_state(&v.path, bytes)?;
+    Ok((st.config, st.plan, st.step))
+}
+
 /// What a resume loaded.
 #[derive(Debug, Clone)]
 pub struct Resumed {
@@ -280,9 +297,7 @@ impl Trainer {
                 .get(rel)
                 .ok_or_else(|| Error::checkpoint(ck.join(rel), "missing from the manifest"))
         };
-        let spath = ck.join("state.json");
-        let state: CheckpointState = serde_json::from_slice(get("state.json")?)
-            .map_err(|e| Error::checkpoint(&spath, format!("state does not parse: {e}")))?;
+        let state = parse_state(&ck, get("state.json")?)?;
         if state.config.model != self.cfg.model {
             return Err(Error::checkpoint(
                 &ck,

@@ -7,7 +7,7 @@ mod plain;
 pub mod store;
 mod trainer;
 
-pub use checkpoint::Resumed;
+pub use checkpoint::{checkpoint_config, Resumed};
 pub use config::TrainConfig;
 pub use plain::PlainTrainer;
 pub use trainer::{describe, ReplanReport, StepReport, Trainer};

@@ -419,7 +419,31 @@ impl Trainer {
     /// order. Runs on `valid()` copies without autodiff, so it joins no worker's graph. Across
     /// processes every rank calls it (the layers are gathered first).
     pub fn evaluate(&self, corpus: &Corpus, batches: usize) -> Result<f64> {
-        let layers: Vec<LayerBlock> = self.layer_state()?.into_iter().map(|(l, _)| l).collect();
+        self.evaluate_omitting(corpus, batches, &[])
+    }
+
+    /// [`Trainer::evaluate`] with the layer blocks `omit` (model indices) left out: their
+    /// input passes on unchanged, as on a route that skips them (SkipPipe's skip-robust
+    /// inference). The embedding and the head cannot be left out.
+    pub fn evaluate_omitting(
+        &self,
+        corpus: &Corpus,
+        batches: usize,
+        omit: &[usize],
+    ) -> Result<f64> {
+        let last = self.cfg.model.num_blocks() - 1;
+        if let Some(&i) = omit.iter().find(|&&i| i == 0 || i >= last) {
+            return Err(Error::Config(format!(
+                "layer block {i} cannot be left out (only transformer blocks 1..{last} can)"
+            )));
+        }
+        let layers: Vec<LayerBlock> = self
+            .layer_state()?
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| !omit.contains(i))
+            .map(|(_, (l, _))| l)
+            .collect();
         let _guard = autodiff_lock();
         let model = Stage { layers }.valid();
         let dev = plain_device();

@@ -1,0 +1,243 @@
+//! `eval`: validation loss and perplexity of a checkpoint, with stages left out (SkipPipe's
+//! skip-robust inference: a model trained with skipping should lose less when stages go).
+
+use crate::BadInput;
+use anyhow::Result;
+use clap::Args;
+use pipewright_core::rng::Lcg;
+use pipewright_runtime::data::Corpus;
+use pipewright_runtime::train::{checkpoint_config, Trainer};
+use serde_json::json;
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Args)]
+pub struct EvalArgs {
+    /// Checkpoint directory of a `train` run (its newest checkpoint that verifies is read).
+    #[arg(long, default_value = "checkpoints")]
+    checkpoint_dir: PathBuf,
+    /// The text the run trained on (default: the built-in synthetic corpus).
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Held-out micro-batches per evaluation.
+    #[arg(long, default_value_t = 16)]
+    batches: usize,
+    /// Stages (of the plan that wrote the checkpoint) to leave out, e.g. 1,3. Stages holding
+    /// the embedding or the head stay.
+    #[arg(long, value_delimiter = ',', conflicts_with = "keep")]
+    omit: Vec<usize>,
+    /// Fractions of the model's stages to keep (repeatable, default 0.75 and 0.5): the others
+    /// are left out, chosen at random among those that may go (every choice when there are at
+    /// most --draws of them).
+    #[arg(long)]
+    keep: Vec<f64>,
+    /// Random choices of left-out stages per --keep fraction.
+    #[arg(long, default_value_t = 8)]
+    draws: usize,
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+/// All `k`-subsets of `items` in lexicographic order, or `None` past `limit` of them.
+fn subsets(items: &[usize], k: usize, limit: usize) -> Option<Vec<Vec<usize>>> {
+    let mut out = Vec::new();
+    let mut pick: Vec<usize> = (0..k).collect();
+    if k > items.len() {
+        return Some(out);
+    }
+    loop {
+        if out.len() == limit {
+            return None;
+        }
+        out.push(pick.iter().map(|&i| items[i]).collect());
+        // Next combination: bump the rightmost index that can still move.
+        let Some(i) = (0..k).rev().find(|&i| pick[i] < items.len() - k + i) else {
+            return Some(out);
+        };
+        pick[i] += 1;
+        for j in i + 1..k {
+            pick[j] = pick[j - 1] + 1;
+        }
+    }
+}
+
+pub fn cmd_eval(a: EvalArgs) -> Result<()> {
+    if a.batches == 0 || a.draws == 0 {
+        return Err(BadInput("--batches and --draws must be at least 1".into()).into());
+    }
+    if let Some(f) = a
+        .keep
+        .iter()
+        .find(|f| !(f.is_finite() && **f > 0.0 && **f <= 1.0))
+    {
+        return Err(BadInput(format!("--keep {f}: a fraction in (0, 1]")).into());
+    }
+    let (mut cfg, plan, step) = checkpoint_config(&a.checkpoint_dir)?;
+    // Stage s of the plan that trained the model holds layer blocks bounds[s]..bounds[s + 1].
+    let per = plan.layers_per_stage();
+    let mut bounds = vec![0];
+    for l in &per {
+        bounds.push(bounds.last().unwrap() + l);
+    }
+    let last = cfg.model.num_blocks() - 1;
+    let holds = |s: usize| bounds[s]..bounds[s + 1];
+    let may_go: Vec<usize> = (0..per.len())
+        .filter(|&s| !holds(s).contains(&0) && !holds(s).contains(&last))
+        .collect();
+    // A stage of the head alone (SkipPipe's layout) is not one of the model's stages.
+    let model_stages = per.len() - usize::from(per.last() == Some(&1) && per.len() > 1);
+    for &s in &a.omit {
+        if s >= per.len() {
+            return Err(BadInput(format!(
+                "--omit {s}: the checkpoint's plan has stages 0..{} (layers per stage {per:?})",
+                per.len() - 1
+            ))
+            .into());
+        }
+        if !may_go.contains(&s) {
+            return Err(BadInput(format!(
+                "--omit {s}: stage {s} holds the embedding or the head, which every route visits; stages that may go: {may_go:?}"
+            ))
+            .into());
+        }
+    }
+    let corpus = match &a.data {
+        Some(f) => Corpus::load(f).map_err(BadInput)?,
+        None => Corpus::builtin(),
+    };
+    corpus.check(cfg.model.seq_len).map_err(BadInput)?;
+    // Evaluation needs the weights only: one worker, one stage.
+    cfg.stages = 1;
+    cfg.replicas = 1;
+    cfg.chunks = 1;
+    cfg.schedule = pipewright_core::schedule::ScheduleKind::OneFOneB;
+    let one = cfg.plan()?;
+    let mut trainer = Trainer::in_process(cfg.clone(), one, None, Duration::from_secs(60))?;
+    let loaded = trainer.load_checkpoint(&a.checkpoint_dir)?;
+    let blocks_of =
+        |stages: &[usize]| -> Vec<usize> { stages.iter().flat_map(|&s| holds(s)).collect() };
+    let eval = |stages: &[usize]| trainer.evaluate_omitting(&corpus, a.batches, &blocks_of(stages));
+    let full = eval(&[])?;
+    if !a.json {
+        println!(
+            "{} (step {step}): {} layer blocks in stages {per:?}; stages that may be left out: {may_go:?}",
+            loaded.path.display(),
+            cfg.model.num_blocks()
+        );
+        println!(
+            "  all stages:  val loss {full:.4}  perplexity {:.3}",
+            full.exp()
+        );
+    }
+    let mut rows = Vec::new();
+    let mut sets: Vec<(String, Vec<Vec<usize>>)> = Vec::new();
+    if !a.omit.is_empty() {
+        let mut o = a.omit.clone();
+        o.sort_unstable();
+        o.dedup();
+        sets.push((format!("omit {o:?}"), vec![o]));
+    } else {
+        let keeps = if a.keep.is_empty() {
+            vec![0.75, 0.5]
+        } else {
+            a.keep.clone()
+        };
+        let mut rng = Lcg(a.seed);
+        for f in keeps {
+            let keep = ((f * model_stages as f64).round() as usize).max(1);
+            let k = model_stages - keep.min(model_stages);
+            if k > may_go.len() {
+                return Err(BadInput(format!(
+                    "--keep {f}: keeping {keep} of {model_stages} stages leaves out {k}, but only {} may go ({may_go:?})",
+                    may_go.len()
+                ))
+                .into());
+            }
+            let choices = subsets(&may_go, k, a.draws).unwrap_or_else(|| {
+                (0..a.draws)
+                    .map(|_| {
+                        let mut pool = may_go.clone();
+                        for i in (1..pool.len()).rev() {
+                            pool.swap(i, rng.below(i + 1));
+                        }
+                        let mut c = pool[..k].to_vec();
+                        c.sort_unstable();
+                        c
+                    })
+                    .collect()
+            });
+            sets.push((format!("keep {keep} of {model_stages}"), choices));
+        }
+    }
+    for (label, choices) in sets {
+        let losses = choices
+            .iter()
+            .map(|c| eval(c))
+            .collect::<std::result::Result<Vec<f64>, _>>()?;
+        let mean = losses.iter().sum::<f64>() / losses.len().max(1) as f64;
+        let worst = losses.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        if !a.json {
+            println!(
+                "  {label}: mean val loss {mean:.4}  perplexity {:.3} ({:+.1}% over all stages), worst {:.3}, over {} choice(s) {:?}",
+                mean.exp(),
+                100.0 * (mean.exp() / full.exp() - 1.0),
+                worst.exp(),
+                choices.len(),
+                choices
+            );
+        }
+        rows.push(json!({
+            "label": label,
+            "omitted": choices,
+            "val_losses": losses,
+            "mean_val_loss": mean,
+            "perplexity": mean.exp(),
+            "worst_perplexity": worst.exp(),
+        }));
+    }
+    if a.json {
+        println!(
+            "{}",
+            json!({
+                "checkpoint": loaded.path,
+                "step": step,
+                "layers_per_stage": per,
+                "may_omit": may_go,
+                "val_loss": full,
+                "perplexity": full.exp(),
+                "omitted": rows,
+            })
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::subsets;
+
+    #[test]
+    fn subsets_enumerate_combinations_up_to_a_limit() {
+        let all = subsets(&[1, 2, 3, 4], 2, 100).unwrap();
+        assert_eq!(
+            all,
+            vec![
+                vec![1, 2],
+                vec![1, 3],
+                vec![1, 4],
+                vec![2, 3],
+                vec![2, 4],
+                vec![3, 4]
+            ]
+        );
+        assert_eq!(
+            subsets(&[1, 2, 3], 0, 5).unwrap(),
+            vec![Vec::<usize>::new()]
+        );
+        assert!(subsets(&[1, 2, 3, 4], 2, 5).is_none());
+        assert!(subsets(&[1], 2, 5).unwrap().is_empty());
+    }
+}
