@@ -87,6 +87,16 @@ pub trait Transport: Send + Sync {
         group: &[usize],
         data: &mut [f32],
     ) -> Result<(), TransportError>;
+    /// [`Transport::all_reduce`] of one stage's gradients among its hosts: the data-parallel
+    /// all-reduce the simulator models (emulated links charge its ring time here).
+    fn all_reduce_gradients(
+        &self,
+        rank: usize,
+        group: &[usize],
+        data: &mut [f32],
+    ) -> Result<(), TransportError> {
+        self.all_reduce(rank, group, data)
+    }
     /// Every worker's `part` in rank order, to every worker (each calls once per round).
     fn all_gather(&self, rank: usize, part: Vec<u8>) -> Result<Vec<Vec<u8>>, TransportError>;
     /// Get ready for a plan with these stage groups (MPI builds a communicator per group).
@@ -319,6 +329,23 @@ impl Transport for InProcess {
         let done = self.exchange(rank, group, Part::Sum(data.to_vec()), "all-reduce", sum)?;
         if let Some(Part::Sum(s)) = done.first() {
             data.copy_from_slice(s);
+        }
+        Ok(())
+    }
+
+    fn all_reduce_gradients(
+        &self,
+        rank: usize,
+        group: &[usize],
+        data: &mut [f32],
+    ) -> Result<(), TransportError> {
+        self.all_reduce(rank, group, data)?;
+        // The sum is ready once the last member arrives; the ring then takes as long as the
+        // simulator says (each member waits it out).
+        if let Some((cluster, _)) = &self.links {
+            let bytes = std::mem::size_of_val(data) as u64;
+            let secs = pipewright_core::sim::ring_allreduce_time(cluster, group, bytes);
+            std::thread::sleep(Duration::from_secs_f64(secs));
         }
         Ok(())
     }

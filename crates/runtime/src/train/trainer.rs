@@ -295,14 +295,20 @@ impl Trainer {
                                 let mut out =
                                     worker.run(plan, routes, transport, batches, scale, clock)?;
                                 let rank = worker.rank;
-                                // Sum each stage's gradients over its replica group.
+                                // Sum each stage's gradients over its replica group, in
+                                // one all-reduce per stage.
                                 for (held, g) in worker.stages.iter().zip(out.grads.iter_mut()) {
+                                    let group = &topo.groups[held.stage];
+                                    if group.len() < 2 {
+                                        continue;
+                                    }
+                                    let mut flat = g.concat();
+                                    transport.all_reduce_gradients(rank, group, &mut flat)?;
+                                    let mut at = 0;
                                     for layer in g.iter_mut() {
-                                        transport.all_reduce(
-                                            rank,
-                                            &topo.groups[held.stage],
-                                            layer,
-                                        )?;
+                                        let n = layer.len();
+                                        layer.copy_from_slice(&flat[at..at + n]);
+                                        at += n;
                                     }
                                 }
                                 // Global norm: each stage counted once, by its first host.
