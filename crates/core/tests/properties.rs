@@ -143,3 +143,85 @@ fn single_pipeline_files_of_0_1_load() {
     let csv = "record,worker,step,op,stage,microbatch\nplan,2,2,1f1b,0,2\nroute,0,0,,0,0\nroute,1,1,,1,0\nroute,0,0,,0,1\nroute,1,1,,1,1\naction,0,0,F,0,0\naction,0,1,F,0,1\naction,0,2,BW,0,0\naction,0,3,BW,0,1\naction,1,0,F,1,0\naction,1,1,BW,1,0\naction,1,2,F,1,1\naction,1,3,BW,1,1\n";
     assert_eq!(Plan::from_csv("old.csv", csv).unwrap(), plan);
 }
+
+/// A cluster of `n` devices in `regions` regions with random links between regions and the
+/// same in-flight cap on every device.
+fn random_cluster(n: usize, regions: usize, cap: usize, links: &[(f64, f64)]) -> Cluster {
+    let mut toml = format!("[defaults]\nmemory_microbatches = {cap}\nbandwidth = 1e9\n");
+    for i in 0..n {
+        toml += &format!(
+            "[[devices]]\nname = \"d{i}\"\nregion = \"r{}\"\n",
+            i % regions
+        );
+    }
+    let mut k = 0;
+    for a in 0..regions {
+        for b in a + 1..regions {
+            let (lat, bw) = links[k % links.len()];
+            k += 1;
+            toml += &format!(
+                "[[links]]\na = \"r{a}\"\nb = \"r{b}\"\nlatency = {lat}\nbandwidth = {bw}\n"
+            );
+        }
+    }
+    Cluster::parse("random.toml", &toml).unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 40, ..ProptestConfig::default() })]
+
+    /// Whatever the setting, the skip scheduler's plans (and its two baselines) are valid
+    /// and keep every SkipPipe rule, the in-flight cap included; it fails only by saying the
+    /// caps admit no order.
+    #[test]
+    fn skip_scheduler_plans_keep_every_rule(
+        stages in 3usize..6,
+        skip_pick in 0usize..4,
+        data in 1usize..4,
+        mbs in 1usize..7,
+        max_swaps in 0usize..3,
+        extra in 0usize..4,
+        regions in 1usize..4,
+        cap in 1usize..4,
+        links in proptest::collection::vec((0.0f64..0.5, 1e6f64..1e10), 1..4),
+        costs in proptest::collection::vec((0.1f64..3.0, 0.1f64..3.0), 9..10),
+        seed in 0u64..1000,
+    ) {
+        use pipewright_core::profile::Profile;
+        use pipewright_core::skip::{check_skip_rules, SkipRules};
+        use pipewright_core::skipplan::{skip_plan, SkipSetup};
+        let middle = stages - 1;
+        let skip = skip_pick % middle;
+        let n = data + middle * (1 + extra % 2) + extra / 2;
+        let cluster = random_cluster(n, regions, cap, &links);
+        let mut toml = String::from("[model]\nname = \"r\"\n");
+        for (i, (f, b)) in costs.iter().enumerate() {
+            toml += &format!("[[layers]]\nname = \"l{i}\"\nforward = {f}\nbackward = {b}\nparams = 4096\nactivation = 65536\n");
+        }
+        let profile = Profile::parse("r.toml", &toml).unwrap();
+        let setup = SkipSetup {
+            stages,
+            skip,
+            data_nodes: data,
+            microbatches: mbs,
+            max_swaps,
+            moves: 60,
+            time_limit: std::time::Duration::from_secs(60),
+            seed,
+        };
+        match skip_plan(&profile, &cluster, &setup) {
+            Ok(r) => {
+                let rules = SkipRules { skip, max_swaps, max_in_flight: Some(cap) };
+                for p in [&r.plan, &r.random_plan] {
+                    validate(p).unwrap();
+                    check_skip_rules(p, &rules).unwrap();
+                }
+                validate(&r.full_plan).unwrap();
+                check_skip_rules(&r.full_plan, &SkipRules { skip: 0, ..rules }).unwrap();
+                prop_assert_eq!(r.plan.num_microbatches, data * mbs);
+                prop_assert!(r.skip_time.is_finite() && r.skip_time > 0.0);
+            }
+            Err(e) => prop_assert!(e.to_string().contains("in-flight caps"), "{}", e),
+        }
+    }
+}
