@@ -630,4 +630,31 @@ mod tests {
             v.peak_activations
         );
     }
+
+    /// ZB-V at unit costs is never slower than torch.distributed.pipelining's ZBVZeroBubble
+    /// (its unit-cost makespans as measured for issue 12), within the same 2P stage-chunks of
+    /// activations per worker.
+    #[test]
+    fn zb_v_at_unit_cost_matches_or_beats_torch() {
+        let torch = [
+            (2, 2, 14.0),
+            (2, 4, 25.0),
+            (2, 8, 49.0),
+            (4, 4, 30.0),
+            (4, 8, 51.0),
+            (4, 16, 99.0),
+            (8, 8, 62.0),
+            (8, 16, 103.0),
+            (8, 32, 199.0),
+        ];
+        for (p, m, theirs) in torch {
+            let v = unit(ScheduleKind::ZbV, p, m, 2);
+            assert!(
+                v.makespan <= theirs,
+                "P={p} M={m}: {} > {theirs}",
+                v.makespan
+            );
+            assert!(v.peak_activations.iter().all(|&x| x <= 2 * p));
+        }
+    }
 }
