@@ -519,6 +519,12 @@ fn skip_train_plan(
 ) -> Result<pipewright_core::ir::Plan> {
     use pipewright_core::skipplan::{skip_plan, SkipSetup};
     let skip = crate::skip::skip_count(skip, cfg.stages)?;
+    if cfg.replicas == 0 || cfg.microbatches == 0 {
+        return Err(BadInput(
+            "--skip: --replicas (data nodes) and --microbatches must be at least 1".into(),
+        )
+        .into());
+    }
     let cluster = match cluster {
         Some(f) => Cluster::load(f)?,
         None => Cluster::uniform(cfg.stages.saturating_mul(cfg.replicas).min(1 << 16)),
@@ -534,7 +540,7 @@ fn skip_train_plan(
         seed: cfg.seed,
     };
     let r = skip_plan(&cfg.model.cost_profile(cfg.rows), &cluster, &setup)
-        .map_err(|e| BadInput(format!("--skip {skip}: {e}")))?;
+        .map_err(|e| BadInput(e.to_string()))?;
     cfg.check_plan(&r.plan)?;
     Ok(r.plan)
 }

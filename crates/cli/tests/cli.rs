@@ -918,11 +918,23 @@ fn skip_training_and_skip_robust_eval() {
             &model,
         ]
         .concat(),
-        "--skip 3",
+        "cannot skip 3 of the 3 middle stages",
     );
     bad(
         &[&["train", "--skip", "1.5", "--steps", "1"][..], &model].concat(),
         "--skip 1.5",
+    );
+    bad(
+        &[
+            &["train", "--skip", "1", "--stages", "4", "--replicas", "0"][..],
+            &model,
+        ]
+        .concat(),
+        "--replicas (data nodes)",
+    );
+    bad(
+        &[&["train", "--skip", "1", "--plan", "x.json"][..], &model].concat(),
+        "cannot be used with",
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
