@@ -10,6 +10,7 @@ use pipewright_core::profile::{Profile, StageCost};
 use pipewright_core::schedule::{generate, ScheduleKind};
 use pipewright_core::sim::{check_memory, simulate, SimSetup};
 use pipewright_core::validate::validate;
+use pipewright_core::zbauto::zb_auto;
 use serde_json::json;
 use std::path::PathBuf;
 
@@ -33,18 +34,40 @@ pub struct SchedArgs {
     /// Model layers to cut evenly into the stages (default: one per stage).
     #[arg(long)]
     pub layers: Option<usize>,
+    /// zb-auto: micro-batches' activations a worker may hold (default P, 1F1B's peak).
+    #[arg(long)]
+    pub mem_cap: Option<usize>,
 }
 
 impl SchedArgs {
     pub fn plan(&self) -> Result<Plan> {
+        let unit = vec![StageCost::uniform(1.0, 1.0, 1.0); self.stages];
+        self.plan_for(&unit, &Cluster::uniform(self.stages))
+    }
+
+    /// The plan, with zb-auto's order searched for these per-stage costs on `cluster` (the
+    /// other schedules do not depend on costs).
+    pub fn plan_for(&self, costs: &[StageCost], cluster: &Cluster) -> Result<Plan> {
         let kind = self.kind;
-        let mut plan = generate(
-            kind,
-            self.stages,
-            self.microbatches,
-            self.chunks.unwrap_or(kind.default_chunks()),
-        )?
-        .replicate(self.replicas)?;
+        if self.mem_cap.is_some() && kind != ScheduleKind::ZbAuto {
+            return Err(BadInput(format!(
+                "--mem-cap is a zb-auto setting; {kind} has its own memory"
+            ))
+            .into());
+        }
+        let chunks = self.chunks.unwrap_or(kind.default_chunks());
+        let one = if kind == ScheduleKind::ZbAuto && chunks == 1 && costs.len() == self.stages {
+            zb_auto(
+                self.stages,
+                self.microbatches,
+                costs,
+                cluster,
+                self.mem_cap.unwrap_or(self.stages),
+            )?
+        } else {
+            generate(kind, self.stages, self.microbatches, chunks)?
+        };
+        let mut plan = one.replicate(self.replicas)?;
         if let Some(n) = self.layers {
             let split = min_max_split(n, plan.num_stages(), |_, lo, hi| (hi - lo) as f64)
                 .map_err(|e| BadInput(format!("--layers {n}: {e}")))?;
@@ -150,6 +173,15 @@ pub fn cmd_simulate(a: SimulateArgs) -> Result<()> {
             vec![c; plan.num_stages()]
         }
     };
+    // zb-auto orders its actions for the costs now known.
+    if a.plan.is_none() && a.sched.kind == ScheduleKind::ZbAuto {
+        let costs = &stages[..a.sched.stages.min(stages.len())];
+        let layers = plan.layers_per_stage();
+        let first: Vec<usize> = (0..a.sched.stages).collect();
+        let sub = cluster.subset(&first);
+        plan = a.sched.plan_for(costs, &sub)?;
+        plan.set_layers(&layers);
+    }
     check_memory(&plan, &stages, &cluster)?;
     let r = simulate(&SimSetup {
         plan: &plan,

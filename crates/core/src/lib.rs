@@ -17,5 +17,6 @@ pub mod skip;
 pub mod skipplan;
 pub mod timeline;
 pub mod validate;
+pub mod zbauto;
 
 pub use error::{Error, Result};

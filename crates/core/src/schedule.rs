@@ -29,6 +29,10 @@ pub enum ScheduleKind {
     ZbH1,
     #[cfg_attr(feature = "clap", value(name = "zbv"))]
     ZbV,
+    /// Zero-bubble order searched for the stages' real F, B, W costs under a memory cap.
+    #[serde(rename = "zb-auto")]
+    #[cfg_attr(feature = "clap", value(name = "zb-auto"))]
+    ZbAuto,
     #[cfg_attr(feature = "clap", value(skip))]
     Custom,
 }
@@ -49,6 +53,7 @@ impl ScheduleKind {
             Self::Interleaved => "interleaved",
             Self::ZbH1 => "zbh1",
             Self::ZbV => "zbv",
+            Self::ZbAuto => "zb-auto",
             Self::Custom => "custom",
         }
     }
@@ -61,7 +66,7 @@ impl ScheduleKind {
     }
     /// Does the schedule split the backward into `B` and `W`?
     pub fn splits_backward(self) -> bool {
-        matches!(self, Self::ZbH1 | Self::ZbV)
+        matches!(self, Self::ZbH1 | Self::ZbV | Self::ZbAuto)
     }
 }
 
@@ -76,11 +81,11 @@ impl FromStr for ScheduleKind {
     fn from_str(s: &str) -> Result<Self> {
         Self::ALL
             .into_iter()
-            .chain([Self::Custom])
+            .chain([Self::ZbAuto, Self::Custom])
             .find(|k| k.name() == s.to_ascii_lowercase())
             .ok_or_else(|| {
                 Error::Schedule(format!(
-                    "unknown schedule {s:?} (expected one of gpipe, 1f1b, interleaved, zbh1, zbv)"
+                    "unknown schedule {s:?} (expected one of gpipe, 1f1b, interleaved, zbh1, zbv, zb-auto)"
                 ))
             })
     }
@@ -107,7 +112,7 @@ pub fn generate(
     crate::ir::check_size(workers, chunks, 1, microbatches)?;
     match kind {
         ScheduleKind::Custom => err("is not a generator: custom plans are written by hand or by a planner".into()),
-        ScheduleKind::GPipe | ScheduleKind::OneFOneB | ScheduleKind::ZbH1 if chunks != 1 => {
+        ScheduleKind::GPipe | ScheduleKind::OneFOneB | ScheduleKind::ZbH1 | ScheduleKind::ZbAuto if chunks != 1 => {
             err(format!("places one stage per worker; --chunks {chunks} needs interleaved or zbv"))
         }
         ScheduleKind::ZbV if chunks != 2 => err(format!("places exactly 2 chunks per worker in a V; got --chunks {chunks}")),
@@ -119,6 +124,14 @@ pub fn generate(
         ScheduleKind::Interleaved => Ok(interleaved(workers, microbatches, chunks, kind)),
         ScheduleKind::ZbH1 => Ok(zb_h1(workers, microbatches)),
         ScheduleKind::ZbV => zb_v(workers, microbatches),
+        // Without costs: unit costs and 1F1B's memory (see `zbauto` for real costs).
+        ScheduleKind::ZbAuto => crate::zbauto::zb_auto(
+            workers,
+            microbatches,
+            &vec![crate::profile::StageCost::uniform(1.0, 1.0, 1.0); workers],
+            &crate::cluster::Cluster::uniform(workers),
+            workers,
+        ),
     }
 }
 
@@ -212,18 +225,45 @@ pub enum Admission {
     Chunks,
 }
 
-/// Greedy list schedule on unit costs with split backward. Each free worker runs, in order of
-/// preference: the oldest ready `B`; the oldest ready `F` that `admit` lets within `limit[w]`;
-/// the oldest pending `W`. Returns the plan and its unit-cost makespan.
+/// A time in the list schedulers' event queues (ordered by `total_cmp`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Time(pub f64);
+impl Eq for Time {}
+impl PartialOrd for Time {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Time {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        self.0.total_cmp(&o.0)
+    }
+}
+
+/// How the greedy list schedule picks a worker's next action.
+pub struct Greedy<'a> {
+    /// Memory limit per worker, counted as `admit` says.
+    pub limit: &'a [usize],
+    pub admit: Admission,
+    /// Run a pending `W` before an admissible `F` once this many are pending (`usize::MAX`:
+    /// only when no `F` can run, the zero-bubble default).
+    pub w_first_at: usize,
+    /// Duration of `op` on `stage`.
+    pub duration: &'a dyn Fn(Op, usize) -> f64,
+}
+
+/// Greedy list schedule with split backward, in simulated time. Each free worker runs, in
+/// order of preference: the oldest ready `B`; the oldest ready `F` that the memory limit
+/// admits (or first a pending `W` once `w_first_at` are pending); the oldest pending `W`.
+/// Returns the plan and its makespan (without communication).
 pub fn greedy(
     kind: ScheduleKind,
     placement: Vec<usize>,
     m: usize,
-    limit: &[usize],
-    admit: Admission,
-) -> Result<(Plan, u64)> {
+    g: &Greedy,
+) -> Result<(Plan, f64)> {
     let s_count = placement.len();
-    let p = limit.len();
+    let p = g.limit.len();
     let routes = Plan::full_routes(s_count, m);
     // Ready sets per worker, keyed (mb, stage) for F and W, (mb, Reverse(stage)) for B.
     let mut ready_f: Vec<BTreeSet<(usize, usize)>> = vec![BTreeSet::new(); p];
@@ -243,25 +283,28 @@ pub fn greedy(
             .position(|&x| x == s)
             .expect("stage on route")
     };
-    let mut events: BinaryHeap<Reverse<(u64, usize, usize)>> = BinaryHeap::new(); // (time, worker, index)
+    // (end time, worker, index of the action in the worker's list)
+    let mut events: BinaryHeap<Reverse<(Time, usize, usize)>> = BinaryHeap::new();
     let total = 3 * m * s_count;
     let mut done = 0;
-    let mut t = 0u64;
+    let mut t = 0.0;
     loop {
         for w in 0..p {
             if busy[w] {
                 continue;
             }
+            let admissible = ready_f[w].iter().find(|&&(mb, _)| match g.admit {
+                // A micro-batch already in flight may always continue.
+                Admission::MicroBatches => {
+                    chunks_in_flight[w * m + mb] > 0 || mbs_in_flight[w] < g.limit[w]
+                }
+                Admission::Chunks => chunks_total[w] < g.limit[w],
+            });
+            let w_first = pending_w[w].len() >= g.w_first_at;
             let pick = if let Some(&(mb, Reverse(s))) = ready_b[w].iter().next() {
                 ready_b[w].remove(&(mb, Reverse(s)));
                 Some(Action::new(Op::B, s, mb))
-            } else if let Some(&(mb, s)) = ready_f[w].iter().find(|&&(mb, _)| match admit {
-                // A micro-batch already in flight may always continue.
-                Admission::MicroBatches => {
-                    chunks_in_flight[w * m + mb] > 0 || mbs_in_flight[w] < limit[w]
-                }
-                Admission::Chunks => chunks_total[w] < limit[w],
-            }) {
+            } else if let (Some(&(mb, s)), false) = (admissible, w_first) {
                 ready_f[w].remove(&(mb, s));
                 chunks_total[w] += 1;
                 if chunks_in_flight[w * m + mb] == 0 {
@@ -278,14 +321,15 @@ pub fn greedy(
             if let Some(a) = pick {
                 busy[w] = true;
                 workers[w].push(a);
-                events.push(Reverse((t + 1, w, workers[w].len() - 1)));
+                let end = t + (g.duration)(a.op, a.stage);
+                events.push(Reverse((Time(end), w, workers[w].len() - 1)));
             }
         }
-        let Some(Reverse((t1, _, _))) = events.peek().copied() else {
+        let Some(Reverse((Time(t1), _, _))) = events.peek().copied() else {
             break;
         };
         t = t1;
-        while let Some(&Reverse((te, w, i))) = events.peek() {
+        while let Some(&Reverse((Time(te), w, i))) = events.peek() {
             if te != t {
                 break;
             }
@@ -337,19 +381,21 @@ fn zb_v(p: usize, m: usize) -> Result<Plan> {
         .map(|s| if s < p { s } else { 2 * p - 1 - s })
         .collect();
     let kind = ScheduleKind::ZbV;
-    let safe = greedy(
-        kind,
-        placement.clone(),
-        m,
-        &vec![p; p],
-        Admission::MicroBatches,
-    )?;
-    Ok(
-        match greedy(kind, placement, m, &vec![2 * p; p], Admission::Chunks) {
-            Ok(tight) if tight.1 <= safe.1 => tight.0,
-            _ => safe.0,
-        },
-    )
+    let unit = |_: Op, _: usize| 1.0;
+    let run = |limit: usize, admit: Admission| {
+        let g = Greedy {
+            limit: &vec![limit; p],
+            admit,
+            w_first_at: usize::MAX,
+            duration: &unit,
+        };
+        greedy(kind, placement.clone(), m, &g)
+    };
+    let safe = run(p, Admission::MicroBatches)?;
+    Ok(match run(2 * p, Admission::Chunks) {
+        Ok(tight) if tight.1 <= safe.1 => tight.0,
+        _ => safe.0,
+    })
 }
 
 /// A plan for arbitrary routes (stages skipped or swapped, several stages per worker): each

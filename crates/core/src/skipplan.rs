@@ -15,7 +15,7 @@ use crate::ir::{Action, Hop, Op, Plan, StagePlan};
 use crate::partition::{min_max_split, prefix};
 use crate::profile::Profile;
 use crate::rng::Lcg;
-use crate::schedule::ScheduleKind;
+use crate::schedule::{ScheduleKind, Time};
 use crate::sim::{simulate, SimSetup};
 use crate::skip::{check_skip_rules, neighbour_swaps, SkipRules};
 use std::time::{Duration, Instant};
@@ -73,22 +73,9 @@ pub fn route_schedule(
 ) -> Option<Vec<Vec<Action>>> {
     use std::cmp::Reverse;
     use std::collections::{BTreeSet, BinaryHeap};
-    #[derive(PartialEq)]
-    struct T(f64);
-    impl Eq for T {}
-    impl PartialOrd for T {
-        fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
-            Some(self.cmp(o))
-        }
-    }
-    impl Ord for T {
-        fn cmp(&self, o: &Self) -> std::cmp::Ordering {
-            self.0.total_cmp(&o.0)
-        }
-    }
     /// (time, 0 = an action ends on the worker / 1 = an input arrives, worker, forward?, mb,
     /// position on the route).
-    type Event = Reverse<(T, u8, usize, bool, usize, usize)>;
+    type Event = Reverse<(Time, u8, usize, bool, usize, usize)>;
     let m = routes.len();
     let mut in_flight = vec![0usize; num_workers];
     let mut held = vec![0usize; num_workers * m];
@@ -96,7 +83,7 @@ pub fn route_schedule(
     let mut ready_b: Vec<BTreeSet<(usize, usize)>> = vec![BTreeSet::new(); num_workers];
     let mut events: BinaryHeap<Event> = BinaryHeap::new();
     for (mb, r) in routes.iter().enumerate() {
-        events.push(Reverse((T(0.0), 1, r.first()?.worker, true, mb, 0)));
+        events.push(Reverse((Time(0.0), 1, r.first()?.worker, true, mb, 0)));
     }
     let mut workers = vec![Vec::new(); num_workers];
     let total: usize = routes.iter().map(|r| 2 * r.len()).sum();
@@ -105,10 +92,10 @@ pub fn route_schedule(
     // Only a worker with an event at this instant can start something: its ready sets and
     // in-flight count change through its own events alone.
     let mut touched: Vec<usize> = Vec::with_capacity(num_workers);
-    while let Some(Reverse((T(now), _, _, _, _, _))) = events.peek() {
+    while let Some(Reverse((Time(now), _, _, _, _, _))) = events.peek() {
         let now = *now;
         touched.clear();
-        while let Some(Reverse((T(t), kind, w, fwd, mb, at))) = events.peek() {
+        while let Some(Reverse((Time(t), kind, w, fwd, mb, at))) = events.peek() {
             if *t > now {
                 break;
             }
@@ -132,7 +119,7 @@ pub fn route_schedule(
                 if at + 1 < r.len() {
                     let to = r[at + 1].worker;
                     let arrive = now + transfer(w, to, Op::F, r[at].stage);
-                    events.push(Reverse((T(arrive), 1, to, true, mb, at + 1)));
+                    events.push(Reverse((Time(arrive), 1, to, true, mb, at + 1)));
                 } else {
                     ready_b[w].insert((mb, at));
                 }
@@ -144,7 +131,7 @@ pub fn route_schedule(
                 if at > 0 {
                     let to = r[at - 1].worker;
                     let arrive = now + transfer(w, to, Op::BW, r[at].stage);
-                    events.push(Reverse((T(arrive), 1, to, false, mb, at - 1)));
+                    events.push(Reverse((Time(arrive), 1, to, false, mb, at - 1)));
                 }
             }
         }
@@ -174,7 +161,7 @@ pub fn route_schedule(
                 workers[w].push(Action::new(op, stage, mb));
                 running[w] = Some((fwd, mb, at));
                 let end = now + duration(w, op, stage);
-                events.push(Reverse((T(end), 0, w, fwd, mb, at)));
+                events.push(Reverse((Time(end), 0, w, fwd, mb, at)));
             }
         }
     }

@@ -378,3 +378,14 @@ fn skip_scheduler_routes_give_exact_gradients() {
     // With these seeds the scheduler chose at least one swap of neighbouring stages.
     assert!(swapped, "no route swapped stages; pick seeds that do");
 }
+
+/// zb-auto's orders (searched for the tiny model's own stage costs) train exactly too.
+#[test]
+fn zb_auto_gives_exact_gradients() {
+    for (p, d, m) in [(2, 1, 4), (4, 1, 8), (2, 2, 3)] {
+        let cfg = tiny("zb-auto", p, d, m);
+        let plan = cfg.plan().unwrap();
+        assert_eq!(plan.kind, pipewright_core::schedule::ScheduleKind::ZbAuto);
+        same_as_plain(&cfg, plan, &format!("zb-auto P={p} D={d} M={m}"));
+    }
+}

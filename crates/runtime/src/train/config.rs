@@ -8,6 +8,7 @@ use pipewright_core::ir::Plan;
 use pipewright_core::partition::assign_layers;
 use pipewright_core::schedule::{generate, ScheduleKind};
 use pipewright_core::validate::validate;
+use pipewright_core::zbauto::zb_auto;
 use serde::{Deserialize, Serialize};
 
 /// Everything that decides a training run (also written into checkpoints).
@@ -163,6 +164,14 @@ impl TrainConfig {
         let profile = self.model.cost_profile(self.rows);
         let uniform = Cluster::uniform(plan.num_workers());
         assign_layers(&profile, &mut plan, &uniform)?;
+        if self.schedule == ScheduleKind::ZbAuto {
+            // Order the actions for the model's own stage costs (1F1B's memory).
+            let costs = plan.stage_costs().expect("layers assigned");
+            let p = self.stages;
+            plan = zb_auto(p, self.microbatches, &costs, &Cluster::uniform(p), p)?
+                .replicate(self.replicas)?;
+            assign_layers(&profile, &mut plan, &uniform)?;
+        }
         validate(&plan)?;
         Ok(plan)
     }
