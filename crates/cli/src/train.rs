@@ -504,7 +504,7 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
             ))
             .into());
         }
-        compare_sim(&trainer, links.as_ref(), &step_seconds)?;
+        compare_sim(&trainer, links.as_ref(), &step_seconds, procs.is_none())?;
     }
     Ok(())
 }
@@ -594,7 +594,12 @@ fn is_rank0(never: &std::convert::Infallible) -> bool {
 
 /// Profile the model, simulate the same plan with the measured costs and print it beside the
 /// measured iteration time.
-fn compare_sim(trainer: &Trainer, links: Option<&Cluster>, step_seconds: &[f64]) -> Result<()> {
+fn compare_sim(
+    trainer: &Trainer,
+    links: Option<&Cluster>,
+    step_seconds: &[f64],
+    threads: bool,
+) -> Result<()> {
     let cfg = &trainer.cfg;
     let plan = &trainer.plan;
     let profile = pipewright_runtime::profile::profile_model(&cfg.model, cfg.rows, 5, cfg.seed);
@@ -616,9 +621,11 @@ fn compare_sim(trainer: &Trainer, links: Option<&Cluster>, step_seconds: &[f64])
         "iteration time: simulated {:.4} s, measured {:.4} s (median of {} steps), measured/simulated {:.2}",
         r.iteration_time, m, measured.len(), m / r.iteration_time
     );
-    println!(
-        "  in-process workers serialise autodiff work (see crates/runtime/src/backend.rs); the compute-only bound for that is {:.4} s, measured/bound {:.2}",
-        serial.max(r.iteration_time), m / serial.max(r.iteration_time)
-    );
+    if threads {
+        println!(
+            "  in-process workers serialise autodiff work (see crates/runtime/src/backend.rs); the compute-only bound for that is {:.4} s, measured/bound {:.2}",
+            serial.max(r.iteration_time), m / serial.max(r.iteration_time)
+        );
+    }
     Ok(())
 }
