@@ -5,6 +5,7 @@
 
 pub mod cluster;
 pub mod error;
+pub mod freeze;
 pub mod fuzz;
 pub mod ir;
 pub mod partition;

@@ -1,0 +1,206 @@
+//! AutoFreeze (PipeTransformer, He et al., ICML 2021): decide how many front layer blocks stop
+//! training. Only a prefix ever freezes, and it only grows.
+//!
+//! `adaptive` freezes a layer once its gradient norm has settled: the relative change between
+//! successive decisions stayed below a threshold over a window. `schedule` is the released
+//! code's fixed rule, frozen(e) = L (1 - (1 - alpha)^e) after decision e, kept for comparison.
+
+use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
+
+/// How front layers are frozen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+#[serde(rename_all = "lowercase")]
+pub enum FreezeMode {
+    Off,
+    Adaptive,
+    Schedule,
+}
+
+/// The knobs of both rules.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FreezePolicy {
+    pub mode: FreezeMode,
+    /// At most this fraction of the still-active freezable prefix freezes at one decision
+    /// (adaptive), or the schedule's rate.
+    pub alpha: f64,
+    /// Relative change of a layer's gradient norm below which it counts as settled.
+    pub threshold: f64,
+    /// Decisions over which a layer must have stayed settled.
+    pub window: usize,
+    /// At most this fraction of the freezable layers is ever frozen.
+    pub max_fraction: f64,
+}
+
+impl Default for FreezePolicy {
+    fn default() -> Self {
+        FreezePolicy {
+            mode: FreezeMode::Off,
+            alpha: 0.3,
+            threshold: 0.1,
+            window: 2,
+            max_fraction: 0.8,
+        }
+    }
+}
+
+impl FreezePolicy {
+    pub fn check(&self) -> Result<()> {
+        let ok = |x: f64| x.is_finite() && x > 0.0 && x <= 1.0;
+        if !ok(self.alpha) || !ok(self.max_fraction) {
+            return Err(Error::Invalid(format!(
+                "freeze alpha {} and max fraction {} must be in (0, 1]",
+                self.alpha, self.max_fraction
+            )));
+        }
+        if !(self.threshold.is_finite() && self.threshold >= 0.0) || self.window == 0 {
+            return Err(Error::Invalid(format!(
+                "freeze threshold {} must be >= 0 and window {} at least 1",
+                self.threshold, self.window
+            )));
+        }
+        Ok(())
+    }
+
+    /// The most layers that may ever be frozen out of `freezable`.
+    pub fn cap(&self, freezable: usize) -> usize {
+        ((self.max_fraction * freezable as f64).floor() as usize).min(freezable)
+    }
+
+    /// Frozen layers after decision `e` (1, 2, ...), given `frozen` now and `norms[d][l]`, the
+    /// gradient norm of layer `l` (of `freezable`) at decision `d` (the last row is the newest).
+    pub fn decide(&self, e: usize, frozen: usize, freezable: usize, norms: &[Vec<f64>]) -> usize {
+        let cap = self.cap(freezable);
+        let want = match self.mode {
+            FreezeMode::Off => frozen,
+            FreezeMode::Schedule => {
+                let f = freezable as f64 * (1.0 - (1.0 - self.alpha).powi(e as i32));
+                f.floor() as usize
+            }
+            FreezeMode::Adaptive => {
+                let active = freezable.saturating_sub(frozen);
+                // At least one layer may go per decision, at most alpha of the active ones.
+                let step = ((self.alpha * active as f64).floor() as usize).max(1);
+                let settled = (frozen..freezable)
+                    .take_while(|&l| self.settled(l, norms))
+                    .count();
+                frozen + settled.min(step)
+            }
+        };
+        want.clamp(frozen, cap.max(frozen))
+    }
+
+    /// Has layer `l`'s gradient norm changed by less than the threshold (relative) between
+    /// each of the last `window` pairs of decisions?
+    fn settled(&self, l: usize, norms: &[Vec<f64>]) -> bool {
+        if norms.len() < self.window + 1 {
+            return false;
+        }
+        norms[norms.len() - self.window - 1..].windows(2).all(|w| {
+            let (a, b) = (w[0].get(l).copied(), w[1].get(l).copied());
+            match (a, b) {
+                (Some(a), Some(b)) if a.is_finite() && b.is_finite() && a > 0.0 => {
+                    ((b - a) / a).abs() < self.threshold
+                }
+                _ => false,
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn adaptive() -> FreezePolicy {
+        FreezePolicy {
+            mode: FreezeMode::Adaptive,
+            alpha: 0.5,
+            threshold: 0.05,
+            window: 2,
+            max_fraction: 0.75,
+        }
+    }
+
+    #[test]
+    fn schedule_follows_the_closed_form_and_the_cap() {
+        let p = FreezePolicy {
+            mode: FreezeMode::Schedule,
+            alpha: 0.3,
+            max_fraction: 0.8,
+            ..FreezePolicy::default()
+        };
+        // 10 layers: 10 (1 - 0.7^e) = 3, 5.1, 6.57, 7.599, 8.3 (capped at 8).
+        let mut f = 0;
+        let got: Vec<usize> = (1..=5)
+            .map(|e| {
+                f = p.decide(e, f, 10, &[]);
+                f
+            })
+            .collect();
+        assert_eq!(got, vec![3, 5, 6, 7, 8]);
+        let off = FreezePolicy::default();
+        assert_eq!(off.decide(3, 2, 10, &[]), 2);
+    }
+
+    #[test]
+    fn adaptive_never_freezes_while_norms_move() {
+        // Every layer's norm halves at each decision: never settled.
+        let norms: Vec<Vec<f64>> = (0..10).map(|d| vec![0.5f64.powi(d); 6]).collect();
+        let p = adaptive();
+        for d in 1..norms.len() {
+            assert_eq!(p.decide(d, 0, 6, &norms[..=d]), 0);
+        }
+    }
+
+    #[test]
+    fn adaptive_freezes_a_settled_prefix_within_alpha_and_the_cap() {
+        // Layers 0-3 settled (constant), layer 4 still moving, layer 5 settled but behind it.
+        let row = |d: usize| vec![1.0, 2.0, 3.0, 4.0, 1.0 + d as f64, 5.0];
+        let norms: Vec<Vec<f64>> = (0..4).map(row).collect();
+        let p = adaptive();
+        // Too little history: nothing.
+        assert_eq!(p.decide(1, 0, 6, &norms[..2]), 0);
+        // alpha 0.5 of 6 active = 3 at this decision.
+        assert_eq!(p.decide(2, 0, 6, &norms), 3);
+        // Then the settled layer 3; layer 4 blocks the rest (only a prefix freezes).
+        assert_eq!(p.decide(3, 3, 6, &norms), 4);
+        assert_eq!(p.decide(4, 4, 6, &norms), 4);
+        // "Freezes everything allowed": all settled, the cap (0.75 of 6 = 4) holds.
+        let flat: Vec<Vec<f64>> = (0..4).map(|_| vec![1.0; 6]).collect();
+        let mut f = 0;
+        for e in 1..10 {
+            f = p.decide(e, f, 6, &flat);
+        }
+        assert_eq!(f, 4);
+        // Zero or non-finite norms never count as settled.
+        let dead: Vec<Vec<f64>> = (0..4).map(|_| vec![0.0, f64::NAN]).collect();
+        assert_eq!(p.decide(2, 0, 2, &dead), 0);
+    }
+
+    #[test]
+    fn bad_knobs_are_refused() {
+        for p in [
+            FreezePolicy {
+                alpha: 0.0,
+                ..FreezePolicy::default()
+            },
+            FreezePolicy {
+                max_fraction: 1.5,
+                ..FreezePolicy::default()
+            },
+            FreezePolicy {
+                window: 0,
+                ..FreezePolicy::default()
+            },
+            FreezePolicy {
+                threshold: f64::NAN,
+                ..FreezePolicy::default()
+            },
+        ] {
+            assert!(p.check().is_err(), "{p:?}");
+        }
+        FreezePolicy::default().check().unwrap();
+    }
+}
