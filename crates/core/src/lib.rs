@@ -4,6 +4,7 @@
 //! validator checks it; the simulator predicts its time and memory; timelines draw it.
 
 pub mod cluster;
+pub mod elastic;
 pub mod error;
 pub mod freeze;
 pub mod fuzz;
