@@ -3,11 +3,12 @@
 //! gradient, backpropagates, sends the input gradient back and accumulates weight gradients.
 //! The schedule lives in the plan only; nothing here knows GPipe from 1F1B.
 
-use crate::backend::{autodiff_lock, train_device};
+use crate::backend::{autodiff_lock, plain_device, train_device};
 use crate::data::MicroBatch;
 use crate::grads::{add_grads, GradSource};
 use crate::model::{loss, Deferred, Stage, StageInput};
 use crate::transport::{Kind, Payload, Tag, Transport, TransportError};
+use burn::module::Module;
 use burn::optim::ModuleOptimizer;
 use burn::tensor::{Tensor, TensorData};
 use pipewright_core::ir::{Op, Plan, RouteIndex};
@@ -42,6 +43,9 @@ pub struct Worker {
     /// The plan's worker index (the rank).
     pub rank: usize,
     pub stages: Vec<HeldStage>,
+    /// Layer blocks `0..frozen` are frozen: they run forward only, outside autodiff (the
+    /// trainer keeps the frozen prefix inside stage 0, whose input is tokens).
+    pub frozen: usize,
 }
 
 /// What one worker reports after an iteration's forward and backward.
@@ -141,14 +145,39 @@ impl Worker {
                     let _guard = autodiff_lock();
                     let start = clock.elapsed().as_secs_f64();
                     let input = received.map(|p| from_payload(p).require_grad());
-                    let x = match &input {
-                        None => StageInput::Tokens(mb.ids(&mb.tokens)),
-                        Some(h) => StageInput::Hidden(h.clone()),
+                    let first = self.stages[slot].first_layer;
+                    let k = self.frozen.saturating_sub(first).min(stage.layers.len());
+                    let (x, rest) = match (&input, k) {
+                        (None, 0) => (StageInput::Tokens(mb.ids(&mb.tokens)), None),
+                        (Some(h), 0) => (StageInput::Hidden(h.clone()), None),
+                        (None, k) if k < stage.layers.len() => {
+                            // The frozen prefix: forward without autodiff; its output enters
+                            // the graph as a constant.
+                            let pre = Stage {
+                                layers: stage.layers[..k].to_vec(),
+                            }
+                            .valid();
+                            let h = pre.forward(StageInput::Tokens(
+                                mb.ids_on(&mb.tokens, &plain_device()),
+                            ));
+                            let h = Tensor::<3>::from_data(h.to_data(), &train_device());
+                            let rest = Stage {
+                                layers: stage.layers[k..].to_vec(),
+                            };
+                            (StageInput::Hidden(h), Some(rest))
+                        }
+                        _ => {
+                            return Err(bad(format!(
+                                "{a}: {k} frozen layer blocks of stage {} (the frozen prefix must stay inside stage 0, with a layer that trains after it)",
+                                a.stage
+                            )))
+                        }
                     };
+                    let run = rest.as_ref().unwrap_or(stage);
                     let mut deferred = split.contains(&(a.stage, a.mb)).then(Deferred::default);
                     let y = match deferred.as_mut() {
-                        Some(d) => stage.forward_split(x, d),
-                        None => stage.try_forward(x),
+                        Some(d) => run.forward_split(x, d),
+                        None => run.try_forward(x),
                     }
                     .map_err(|e| bad(format!("{a}: {e}")))?;
                     let output = match next {

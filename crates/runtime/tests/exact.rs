@@ -389,3 +389,74 @@ fn zb_auto_gives_exact_gradients() {
         same_as_plain(&cfg, plan, &format!("zb-auto P={p} D={d} M={m}"));
     }
 }
+
+/// Freezing (AutoFreeze): with the first layer blocks frozen mid-run, a pipelined run equals
+/// plain training that stops updating those blocks; frozen weights and their AdamW state stay
+/// as they were; re-planning to fewer stages and more replicas (AutoPipe + AutoDP) keeps
+/// parameters and optimizer state, and training then continues exactly.
+#[test]
+fn frozen_prefix_and_elastic_replan_stay_exact() {
+    let corpus = Corpus::builtin();
+    let cfg = tiny("1f1b", 4, 1, 4);
+    let plan = cfg.plan().unwrap();
+    // Stage 0 must hold the frozen prefix and one training block: 3 of the 8 blocks there.
+    let mut plan = plan;
+    plan.set_layers(&[3, 2, 2, 1]);
+    let mut plain = PlainTrainer::new(cfg.clone(), &plan);
+    let mut pipe = Trainer::new(cfg.clone(), plan).unwrap();
+    let step = |pipe: &mut Trainer, plain: &mut PlainTrainer, what: &str| {
+        let a = pipe.train_step(&corpus).unwrap().loss;
+        let b = plain.train_step(&corpus);
+        assert!((a - b).abs() < 1e-5, "{what}: loss {a} vs {b}");
+    };
+    step(&mut pipe, &mut plain, "before freezing");
+    pipe.set_frozen(2).unwrap();
+    plain.frozen = 2;
+    let before = pipe.flat_params().unwrap();
+    let opt_before = pipe.optimizer_bytes().unwrap();
+    for _ in 0..2 {
+        step(&mut pipe, &mut plain, "frozen 2");
+    }
+    let after = pipe.flat_params().unwrap();
+    let opt_after = pipe.optimizer_bytes().unwrap();
+    // Embedding and block 0 did not move; the rest did.
+    let n0 = {
+        let cfg_layers = fresh_counts(&cfg);
+        cfg_layers[0] + cfg_layers[1]
+    };
+    assert_eq!(before[..n0], after[..n0]);
+    assert_ne!(before[n0..], after[n0..]);
+    assert_eq!(opt_before[..2], opt_after[..2]);
+    assert_close(&after, &plain.flat_params(), "frozen 2");
+    // Too deep a freeze for stage 0 is refused.
+    assert!(pipe.set_frozen(3).is_err());
+    // Elastic: 2 stages x 2 replicas, the frozen prefix in stage 0.
+    let params = pipe.flat_params().unwrap();
+    let opt = pipe.optimizer_bytes().unwrap();
+    let mut two = tiny("1f1b", 2, 2, 2).plan().unwrap();
+    two.set_layers(&[4, 4]);
+    pipe.replan(two).unwrap();
+    assert_eq!(pipe.flat_params().unwrap(), params);
+    assert_eq!(pipe.optimizer_bytes().unwrap(), opt);
+    for _ in 0..2 {
+        step(&mut pipe, &mut plain, "after the elastic re-plan");
+    }
+    assert_close(&pipe.flat_params().unwrap(), &plain.flat_params(), "elastic");
+}
+
+/// Parameters per layer block of `cfg`'s model, in model order.
+fn fresh_counts(cfg: &TrainConfig) -> Vec<usize> {
+    let plan = tiny("1f1b", 1, 1, 1).plan().unwrap();
+    let t = Trainer::new(TrainConfig { ..cfg.clone() }, {
+        let mut p = plan;
+        p.set_layers(&[cfg.model.num_blocks()]);
+        p
+    })
+    .unwrap();
+    t.workers[0].stages[0]
+        .module
+        .layers
+        .iter()
+        .map(burn::module::Module::num_params)
+        .collect()
+}

@@ -16,6 +16,8 @@ pub struct PlainTrainer {
     sequences: Vec<Vec<usize>>,
     state: Vec<LayerState>,
     pub step: u64,
+    /// Layer blocks `0..frozen` take no optimizer step and leave the gradient norm.
+    pub frozen: usize,
 }
 
 impl PlainTrainer {
@@ -33,6 +35,7 @@ impl PlainTrainer {
             sequences,
             state,
             step: 0,
+            frozen: 0,
         }
     }
 
@@ -107,9 +110,12 @@ impl PlainTrainer {
         let flat: Vec<Vec<f32>> = self
             .state
             .iter()
-            .map(|(l, _)| {
+            .enumerate()
+            .map(|(i, (l, _))| {
                 let mut f = Vec::new();
-                add_grads(l, &src, &mut f);
+                if i >= self.frozen {
+                    add_grads(l, &src, &mut f);
+                }
                 f.resize(burn::module::Module::num_params(l), 0.0);
                 f
             })
@@ -121,7 +127,11 @@ impl PlainTrainer {
         self.state = state
             .into_iter()
             .zip(&flat)
-            .map(|((l, mut o), g): ((LayerBlock, _), _)| {
+            .enumerate()
+            .map(|(i, ((l, mut o), g)): (usize, ((LayerBlock, _), _))| {
+                if i < self.frozen {
+                    return (l, o);
+                }
                 let gp = grads_params(&l, g, factor);
                 let l = o.step(lr, l, gp);
                 (l, o)

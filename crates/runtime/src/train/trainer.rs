@@ -31,6 +31,9 @@ pub struct StepReport {
     /// Compute seconds per worker.
     pub busy: Vec<f64>,
     pub actions: Vec<TimedAction>,
+    /// Gradient norm of each layer block (model order; 0 when frozen; NaN for layers this
+    /// process does not lead).
+    pub layer_norms: Vec<f64>,
 }
 
 /// What a switch of plan did.
@@ -80,6 +83,8 @@ pub struct Trainer {
     transport: Arc<dyn Transport>,
     /// How long an in-process worker waits for a peer.
     timeout: Duration,
+    /// Layer blocks `0..frozen` are frozen (see [`Trainer::set_frozen`]).
+    frozen: usize,
     /// Optimizer steps done.
     pub step: u64,
     /// Checkpoints kept in the directory (the newest ones).
@@ -158,6 +163,7 @@ impl Trainer {
             links,
             transport,
             timeout,
+            frozen: 0,
             step: 0,
             keep_checkpoints: 3,
         })
@@ -208,6 +214,26 @@ impl Trainer {
     /// Put `state` (model order) onto this plan's workers.
     pub(crate) fn set_layer_state(&mut self, state: &[LayerState]) {
         self.workers = build_workers(&self.plan, state, self.rank);
+        for w in &mut self.workers {
+            w.frozen = self.frozen;
+        }
+    }
+
+    /// Layer blocks frozen (a prefix of the model).
+    pub fn frozen(&self) -> usize {
+        self.frozen
+    }
+
+    /// Freeze layer blocks `0..k` (AutoFreeze): they keep their weights and optimizer state,
+    /// run forward only outside autodiff, and leave the gradient norm and the all-reduce. The
+    /// prefix must lie inside stage 0 with a training layer after it (re-plan first if not).
+    pub fn set_frozen(&mut self, k: usize) -> Result<()> {
+        check_frozen(&self.plan, k)?;
+        self.frozen = k;
+        for w in &mut self.workers {
+            w.frozen = k;
+        }
+        Ok(())
     }
 
     /// A stage as held by worker `w` (one this process runs).
@@ -227,6 +253,7 @@ impl Trainer {
     pub fn replan(&mut self, plan: Plan) -> Result<ReplanReport> {
         let t0 = Instant::now();
         self.cfg.check_plan(&plan)?;
+        check_frozen(&plan, self.frozen)?;
         let state = self.layer_state()?;
         match self.rank {
             None => self.transport = transport_for(&plan, self.links.as_ref(), self.timeout)?,
@@ -283,7 +310,8 @@ impl Trainer {
         let clock = Instant::now();
         let (plan, routes, topo) = (&self.plan, &self.routes, &self.topo);
         let transport = self.transport.as_ref();
-        let results: Vec<std::result::Result<(WorkerOutput, f64, f64), ExecError>> =
+        type Done = (WorkerOutput, f64, f64, Vec<(usize, f64)>);
+        let results: Vec<std::result::Result<Done, ExecError>> =
             std::thread::scope(|sc| {
                 let handles: Vec<_> = self
                     .workers
@@ -295,6 +323,15 @@ impl Trainer {
                                 let mut out =
                                     worker.run(plan, routes, transport, batches, scale, clock)?;
                                 let rank = worker.rank;
+                                let frozen = worker.frozen;
+                                // Frozen layer blocks have no gradient: none to sum or step.
+                                for (held, g) in worker.stages.iter().zip(out.grads.iter_mut()) {
+                                    for (k, layer) in g.iter_mut().enumerate() {
+                                        if held.first_layer + k < frozen {
+                                            layer.clear();
+                                        }
+                                    }
+                                }
                                 // Sum each stage's gradients over its replica group, in
                                 // one all-reduce per stage.
                                 for (held, g) in worker.stages.iter().zip(out.grads.iter_mut()) {
@@ -311,6 +348,19 @@ impl Trainer {
                                         at += n;
                                     }
                                 }
+                                // Each layer block's gradient norm, from its stage's first host.
+                                let layer_norms: Vec<(usize, f64)> = worker
+                                    .stages
+                                    .iter()
+                                    .zip(&out.grads)
+                                    .filter(|(h, _)| topo.leads(rank, h.stage))
+                                    .flat_map(|(h, g)| {
+                                        g.iter().enumerate().map(move |(k, l)| {
+                                            let sq = sum_squares(std::iter::once(l)) as f64;
+                                            (h.first_layer + k, sq.sqrt())
+                                        })
+                                    })
+                                    .collect();
                                 // Global norm: each stage counted once, by its first host.
                                 let sq = sum_squares(
                                     worker
@@ -326,18 +376,23 @@ impl Trainer {
                                 let factor = clip_factor(norm, clip);
                                 let _guard = autodiff_lock();
                                 for (held, g) in worker.stages.iter_mut().zip(&out.grads) {
+                                    let first = held.first_layer;
                                     let layers = std::mem::take(&mut held.module.layers);
                                     held.module.layers = layers
                                         .into_iter()
                                         .zip(g)
                                         .zip(held.optims.iter_mut())
-                                        .map(|((layer, g), o)| {
+                                        .enumerate()
+                                        .map(|(k, ((layer, g), o))| {
+                                            if first + k < frozen {
+                                                return layer;
+                                            }
                                             let gp = grads_params(&layer, g, factor);
                                             o.step(lr, layer, gp)
                                         })
                                         .collect();
                                 }
-                                Ok((out, norm, sums[1] as f64))
+                                Ok((out, norm, sums[1] as f64, layer_norms))
                             })();
                             if r.is_err() {
                                 transport.abort();
@@ -355,10 +410,16 @@ impl Trainer {
         let mut busy = vec![0.0; self.plan.num_workers()];
         let mut actions = Vec::new();
         let (mut norm, mut loss_total) = (0.0, 0.0);
+        let mut layer_norms = vec![f64::NAN; self.plan.num_layers()];
         let mut first_err = None;
         for r in results {
             match r {
-                Ok((out, g, l)) => {
+                Ok((out, g, l, ln)) => {
+                    for (i, x) in ln {
+                        if let Some(slot) = layer_norms.get_mut(i) {
+                            *slot = x;
+                        }
+                    }
                     for a in &out.actions {
                         busy[a.worker] += a.end - a.start;
                     }
@@ -418,6 +479,7 @@ impl Trainer {
             tokens,
             busy,
             actions,
+            layer_norms,
         })
     }
 
@@ -516,6 +578,18 @@ fn transport_for(
 }
 
 /// Freshly initialised layer blocks (the model's seed) with fresh optimizers.
+/// Can `plan` run with layer blocks `0..k` frozen? They must sit in stage 0 (whose input is
+/// tokens) with at least one training layer after them.
+fn check_frozen(plan: &Plan, k: usize) -> Result<()> {
+    let first = plan.layers_per_stage().first().copied().unwrap_or(0);
+    if k > 0 && k >= first {
+        return Err(Error::Config(format!(
+            "{k} frozen layer blocks do not fit inside stage 0 ({first} layer blocks) with one that trains after them; re-plan so that stage 0 holds more"
+        )));
+    }
+    Ok(())
+}
+
 pub(crate) fn fresh_state(cfg: &TrainConfig) -> Vec<LayerState> {
     Layers::new(&cfg.model, cfg.seed, &train_device())
         .into_blocks()
@@ -534,6 +608,7 @@ fn build_workers(plan: &Plan, state: &[LayerState], rank: Option<usize>) -> Vec<
         .filter(|&w| rank.is_none_or(|r| r == w))
         .map(|w| Worker {
             rank: w,
+            frozen: 0,
             stages: topo.held[w]
                 .iter()
                 .map(|&s| {
