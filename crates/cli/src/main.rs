@@ -1,6 +1,7 @@
 //! `pipewright`: plan, simulate and run pipeline-parallel training.
 
 mod eval;
+mod freeze;
 mod plan;
 mod simulate;
 mod skip;

@@ -125,6 +125,8 @@ pub struct TrainArgs {
     /// Seconds a worker waits for a peer's message before it gives up and names the peer.
     #[arg(long, default_value_t = 60.0)]
     peer_timeout: f64,
+    #[command(flatten)]
+    freeze: crate::freeze::FreezeArgs,
 }
 
 #[derive(Args)]
@@ -379,6 +381,13 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
             cut_metrics(f, r.step)?;
         }
     }
+    let mut freezer = crate::freeze::Controller::new(
+        &a.freeze,
+        &trainer,
+        links.as_ref(),
+        corpus.train.len(),
+        procs.is_some(),
+    )?;
     let baseline = corpus.unigram_baseline();
     say!(
         "training gpt ({} layer blocks, d_model {}) on {}: {}; {} steps; unigram baseline {:.3}",
@@ -442,8 +451,9 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
         if let Some(v) = val {
             last_val = v;
         }
+        let (stages, replicas) = shape(&trainer.plan);
         emit(
-            json!({"step": r.step, "loss": r.loss, "val_loss": val, "val_perplexity": val.map(f64::exp), "tokens_per_s": tps, "lr": r.lr, "grad_norm": r.grad_norm, "busy": r.busy, "seconds": r.seconds}),
+            json!({"step": r.step, "loss": r.loss, "val_loss": val, "val_perplexity": val.map(f64::exp), "tokens_per_s": tps, "samples_per_s": (trainer.plan.num_microbatches * cfg.rows) as f64 / r.seconds, "lr": r.lr, "grad_norm": r.grad_norm, "busy": r.busy, "seconds": r.seconds, "frozen_layers": trainer.frozen(), "stages": stages, "replicas": replicas}),
         )?;
         bar.set_message(format!(
             "loss {:.3} val {:.3} {:.0} tok/s",
@@ -458,6 +468,11 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
             trainer.save_checkpoint(&a.checkpoint_dir)?;
         }
         step_seconds.push(r.seconds);
+        if let Some(f) = freezer.as_mut() {
+            if let Some(msg) = f.after_step(&mut trainer, &r)? {
+                bar.suspend(|| say!("{msg}"));
+            }
+        }
         for (_, next) in switches.iter().filter(|(at, _)| *at == r.step) {
             let rep = trainer.replan(next.clone())?;
             bar.suspend(|| {
@@ -509,7 +524,12 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
     Ok(())
 }
 
-/// Create `dir` if needed and make sure files can be written there, before any training.
+/// Pipeline depth (stages) and replicas (the most hosts of a stage) of `plan`.
+fn shape(plan: &pipewright_core::ir::Plan) -> (usize, usize) {
+    let replicas = plan.stages.iter().map(|s| s.hosts.len()).max().unwrap_or(1);
+    (plan.num_stages(), replicas)
+}
+
 /// The SkipPipe plan of `train --skip`: the model's own cost profile, the cluster (or
 /// stages x replicas identical devices), a short deterministic search.
 fn skip_train_plan(
@@ -545,6 +565,7 @@ fn skip_train_plan(
     Ok(r.plan)
 }
 
+/// Create `dir` if needed and make sure files can be written there, before any training.
 fn check_writable_dir(dir: &std::path::Path) -> Result<()> {
     let bad = |e: std::io::Error| {
         BadInput(format!(

@@ -1,0 +1,204 @@
+//! `train --freeze ... --elastic`: PipeTransformer's AutoFreeze, and AutoPipe + AutoDP through
+//! in-memory re-planning, driven between training steps.
+
+use crate::BadInput;
+use anyhow::Result;
+use clap::Args;
+use pipewright_core::cluster::Cluster;
+use pipewright_core::elastic::{elastic_plan, peak_memory};
+use pipewright_core::freeze::{FreezeMode, FreezePolicy};
+use pipewright_core::ir::Plan;
+use pipewright_core::schedule::ScheduleKind;
+use pipewright_runtime::train::{StepReport, Trainer};
+
+#[derive(Args)]
+pub struct FreezeArgs {
+    /// Freeze converged front layer blocks: `adaptive` (gradient norms settled), `schedule`
+    /// (the released rule, L (1 - (1 - alpha)^e) after decision e) or `off`.
+    #[arg(long, value_enum, default_value = "off")]
+    freeze: FreezeMode,
+    /// Steps between freeze decisions (default: once per epoch of the training text).
+    #[arg(long)]
+    freeze_every: Option<u64>,
+    /// Fraction of the still-training prefix that may freeze at one decision (adaptive), or
+    /// the schedule's rate.
+    #[arg(long, default_value_t = 0.3)]
+    freeze_alpha: f64,
+    /// Relative change of a layer's gradient norm below which it has settled (adaptive).
+    #[arg(long, default_value_t = 0.1)]
+    freeze_threshold: f64,
+    /// Decisions over which a layer must stay settled (adaptive).
+    #[arg(long, default_value_t = 2)]
+    freeze_window: usize,
+    /// Most of the freezable layer blocks (all but the head) that may ever freeze.
+    #[arg(long, default_value_t = 0.8)]
+    max_frozen: f64,
+    /// On each freeze change, re-cut the training layers over the fastest depth that fits
+    /// each worker's memory (as the starting plan uses it) and turn freed workers into more
+    /// data-parallel replicas, at the same global batch.
+    #[arg(long)]
+    elastic: bool,
+}
+
+/// The freeze and elastic state of a run.
+pub struct Controller {
+    policy: FreezePolicy,
+    every: u64,
+    elastic: bool,
+    decisions: usize,
+    /// Mean gradient norm of each freezable layer block over each decision's steps.
+    history: Vec<Vec<f64>>,
+    sum: Vec<f64>,
+    steps: usize,
+    workers: usize,
+    total_mbs: usize,
+    kind: ScheduleKind,
+    budget: u64,
+    cluster: Cluster,
+}
+
+impl Controller {
+    /// `None` when nothing freezes (no controller needed).
+    pub fn new(
+        a: &FreezeArgs,
+        trainer: &Trainer,
+        links: Option<&Cluster>,
+        train_bytes: usize,
+        mpi: bool,
+    ) -> Result<Option<Self>> {
+        if a.freeze == FreezeMode::Off {
+            if a.elastic || a.freeze_every.is_some() {
+                return Err(BadInput(
+                    "--elastic and --freeze-every need --freeze adaptive or schedule".into(),
+                )
+                .into());
+            }
+            return Ok(None);
+        }
+        if mpi {
+            return Err(BadInput(
+                "--freeze runs with worker threads for now (drop --transport mpi)".into(),
+            )
+            .into());
+        }
+        let policy = FreezePolicy {
+            mode: a.freeze,
+            alpha: a.freeze_alpha,
+            threshold: a.freeze_threshold,
+            window: a.freeze_window,
+            max_fraction: a.max_frozen,
+        };
+        policy.check().map_err(|e| BadInput(format!("--freeze: {e}")))?;
+        let cfg = &trainer.cfg;
+        let plan = &trainer.plan;
+        let tokens_per_step = plan.num_microbatches * cfg.rows * cfg.model.seq_len;
+        let epoch = (train_bytes / tokens_per_step.max(1)).max(1) as u64;
+        let every = a.freeze_every.unwrap_or(epoch);
+        if every == 0 {
+            return Err(BadInput("--freeze-every must be at least 1".into()).into());
+        }
+        let kind = if plan.kind.default_chunks() == 1 && plan.kind != ScheduleKind::Custom {
+            plan.kind
+        } else {
+            ScheduleKind::OneFOneB
+        };
+        let p = plan.num_workers();
+        let cluster = match links {
+            Some(c) => pipewright_core::sim::devices_for_plan(plan, c)?,
+            None => Cluster::uniform(p),
+        };
+        // The memory each worker may use: what the starting plan needs on its fullest one.
+        let profile = cfg.model.cost_profile(cfg.rows);
+        let costs = profile.stage_costs(&plan.layers_per_stage());
+        let budget = peak_memory(plan, &costs, &cluster)?;
+        let freezable = cfg.model.num_blocks() - 1;
+        Ok(Some(Controller {
+            policy,
+            every,
+            elastic: a.elastic,
+            decisions: 0,
+            history: Vec::new(),
+            sum: vec![0.0; freezable],
+            steps: 0,
+            workers: p,
+            total_mbs: plan.num_microbatches,
+            kind,
+            budget,
+            cluster,
+        }))
+    }
+
+    /// After a step: maybe freeze more layers (and re-plan). Returns what changed, to log.
+    pub fn after_step(&mut self, trainer: &mut Trainer, r: &StepReport) -> Result<Option<String>> {
+        for (s, n) in self.sum.iter_mut().zip(&r.layer_norms) {
+            *s += n;
+        }
+        self.steps += 1;
+        if r.step % self.every != 0 {
+            return Ok(None);
+        }
+        self.history
+            .push(self.sum.iter().map(|s| s / self.steps as f64).collect());
+        self.sum.iter_mut().for_each(|s| *s = 0.0);
+        self.steps = 0;
+        self.decisions += 1;
+        let before = trainer.frozen();
+        let freezable = self.sum.len();
+        let mut want = self
+            .policy
+            .decide(self.decisions, before, freezable, &self.history);
+        if want == before {
+            return Ok(None);
+        }
+        let t0 = std::time::Instant::now();
+        let old = pipewright_runtime::train::describe(&trainer.plan);
+        let mut next: Option<Plan> = None;
+        if self.elastic {
+            let profile = trainer.cfg.model.cost_profile(trainer.cfg.rows);
+            let c = elastic_plan(
+                &profile,
+                want,
+                self.workers,
+                self.total_mbs,
+                self.kind,
+                &self.cluster,
+                self.budget,
+            )?;
+            if c.plan.layers_per_stage() != trainer.plan.layers_per_stage()
+                || c.plan.num_workers() != trainer.plan.num_workers()
+            {
+                next = Some(c.plan);
+            }
+        }
+        // Without a re-plan the frozen prefix must fit inside stage 0.
+        let stage0 = next
+            .as_ref()
+            .unwrap_or(&trainer.plan)
+            .layers_per_stage()
+            .first()
+            .copied()
+            .unwrap_or(1);
+        want = want.min(stage0.saturating_sub(1));
+        if want <= before {
+            return Ok(None);
+        }
+        if let Some(plan) = next {
+            trainer.replan(plan)?;
+        }
+        trainer.set_frozen(want)?;
+        let new = pipewright_runtime::train::describe(&trainer.plan);
+        Ok(Some(if new == old {
+            format!(
+                "step {}: froze layer blocks 0..{want} (was {before}) in {:.3} s; plan kept: {new}",
+                r.step,
+                t0.elapsed().as_secs_f64()
+            )
+        } else {
+            format!(
+                "step {}: froze layer blocks 0..{want} (was {before}) and re-planned in {:.3} s\n  before: {old}\n  after:  {new}",
+                r.step,
+                t0.elapsed().as_secs_f64()
+            )
+        }))
+    }
+}
