@@ -88,7 +88,9 @@ impl Controller {
             window: a.freeze_window,
             max_fraction: a.max_frozen,
         };
-        policy.check().map_err(|e| BadInput(format!("--freeze: {e}")))?;
+        policy
+            .check()
+            .map_err(|e| BadInput(format!("--freeze: {e}")))?;
         let cfg = &trainer.cfg;
         let plan = &trainer.plan;
         let tokens_per_step = plan.num_microbatches * cfg.rows * cfg.model.seq_len;
@@ -154,20 +156,28 @@ impl Controller {
         let old = pipewright_runtime::train::describe(&trainer.plan);
         let mut next: Option<Plan> = None;
         if self.elastic {
+            // The deepest freeze that some layout fits; none: keep the plan.
             let profile = trainer.cfg.model.cost_profile(trainer.cfg.rows);
-            let c = elastic_plan(
-                &profile,
-                want,
-                self.workers,
-                self.total_mbs,
-                self.kind,
-                &self.cluster,
-                self.budget,
-            )?;
-            if c.plan.layers_per_stage() != trainer.plan.layers_per_stage()
-                || c.plan.num_workers() != trainer.plan.num_workers()
-            {
-                next = Some(c.plan);
+            let fit = (before + 1..=want).rev().find_map(|k| {
+                elastic_plan(
+                    &profile,
+                    k,
+                    self.workers,
+                    self.total_mbs,
+                    self.kind,
+                    &self.cluster,
+                    self.budget,
+                )
+                .ok()
+                .map(|c| (k, c))
+            });
+            if let Some((k, c)) = fit {
+                want = k;
+                if c.plan.layers_per_stage() != trainer.plan.layers_per_stage()
+                    || c.plan.num_workers() != trainer.plan.num_workers()
+                {
+                    next = Some(c.plan);
+                }
             }
         }
         // Without a re-plan the frozen prefix must fit inside stage 0.

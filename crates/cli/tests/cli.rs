@@ -938,3 +938,93 @@ fn skip_training_and_skip_robust_eval() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `train --freeze schedule --elastic`: layers freeze at the decisions, the pipeline gets
+/// shorter with more replicas, metrics rows say so; bad freeze requests are refused.
+#[test]
+fn freeze_and_elastic_training() {
+    let dir = std::env::temp_dir().join(format!("pw-freeze-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let m = dir.join("m.jsonl");
+    let model = [
+        "--d-model",
+        "16",
+        "--heads",
+        "2",
+        "--layers",
+        "4",
+        "--seq-len",
+        "16",
+    ];
+    // The default model (6 layer blocks), as the E-elastic acceptance script runs it.
+    let o = pw(&[
+        "train",
+        "--stages",
+        "4",
+        "--microbatches",
+        "8",
+        "--steps",
+        "9",
+        "--freeze",
+        "schedule",
+        "--freeze-alpha",
+        "0.5",
+        "--freeze-every",
+        "3",
+        "--elastic",
+        "--no-checkpoint",
+        "--metrics",
+        m.to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("froze layer blocks 0..2"), "{err}");
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(&m)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let last = rows.last().unwrap();
+    assert!(last["frozen_layers"].as_u64().unwrap() >= 3, "{last}");
+    assert!(last["stages"].as_u64().unwrap() < 4, "{last}");
+    assert!(last["replicas"].as_u64().unwrap() >= 2, "{last}");
+    assert_eq!(rows[1]["frozen_layers"], 0);
+    let _ = std::fs::remove_dir_all(&dir);
+    bad(
+        &[&["train", "--elastic", "--steps", "1"][..], &model].concat(),
+        "need --freeze adaptive or schedule",
+    );
+    bad(
+        &[
+            &[
+                "train",
+                "--freeze",
+                "schedule",
+                "--freeze-alpha",
+                "0",
+                "--steps",
+                "1",
+            ][..],
+            &model,
+        ]
+        .concat(),
+        "--freeze: freeze alpha 0",
+    );
+    bad(
+        &[
+            &[
+                "train",
+                "--freeze",
+                "adaptive",
+                "--freeze-every",
+                "0",
+                "--steps",
+                "1",
+            ][..],
+            &model,
+        ]
+        .concat(),
+        "--freeze-every must be at least 1",
+    );
+}

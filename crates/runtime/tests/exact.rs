@@ -441,7 +441,11 @@ fn frozen_prefix_and_elastic_replan_stay_exact() {
     for _ in 0..2 {
         step(&mut pipe, &mut plain, "after the elastic re-plan");
     }
-    assert_close(&pipe.flat_params().unwrap(), &plain.flat_params(), "elastic");
+    assert_close(
+        &pipe.flat_params().unwrap(),
+        &plain.flat_params(),
+        "elastic",
+    );
 }
 
 /// Parameters per layer block of `cfg`'s model, in model order.

@@ -311,101 +311,100 @@ impl Trainer {
         let (plan, routes, topo) = (&self.plan, &self.routes, &self.topo);
         let transport = self.transport.as_ref();
         type Done = (WorkerOutput, f64, f64, Vec<(usize, f64)>);
-        let results: Vec<std::result::Result<Done, ExecError>> =
-            std::thread::scope(|sc| {
-                let handles: Vec<_> = self
-                    .workers
-                    .iter_mut()
-                    .map(|worker| {
-                        let batches = &batches;
-                        sc.spawn(move || {
-                            let r = (|| {
-                                let mut out =
-                                    worker.run(plan, routes, transport, batches, scale, clock)?;
-                                let rank = worker.rank;
-                                let frozen = worker.frozen;
-                                // Frozen layer blocks have no gradient: none to sum or step.
-                                for (held, g) in worker.stages.iter().zip(out.grads.iter_mut()) {
-                                    for (k, layer) in g.iter_mut().enumerate() {
-                                        if held.first_layer + k < frozen {
-                                            layer.clear();
-                                        }
+        let results: Vec<std::result::Result<Done, ExecError>> = std::thread::scope(|sc| {
+            let handles: Vec<_> = self
+                .workers
+                .iter_mut()
+                .map(|worker| {
+                    let batches = &batches;
+                    sc.spawn(move || {
+                        let r = (|| {
+                            let mut out =
+                                worker.run(plan, routes, transport, batches, scale, clock)?;
+                            let rank = worker.rank;
+                            let frozen = worker.frozen;
+                            // Frozen layer blocks have no gradient: none to sum or step.
+                            for (held, g) in worker.stages.iter().zip(out.grads.iter_mut()) {
+                                for (k, layer) in g.iter_mut().enumerate() {
+                                    if held.first_layer + k < frozen {
+                                        layer.clear();
                                     }
                                 }
-                                // Sum each stage's gradients over its replica group, in
-                                // one all-reduce per stage.
-                                for (held, g) in worker.stages.iter().zip(out.grads.iter_mut()) {
-                                    let group = &topo.groups[held.stage];
-                                    if group.len() < 2 {
-                                        continue;
-                                    }
-                                    let mut flat = g.concat();
-                                    transport.all_reduce_gradients(rank, group, &mut flat)?;
-                                    let mut at = 0;
-                                    for layer in g.iter_mut() {
-                                        let n = layer.len();
-                                        layer.copy_from_slice(&flat[at..at + n]);
-                                        at += n;
-                                    }
+                            }
+                            // Sum each stage's gradients over its replica group, in
+                            // one all-reduce per stage.
+                            for (held, g) in worker.stages.iter().zip(out.grads.iter_mut()) {
+                                let group = &topo.groups[held.stage];
+                                if group.len() < 2 {
+                                    continue;
                                 }
-                                // Each layer block's gradient norm, from its stage's first host.
-                                let layer_norms: Vec<(usize, f64)> = worker
+                                let mut flat = g.concat();
+                                transport.all_reduce_gradients(rank, group, &mut flat)?;
+                                let mut at = 0;
+                                for layer in g.iter_mut() {
+                                    let n = layer.len();
+                                    layer.copy_from_slice(&flat[at..at + n]);
+                                    at += n;
+                                }
+                            }
+                            // Each layer block's gradient norm, from its stage's first host.
+                            let layer_norms: Vec<(usize, f64)> = worker
+                                .stages
+                                .iter()
+                                .zip(&out.grads)
+                                .filter(|(h, _)| topo.leads(rank, h.stage))
+                                .flat_map(|(h, g)| {
+                                    g.iter().enumerate().map(move |(k, l)| {
+                                        let sq = sum_squares(std::iter::once(l)) as f64;
+                                        (h.first_layer + k, sq.sqrt())
+                                    })
+                                })
+                                .collect();
+                            // Global norm: each stage counted once, by its first host.
+                            let sq = sum_squares(
+                                worker
                                     .stages
                                     .iter()
                                     .zip(&out.grads)
                                     .filter(|(h, _)| topo.leads(rank, h.stage))
-                                    .flat_map(|(h, g)| {
-                                        g.iter().enumerate().map(move |(k, l)| {
-                                            let sq = sum_squares(std::iter::once(l)) as f64;
-                                            (h.first_layer + k, sq.sqrt())
-                                        })
+                                    .flat_map(|(_, g)| g.iter()),
+                            );
+                            let mut sums = [sq, out.loss_sum as f32];
+                            transport.all_reduce(rank, &topo.everyone, &mut sums)?;
+                            let norm = (sums[0] as f64).sqrt();
+                            let factor = clip_factor(norm, clip);
+                            let _guard = autodiff_lock();
+                            for (held, g) in worker.stages.iter_mut().zip(&out.grads) {
+                                let first = held.first_layer;
+                                let layers = std::mem::take(&mut held.module.layers);
+                                held.module.layers = layers
+                                    .into_iter()
+                                    .zip(g)
+                                    .zip(held.optims.iter_mut())
+                                    .enumerate()
+                                    .map(|(k, ((layer, g), o))| {
+                                        if first + k < frozen {
+                                            return layer;
+                                        }
+                                        let gp = grads_params(&layer, g, factor);
+                                        o.step(lr, layer, gp)
                                     })
                                     .collect();
-                                // Global norm: each stage counted once, by its first host.
-                                let sq = sum_squares(
-                                    worker
-                                        .stages
-                                        .iter()
-                                        .zip(&out.grads)
-                                        .filter(|(h, _)| topo.leads(rank, h.stage))
-                                        .flat_map(|(_, g)| g.iter()),
-                                );
-                                let mut sums = [sq, out.loss_sum as f32];
-                                transport.all_reduce(rank, &topo.everyone, &mut sums)?;
-                                let norm = (sums[0] as f64).sqrt();
-                                let factor = clip_factor(norm, clip);
-                                let _guard = autodiff_lock();
-                                for (held, g) in worker.stages.iter_mut().zip(&out.grads) {
-                                    let first = held.first_layer;
-                                    let layers = std::mem::take(&mut held.module.layers);
-                                    held.module.layers = layers
-                                        .into_iter()
-                                        .zip(g)
-                                        .zip(held.optims.iter_mut())
-                                        .enumerate()
-                                        .map(|(k, ((layer, g), o))| {
-                                            if first + k < frozen {
-                                                return layer;
-                                            }
-                                            let gp = grads_params(&layer, g, factor);
-                                            o.step(lr, layer, gp)
-                                        })
-                                        .collect();
-                                }
-                                Ok((out, norm, sums[1] as f64, layer_norms))
-                            })();
-                            if r.is_err() {
-                                transport.abort();
                             }
-                            r
-                        })
+                            Ok((out, norm, sums[1] as f64, layer_norms))
+                        })();
+                        if r.is_err() {
+                            transport.abort();
+                        }
+                        r
                     })
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|h| h.join().expect("worker thread panicked"))
-                    .collect()
-            });
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("worker thread panicked"))
+                .collect()
+        });
         let seconds = clock.elapsed().as_secs_f64();
         let mut busy = vec![0.0; self.plan.num_workers()];
         let mut actions = Vec::new();
