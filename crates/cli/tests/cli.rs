@@ -1,7 +1,7 @@
 //! The command-line contract: figures, files and bad-input handling.
 
 mod common;
-use common::TINY;
+use common::{fresh_dir, TINY, TINY_L4};
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
@@ -824,21 +824,10 @@ fn fuzzed_files_through_the_cli_never_panic() {
 /// and reports perplexity with stages left out; bad requests are refused in one line.
 #[test]
 fn skip_training_and_skip_robust_eval() {
-    let dir = std::env::temp_dir().join(format!("pw-skip-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = fresh_dir("skip");
     let ck = dir.join("ck");
     let ck = ck.to_str().unwrap();
-    let model = [
-        "--d-model",
-        "16",
-        "--heads",
-        "2",
-        "--layers",
-        "4",
-        "--seq-len",
-        "16",
-    ];
+    let model = TINY_L4;
     let o = pw(&[
         &[
             "train",
@@ -943,20 +932,9 @@ fn skip_training_and_skip_robust_eval() {
 /// shorter with more replicas, metrics rows say so; bad freeze requests are refused.
 #[test]
 fn freeze_and_elastic_training() {
-    let dir = std::env::temp_dir().join(format!("pw-freeze-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = fresh_dir("freeze");
     let m = dir.join("m.jsonl");
-    let model = [
-        "--d-model",
-        "16",
-        "--heads",
-        "2",
-        "--layers",
-        "4",
-        "--seq-len",
-        "16",
-    ];
+    let model = TINY_L4;
     // The default model (6 layer blocks), as the E-elastic acceptance script runs it.
     let o = pw(&[
         "train",

@@ -11,3 +11,25 @@ pub const TINY: [&str; 8] = [
     "--seq-len",
     "16",
 ];
+
+/// The tiny model with 4 transformer blocks (6 layer blocks): enough stages for skipping.
+#[allow(dead_code)]
+pub const TINY_L4: [&str; 8] = [
+    "--d-model",
+    "16",
+    "--heads",
+    "2",
+    "--layers",
+    "4",
+    "--seq-len",
+    "16",
+];
+
+/// An empty scratch directory for one test of this process.
+#[allow(dead_code)]
+pub fn fresh_dir(tag: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("pw-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
