@@ -41,13 +41,12 @@ pub struct SchedArgs {
 
 impl SchedArgs {
     pub fn plan(&self) -> Result<Plan> {
-        let unit = vec![StageCost::uniform(1.0, 1.0, 1.0); self.stages];
-        self.plan_for(&unit, &Cluster::uniform(self.stages))
+        self.plan_for(None)
     }
 
-    /// The plan, with zb-auto's order searched for these per-stage costs on `cluster` (the
-    /// other schedules do not depend on costs).
-    pub fn plan_for(&self, costs: &[StageCost], cluster: &Cluster) -> Result<Plan> {
+    /// The plan, with zb-auto's order searched for these per-stage costs on this cluster
+    /// (unit costs without them; the other schedules do not depend on costs).
+    pub fn plan_for(&self, costs: Option<(&[StageCost], &Cluster)>) -> Result<Plan> {
         let kind = self.kind;
         if self.mem_cap.is_some() && kind != ScheduleKind::ZbAuto {
             return Err(BadInput(format!(
@@ -56,17 +55,15 @@ impl SchedArgs {
             .into());
         }
         let chunks = self.chunks.unwrap_or(kind.default_chunks());
-        let one = if kind == ScheduleKind::ZbAuto && chunks == 1 && costs.len() == self.stages {
-            zb_auto(
-                self.stages,
-                self.microbatches,
-                costs,
-                cluster,
-                self.mem_cap.unwrap_or(self.stages),
-            )?
-        } else {
-            generate(kind, self.stages, self.microbatches, chunks)?
-        };
+        // Generating first checks the sizes and combination.
+        let mut one = generate(kind, self.stages, self.microbatches, chunks)?;
+        if kind == ScheduleKind::ZbAuto && (costs.is_some() || self.mem_cap.is_some()) {
+            let unit = vec![StageCost::uniform(1.0, 1.0, 1.0); self.stages];
+            let uniform = Cluster::uniform(self.stages);
+            let (c, cl) = costs.unwrap_or((&unit, &uniform));
+            let cap = self.mem_cap.unwrap_or(self.stages);
+            one = zb_auto(self.stages, self.microbatches, c, cl, cap)?;
+        }
         let mut plan = one.replicate(self.replicas)?;
         if let Some(n) = self.layers {
             let split = min_max_split(n, plan.num_stages(), |_, lo, hi| (hi - lo) as f64)
@@ -179,7 +176,7 @@ pub fn cmd_simulate(a: SimulateArgs) -> Result<()> {
         let layers = plan.layers_per_stage();
         let first: Vec<usize> = (0..a.sched.stages).collect();
         let sub = cluster.subset(&first);
-        plan = a.sched.plan_for(costs, &sub)?;
+        plan = a.sched.plan_for(Some((costs, &sub)))?;
         plan.set_layers(&layers);
     }
     check_memory(&plan, &stages, &cluster)?;

@@ -109,7 +109,7 @@ pub struct TrainArgs {
     /// --replicas data nodes (embedding and head), the other devices of --cluster (default
     /// stages x replicas identical ones) as pools for the other stages, --microbatches per
     /// data node. --skip 0 gives the full pipeline on the same layout.
-    #[arg(long, conflicts_with_all = ["plan", "schedule", "chunks"])]
+    #[arg(long, conflicts_with_all = ["plan", "schedule", "chunks", "elastic"])]
     skip: Option<f64>,
     /// Switch to another whole-job plan after step STEP (STEP:FILE; repeatable): parameters
     /// and optimizer state move in memory to the new plan's workers.

@@ -1006,3 +1006,34 @@ fn freeze_and_elastic_training() {
         "--freeze-every must be at least 1",
     );
 }
+
+/// `--kind zb-auto` orders for the given costs and memory cap; the cap is its own flag.
+#[test]
+fn zb_auto_from_the_cli() {
+    let sim = |kind: &str, extra: &[&str]| {
+        let args = [
+            &[
+                "simulate", "--kind", kind, "--cost-f", "1", "--cost-b", "1.5", "--cost-w", "0.7",
+                "--json",
+            ][..],
+            extra,
+        ]
+        .concat();
+        json(&pw(&args))["makespan"].as_f64().unwrap()
+    };
+    let zbh1 = sim("zbh1", &[]);
+    assert!(sim("zb-auto", &[]) <= zbh1 + 1e-9);
+    assert!(sim("zb-auto", &["--mem-cap", "8"]) < zbh1 - 0.5);
+    bad(
+        &["simulate", "--kind", "zbh1", "--mem-cap", "3"],
+        "--mem-cap is a zb-auto setting",
+    );
+    bad(
+        &["simulate", "--kind", "zb-auto", "--mem-cap", "0"],
+        "memory cap",
+    );
+    bad(
+        &["schedule", "--kind", "zb-auto", "--chunks", "2"],
+        "--chunks 2",
+    );
+}

@@ -77,9 +77,26 @@ pub fn zb_auto(
         }
     }
     let placement: Vec<usize> = (0..p).collect();
-    let mut thresholds: Vec<usize> = (1..=p.min(m)).collect();
+    // A few points of each policy axis (all of them for small pipelines), so large plans stay
+    // quick.
+    let spread = |hi: usize| {
+        let mut v: Vec<usize> = [1, 2, 3, hi / 2, hi.saturating_sub(1), hi]
+            .into_iter()
+            .filter(|&x| x >= 1 && x <= hi)
+            .collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    };
+    let large = 3 * p * m > 200_000;
+    let mut thresholds = if large { Vec::new() } else { spread(p.min(m)) };
     thresholds.push(usize::MAX);
-    for limit in 1..=cap.min(m.max(1)) {
+    let limits = if large {
+        vec![cap.min(m.max(1))]
+    } else {
+        spread(cap.min(m.max(1)))
+    };
+    for limit in limits {
         for admit in [Admission::MicroBatches, Admission::Chunks] {
             for &w_first_at in &thresholds {
                 let g = Greedy {
@@ -99,14 +116,17 @@ pub fn zb_auto(
             "zb-auto: no order fits a memory cap of {cap} micro-batches' activations per worker"
         )));
     };
-    // Local search: swap neighbouring actions of one worker while that shortens the iteration.
+    // Local search: swap neighbouring actions of one worker while that shortens the iteration,
+    // within about 2 x 10^7 simulated actions.
+    let actions: usize = plan.workers.iter().map(Vec::len).sum();
+    let budget = SWAP_BUDGET.min(20_000_000 / actions.max(1));
     let mut tried = 0;
     let mut improved = true;
-    while improved && tried < SWAP_BUDGET {
+    while improved && tried < budget {
         improved = false;
         for w in 0..p {
             for i in 0..plan.workers[w].len().saturating_sub(1) {
-                if tried >= SWAP_BUDGET {
+                if tried >= budget {
                     break;
                 }
                 let (a, b) = (plan.workers[w][i], plan.workers[w][i + 1]);
