@@ -136,7 +136,7 @@ impl Controller {
             *s += n;
         }
         self.steps += 1;
-        if r.step % self.every != 0 {
+        if !r.step.is_multiple_of(self.every) {
             return Ok(None);
         }
         self.history
