@@ -65,8 +65,11 @@ fn subsets(items: &[usize], k: usize, limit: usize) -> Option<Vec<Vec<usize>>> {
 }
 
 pub fn cmd_eval(a: EvalArgs) -> Result<()> {
-    if a.batches == 0 || a.draws == 0 {
-        return Err(BadInput("--batches and --draws must be at least 1".into()).into());
+    if !(1..=100_000).contains(&a.batches) || !(1..=1000).contains(&a.draws) {
+        return Err(BadInput(
+            "--batches must be between 1 and 100000 and --draws between 1 and 1000".into(),
+        )
+        .into());
     }
     if let Some(f) = a
         .keep

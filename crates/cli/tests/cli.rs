@@ -891,7 +891,7 @@ fn skip_training_and_skip_robust_eval() {
     );
     bad(
         &["eval", "--checkpoint-dir", ck, "--draws", "0"],
-        "--draws must be at least 1",
+        "--draws between 1 and 1000",
     );
     bad(
         &[

@@ -94,7 +94,7 @@ impl FreezePolicy {
     /// Has layer `l`'s gradient norm changed by less than the threshold (relative) between
     /// each of the last `window` pairs of decisions?
     fn settled(&self, l: usize, norms: &[Vec<f64>]) -> bool {
-        if norms.len() < self.window + 1 {
+        if norms.len() <= self.window {
             return false;
         }
         norms[norms.len() - self.window - 1..].windows(2).all(|w| {
@@ -174,6 +174,12 @@ mod tests {
             f = p.decide(e, f, 6, &flat);
         }
         assert_eq!(f, 4);
+        // A window longer than any history never settles (and does not overflow).
+        let long = FreezePolicy {
+            window: usize::MAX,
+            ..p
+        };
+        assert_eq!(long.decide(2, 0, 6, &flat), 0);
         // Zero or non-finite norms never count as settled.
         let dead: Vec<Vec<f64>> = (0..4).map(|_| vec![0.0, f64::NAN]).collect();
         assert_eq!(p.decide(2, 0, 2, &dead), 0);
