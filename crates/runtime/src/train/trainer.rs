@@ -347,28 +347,25 @@ impl Trainer {
                                     at += n;
                                 }
                             }
-                            // Each layer block's gradient norm, from its stage's first host.
-                            let layer_norms: Vec<(usize, f64)> = worker
+                            // Each layer block's squared gradient norm, from its stage's
+                            // first host; their sum is the global one (each stage counted
+                            // once), added in the order `sum_squares` adds buffers.
+                            let layer_sq: Vec<(usize, f32)> = worker
                                 .stages
                                 .iter()
                                 .zip(&out.grads)
                                 .filter(|(h, _)| topo.leads(rank, h.stage))
                                 .flat_map(|(h, g)| {
                                     g.iter().enumerate().map(move |(k, l)| {
-                                        let sq = sum_squares(std::iter::once(l)) as f64;
-                                        (h.first_layer + k, sq.sqrt())
+                                        (h.first_layer + k, sum_squares(std::iter::once(l)))
                                     })
                                 })
                                 .collect();
-                            // Global norm: each stage counted once, by its first host.
-                            let sq = sum_squares(
-                                worker
-                                    .stages
-                                    .iter()
-                                    .zip(&out.grads)
-                                    .filter(|(h, _)| topo.leads(rank, h.stage))
-                                    .flat_map(|(_, g)| g.iter()),
-                            );
+                            let sq: f32 = layer_sq.iter().map(|&(_, x)| x).sum();
+                            let layer_norms: Vec<(usize, f64)> = layer_sq
+                                .iter()
+                                .map(|&(i, x)| (i, (x as f64).sqrt()))
+                                .collect();
                             let mut sums = [sq, out.loss_sum as f32];
                             transport.all_reduce(rank, &topo.everyone, &mut sums)?;
                             let norm = (sums[0] as f64).sqrt();
