@@ -7,7 +7,7 @@ use pipewright_core::cluster::Cluster;
 use pipewright_core::ir::Plan;
 use pipewright_core::partition::{assign_layers, min_max_split};
 use pipewright_core::profile::{Profile, StageCost};
-use pipewright_core::schedule::{generate, ScheduleKind};
+use pipewright_core::schedule::{check_request, generate, ScheduleKind};
 use pipewright_core::sim::{check_memory, simulate, SimSetup};
 use pipewright_core::validate::validate;
 use pipewright_core::zbauto::zb_auto;
@@ -55,15 +55,16 @@ impl SchedArgs {
             .into());
         }
         let chunks = self.chunks.unwrap_or(kind.default_chunks());
-        // Generating first checks the sizes and combination.
-        let mut one = generate(kind, self.stages, self.microbatches, chunks)?;
-        if kind == ScheduleKind::ZbAuto && (costs.is_some() || self.mem_cap.is_some()) {
+        let one = if kind == ScheduleKind::ZbAuto && (costs.is_some() || self.mem_cap.is_some()) {
+            check_request(kind, self.stages, self.microbatches, chunks)?;
             let unit = vec![StageCost::uniform(1.0, 1.0, 1.0); self.stages];
             let uniform = Cluster::uniform(self.stages);
             let (c, cl) = costs.unwrap_or((&unit, &uniform));
             let cap = self.mem_cap.unwrap_or(self.stages);
-            one = zb_auto(self.stages, self.microbatches, c, cl, cap)?;
-        }
+            zb_auto(self.stages, self.microbatches, c, cl, cap)?
+        } else {
+            generate(kind, self.stages, self.microbatches, chunks)?
+        };
         let mut plan = one.replicate(self.replicas)?;
         if let Some(n) = self.layers {
             let split = min_max_split(n, plan.num_stages(), |_, lo, hi| (hi - lo) as f64)
@@ -113,6 +114,22 @@ pub struct SimulateArgs {
 pub fn cmd_simulate(a: SimulateArgs) -> Result<()> {
     let mut plan = match &a.plan {
         Some(f) => load_valid_plan(f)?,
+        None if a.sched.kind == ScheduleKind::ZbAuto => {
+            // Only its shape here (one stage per worker, as ZB-H1): the order is searched once,
+            // below, when the costs are known.
+            let s = &a.sched;
+            check_request(s.kind, s.stages, s.microbatches, s.chunks.unwrap_or(1))?;
+            SchedArgs {
+                kind: ScheduleKind::ZbH1,
+                mem_cap: None,
+                stages: s.stages,
+                microbatches: s.microbatches,
+                chunks: s.chunks,
+                replicas: s.replicas,
+                layers: s.layers,
+            }
+            .plan()?
+        }
         None => a.sched.plan()?,
     };
     let p = plan.num_workers();

@@ -99,6 +99,33 @@ pub fn generate(
     microbatches: usize,
     chunks: usize,
 ) -> Result<Plan> {
+    check_request(kind, workers, microbatches, chunks)?;
+    match kind {
+        ScheduleKind::Custom => unreachable!("refused by check_request"),
+        ScheduleKind::GPipe => Ok(gpipe(workers, microbatches)),
+        ScheduleKind::OneFOneB => Ok(interleaved(workers, microbatches, 1, kind)),
+        ScheduleKind::Interleaved => Ok(interleaved(workers, microbatches, chunks, kind)),
+        ScheduleKind::ZbH1 => Ok(zb_h1(workers, microbatches)),
+        ScheduleKind::ZbV => zb_v(workers, microbatches),
+        // Without costs: unit costs and 1F1B's memory (see `zbauto` for real costs).
+        ScheduleKind::ZbAuto => crate::zbauto::zb_auto(
+            workers,
+            microbatches,
+            &vec![crate::profile::StageCost::uniform(1.0, 1.0, 1.0); workers],
+            &crate::cluster::Cluster::uniform(workers),
+            workers,
+        ),
+    }
+}
+
+/// Can `kind` be generated for these sizes? The checks of [`generate`], without building
+/// anything (for callers that build the plan another way, such as zb-auto with real costs).
+pub fn check_request(
+    kind: ScheduleKind,
+    workers: usize,
+    microbatches: usize,
+    chunks: usize,
+) -> Result<()> {
     let err = |m: String| Err(Error::Schedule(format!("{kind}: {m}")));
     if workers == 0 {
         return err("needs at least 1 stage (got --stages 0)".into());
@@ -119,19 +146,7 @@ pub fn generate(
         ScheduleKind::Interleaved if !microbatches.is_multiple_of(workers) => err(format!(
             "needs --microbatches to be a multiple of --stages (micro-batches go round in groups of P); got M={microbatches}, P={workers}"
         )),
-        ScheduleKind::GPipe => Ok(gpipe(workers, microbatches)),
-        ScheduleKind::OneFOneB => Ok(interleaved(workers, microbatches, 1, kind)),
-        ScheduleKind::Interleaved => Ok(interleaved(workers, microbatches, chunks, kind)),
-        ScheduleKind::ZbH1 => Ok(zb_h1(workers, microbatches)),
-        ScheduleKind::ZbV => zb_v(workers, microbatches),
-        // Without costs: unit costs and 1F1B's memory (see `zbauto` for real costs).
-        ScheduleKind::ZbAuto => crate::zbauto::zb_auto(
-            workers,
-            microbatches,
-            &vec![crate::profile::StageCost::uniform(1.0, 1.0, 1.0); workers],
-            &crate::cluster::Cluster::uniform(workers),
-            workers,
-        ),
+        _ => Ok(()),
     }
 }
 
