@@ -252,12 +252,9 @@ impl Problem<'_> {
             stages,
             routes,
             workers,
-            devices: self
-                .cluster
-                .devices
-                .iter()
-                .map(|d| d.name.clone())
-                .collect(),
+            // Named once for the plans returned (`skip_plan`), not for every scored candidate:
+            // worker w is the cluster's device w either way.
+            devices: Vec::new(),
         })
     }
 
@@ -556,9 +553,11 @@ pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Res
     };
     let random_t = pr.score(&blind, &random);
     let make = |p: &Placement, r: &Routes| {
-        pr.plan(p, r).ok_or_else(|| {
+        let mut plan = pr.plan(p, r).ok_or_else(|| {
             Error::Infeasible("no ordering of these routes fits the devices' in-flight caps".into())
-        })
+        })?;
+        plan.devices = cluster.devices.iter().map(|d| d.name.clone()).collect();
+        Ok::<Plan, Error>(plan)
     };
     let plan = make(&best_pl, &best)?;
     let rules = SkipRules {
