@@ -112,6 +112,26 @@ impl Worker {
             .collect();
         let mut loss_sum = 0.0;
         let mut actions = Vec::with_capacity(mine.len());
+        // A held stage with a frozen prefix: that prefix without autodiff, and the layers after
+        // it, split once per iteration rather than per micro-batch.
+        let frozen_split: Vec<Option<(Stage, Stage)>> = {
+            let _guard = autodiff_lock();
+            self.stages
+                .iter()
+                .map(|h| {
+                    let k = self.frozen.saturating_sub(h.first_layer);
+                    (k > 0 && k < h.module.layers.len()).then(|| {
+                        let pre = Stage {
+                            layers: h.module.layers[..k].to_vec(),
+                        };
+                        let rest = Stage {
+                            layers: h.module.layers[k..].to_vec(),
+                        };
+                        (pre.valid(), rest)
+                    })
+                })
+                .collect()
+        };
         let bad = |msg: String| ExecError::Plan {
             worker: self.rank,
             msg,
@@ -145,25 +165,20 @@ impl Worker {
                     let _guard = autodiff_lock();
                     let start = clock.elapsed().as_secs_f64();
                     let input = received.map(|p| from_payload(p).require_grad());
-                    let first = self.stages[slot].first_layer;
-                    let k = self.frozen.saturating_sub(first).min(stage.layers.len());
-                    let (x, rest) = match (&input, k) {
-                        (None, 0) => (StageInput::Tokens(mb.ids(&mb.tokens)), None),
-                        (Some(h), 0) => (StageInput::Hidden(h.clone()), None),
-                        (None, k) if k < stage.layers.len() => {
+                    let k = self
+                        .frozen
+                        .saturating_sub(self.stages[slot].first_layer)
+                        .min(stage.layers.len());
+                    let (x, rest) = match (&input, k, &frozen_split[slot]) {
+                        (None, 0, _) => (StageInput::Tokens(mb.ids(&mb.tokens)), None),
+                        (Some(h), 0, _) => (StageInput::Hidden(h.clone()), None),
+                        (None, _, Some((pre, rest))) => {
                             // The frozen prefix: forward without autodiff; its output enters
                             // the graph as a constant.
-                            let pre = Stage {
-                                layers: stage.layers[..k].to_vec(),
-                            }
-                            .valid();
                             let h = pre.forward(StageInput::Tokens(
                                 mb.ids_on(&mb.tokens, &plain_device()),
                             ));
                             let h = Tensor::<3>::from_data(h.to_data(), &train_device());
-                            let rest = Stage {
-                                layers: stage.layers[k..].to_vec(),
-                            };
                             (StageInput::Hidden(h), Some(rest))
                         }
                         _ => {
@@ -173,7 +188,7 @@ impl Worker {
                             )))
                         }
                     };
-                    let run = rest.as_ref().unwrap_or(stage);
+                    let run = rest.unwrap_or(stage);
                     let mut deferred = split.contains(&(a.stage, a.mb)).then(Deferred::default);
                     let y = match deferred.as_mut() {
                         Some(d) => run.forward_split(x, d),
