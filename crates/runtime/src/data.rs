@@ -1,6 +1,7 @@
 //! Byte-level language-modelling data: any UTF-8 text file, or a built-in deterministic
 //! synthetic corpus with learnable structure (so `pipewright train` works on a fresh machine).
 
+use serde::{Deserialize, Serialize};
 use std::path::Path;
 
 /// A corpus split into training and held-out bytes.
@@ -123,6 +124,9 @@ pub struct MicroBatch {
     pub seq_len: usize,
     pub tokens: Vec<i64>,
     pub targets: Vec<i64>,
+    /// The sample number of each row under [`Sampling::Epochs`] (empty for random windows):
+    /// what the frozen-prefix cache keys on.
+    pub samples: Vec<u64>,
 }
 
 impl MicroBatch {
@@ -169,6 +173,113 @@ pub fn micro_batch(
         seq_len,
         tokens,
         targets,
+        samples: Vec::new(),
+    }
+}
+
+/// How a step's sequences are drawn from the training text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Sampling {
+    /// Random windows anywhere in the text, drawn afresh for every step.
+    #[default]
+    Windows,
+    /// Epochs over fixed samples (the text cut into non-overlapping windows): every epoch a
+    /// fresh permutation, every step the next global batch of it, so no sample repeats
+    /// within an epoch whichever replica runs it. The frozen-prefix cache keys on samples.
+    Epochs,
+}
+
+/// Samples of `seq_len` inputs (and their next bytes) in `text_len` bytes under
+/// [`Sampling::Epochs`].
+pub fn samples_in(text_len: usize, seq_len: usize) -> usize {
+    text_len.saturating_sub(1) / seq_len.max(1)
+}
+
+/// Draws each step's micro-batches (the same whichever worker or replica asks).
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    pub sampling: Sampling,
+    seq_len: usize,
+    rows: usize,
+    seed: u64,
+    /// The epoch whose permutation `order` holds.
+    epoch: Option<u64>,
+    order: Vec<u64>,
+}
+
+impl Sampler {
+    pub fn new(sampling: Sampling, seq_len: usize, rows: usize, seed: u64) -> Self {
+        Sampler {
+            sampling,
+            seq_len,
+            rows,
+            seed,
+            epoch: None,
+            order: Vec::new(),
+        }
+    }
+
+    /// Steps in one epoch of `text` with `microbatches` micro-batches a step; an error naming
+    /// the sizes when the text holds fewer samples than one step takes.
+    pub fn steps_per_epoch(&self, text: &[u8], microbatches: usize) -> Result<u64, String> {
+        let n = samples_in(text.len(), self.seq_len);
+        let batch = microbatches.saturating_mul(self.rows).max(1);
+        match n / batch {
+            0 => Err(format!(
+                "the training text holds {n} samples of {} bytes, fewer than one step's {batch} ({microbatches} micro-batches of {} sequences); use a longer text, fewer micro-batches or rows, or --sampling windows",
+                self.seq_len + 1,
+                self.rows
+            )),
+            s => Ok(s as u64),
+        }
+    }
+
+    /// The `microbatches` micro-batches of optimizer step `step` (numbered over the job).
+    pub fn batches(
+        &mut self,
+        text: &[u8],
+        step: u64,
+        microbatches: usize,
+    ) -> Result<Vec<MicroBatch>, String> {
+        let (seq_len, rows, seed) = (self.seq_len, self.rows, self.seed);
+        if self.sampling == Sampling::Windows {
+            return Ok((0..microbatches)
+                .map(|i| micro_batch(text, seq_len, rows, seed, step, i as u64))
+                .collect());
+        }
+        let per_epoch = self.steps_per_epoch(text, microbatches)?;
+        let (epoch, at) = (step / per_epoch, step % per_epoch);
+        if self.epoch != Some(epoch) {
+            // Fisher-Yates over every sample, seeded by the run's seed and the epoch.
+            let n = samples_in(text.len(), seq_len);
+            let mut r = Rng::new(seed ^ 0xE70C_5EED ^ epoch.wrapping_mul(0x2545_F491_4F6C_DD1D));
+            self.order = (0..n as u64).collect();
+            for i in (1..n).rev() {
+                self.order.swap(i, r.below(i + 1));
+            }
+            self.epoch = Some(epoch);
+        }
+        let first = at as usize * microbatches * rows;
+        Ok((0..microbatches)
+            .map(|i| {
+                let samples = self.order[first + i * rows..first + (i + 1) * rows].to_vec();
+                let mut tokens = Vec::with_capacity(rows * seq_len);
+                let mut targets = Vec::with_capacity(rows * seq_len);
+                for &s in &samples {
+                    let o = s as usize * seq_len;
+                    tokens.extend(text[o..o + seq_len].iter().map(|&b| b as i64));
+                    targets.extend(text[o + 1..o + seq_len + 1].iter().map(|&b| b as i64));
+                }
+                MicroBatch {
+                    rows,
+                    seq_len,
+                    tokens,
+                    targets,
+                    samples,
+                }
+            })
+            .collect())
     }
 }
 
@@ -185,5 +296,41 @@ mod tests {
         let m = micro_batch(&a.train, 16, 2, 1, 3, 4);
         assert_eq!(m, micro_batch(&a.train, 16, 2, 1, 3, 4));
         assert_eq!(m.tokens[1..16], m.targets[..15]);
+    }
+
+    #[test]
+    fn epochs_visit_every_sample_once_whatever_the_step_shape() {
+        let text = synthetic_text(16 * 100 + 1, 3).into_bytes();
+        let mut s = Sampler::new(Sampling::Epochs, 16, 3, 9);
+        // 100 samples, 2 micro-batches of 3 a step: 16 steps an epoch, 4 samples left over.
+        assert_eq!(s.steps_per_epoch(&text, 2), Ok(16));
+        for epoch in 0..2u64 {
+            let mut seen = std::collections::HashSet::new();
+            for step in epoch * 16..(epoch + 1) * 16 {
+                for m in s.batches(&text, step, 2).unwrap() {
+                    for (r, &x) in m.samples.iter().enumerate() {
+                        assert!(seen.insert(x), "sample {x} twice in epoch {epoch}");
+                        let o = x as usize * 16;
+                        let row = &m.tokens[r * 16..(r + 1) * 16];
+                        assert!(row.iter().zip(&text[o..]).all(|(&t, &b)| t == b as i64));
+                        assert_eq!(m.targets[r * 16 + 15], text[o + 16] as i64);
+                    }
+                }
+            }
+            assert_eq!(seen.len(), 96);
+        }
+        // Another epoch, another order; the same step, the same batches.
+        let a = s.batches(&text, 0, 2).unwrap();
+        assert_ne!(a[0].samples, s.batches(&text, 16, 2).unwrap()[0].samples);
+        assert_eq!(
+            a,
+            Sampler::new(Sampling::Epochs, 16, 3, 9)
+                .batches(&text, 0, 2)
+                .unwrap()
+        );
+        assert!(s
+            .steps_per_epoch(&text, 40)
+            .unwrap_err()
+            .contains("fewer than one step"));
     }
 }

@@ -4,6 +4,7 @@
 //! The schedule lives in the plan only; nothing here knows GPipe from 1F1B.
 
 use crate::backend::{autodiff_lock, plain_device, train_device};
+use crate::cache::PrefixCache;
 use crate::data::MicroBatch;
 use crate::grads::{add_grads, GradSource};
 use crate::model::{loss, Deferred, Stage, StageInput};
@@ -86,7 +87,8 @@ impl Worker {
     /// Run this worker's actions for one iteration. `batches[m]` is micro-batch `m` of the
     /// job; each micro-batch's loss is scaled by `scale` (1 / all micro-batches) so accumulated
     /// gradients are those of the mean loss. Split (B + W) or fused (BW) backward is decided
-    /// per (stage, micro-batch): split where the plan gives this worker a W for it.
+    /// per (stage, micro-batch): split where the plan gives this worker a W for it. With a
+    /// `cache`, the frozen prefix's outputs come from (and go to) it.
     pub fn run(
         &self,
         plan: &Plan,
@@ -95,6 +97,7 @@ impl Worker {
         batches: &[MicroBatch],
         scale: f32,
         clock: Instant,
+        cache: Option<&PrefixCache>,
     ) -> Result<WorkerOutput, ExecError> {
         let mine = &plan.workers[self.rank];
         let split: HashSet<(usize, usize)> = mine
@@ -173,11 +176,16 @@ impl Worker {
                         (None, 0, _) => (StageInput::Tokens(mb.ids(&mb.tokens)), None),
                         (Some(h), 0, _) => (StageInput::Hidden(h.clone()), None),
                         (None, _, Some((pre, rest))) => {
-                            // The frozen prefix: forward without autodiff; its output enters
-                            // the graph as a constant.
-                            let h = pre.forward(StageInput::Tokens(
-                                mb.ids_on(&mb.tokens, &plain_device()),
-                            ));
+                            // The frozen prefix: forward without autodiff (or read from the
+                            // cache); its output enters the graph as a constant.
+                            let h = match cache {
+                                Some(c) => c
+                                    .prefix_output(pre, mb)
+                                    .map_err(|e| bad(format!("{a}: {e}")))?,
+                                None => pre.forward(StageInput::Tokens(
+                                    mb.ids_on(&mb.tokens, &plain_device()),
+                                )),
+                            };
                             let h = Tensor::<3>::from_data(h.to_data(), &train_device());
                             (StageInput::Hidden(h), Some(rest))
                         }

@@ -1,6 +1,7 @@
 //! pipewright-runtime: trains a real model from a Plan IR with burn.
 
 pub mod backend;
+pub mod cache;
 pub mod data;
 pub mod error;
 pub mod exec;

@@ -464,3 +464,71 @@ fn fresh_counts(cfg: &TrainConfig) -> Vec<usize> {
         .map(burn::module::Module::num_params)
         .collect()
 }
+
+/// AutoCache: with the frozen prefix's outputs cached per sample (most of them spilled to
+/// disk by a small memory budget), training over several epochs equals plain training that
+/// runs every layer; a deeper freeze runs only the newly frozen layers on cached tensors.
+#[test]
+fn cached_frozen_prefix_stays_exact() {
+    use pipewright_runtime::cache::PrefixCache;
+    use pipewright_runtime::data::{synthetic_text, Sampling};
+    use std::sync::Arc;
+    // 40 samples of 8 bytes; 4 micro-batches of 2 a step: 5 steps an epoch.
+    let text = synthetic_text(8 * 40 + 1, 5).into_bytes();
+    let corpus = Corpus {
+        train: text.clone(),
+        val: text,
+        name: "40 samples".into(),
+    };
+    let cfg = TrainConfig {
+        sampling: Sampling::Epochs,
+        steps: 16,
+        ..tiny("1f1b", 4, 1, 4)
+    };
+    let mut plan = cfg.plan().unwrap();
+    plan.set_layers(&[3, 2, 2, 1]);
+    let mut plain = PlainTrainer::new(cfg.clone(), &plan);
+    let mut pipe = Trainer::new(cfg.clone(), plan).unwrap();
+    let dir = std::env::temp_dir().join(format!("pw-cache-test-{}", std::process::id()));
+    // One entry (8 x 16 f32 = 512 bytes) fits in memory; the others spill.
+    let cache = Arc::new(PrefixCache::new(600, false, &dir));
+    pipe.set_cache(Some(cache.clone())).unwrap();
+    let step = |pipe: &mut Trainer, plain: &mut PlainTrainer, what: &str| {
+        let a = pipe.train_step(&corpus).unwrap().loss;
+        let b = plain.train_step(&corpus);
+        assert!((a - b).abs() < 1e-5, "{what}: loss {a} vs {b}");
+    };
+    step(&mut pipe, &mut plain, "before freezing");
+    pipe.set_frozen(1).unwrap();
+    plain.frozen = 1;
+    // To the end of the second epoch: every sample computed once, then read back.
+    for _ in 0..9 {
+        step(&mut pipe, &mut plain, "frozen 1");
+    }
+    let s = cache.stats();
+    assert_eq!((s.misses, s.hits, s.extended), (40, 32, 0), "{s:?}");
+    pipe.set_frozen(2).unwrap();
+    plain.frozen = 2;
+    // A third epoch extends every entry by one layer; the fourth reads them back.
+    for _ in 0..6 {
+        step(&mut pipe, &mut plain, "frozen 2");
+    }
+    let s = cache.stats();
+    assert_eq!((s.misses, s.hits, s.extended), (40, 40, 40), "{s:?}");
+    assert_eq!((s.memory_entries, s.disk_entries), (1, 39), "{s:?}");
+    assert!(s.memory_bytes <= 600, "{s:?}");
+    assert_close(
+        &pipe.flat_params().unwrap(),
+        &plain.flat_params(),
+        "cached prefix",
+    );
+    // Without epoch sampling there is nothing to key on.
+    let mut windows = Trainer::new(tiny("1f1b", 4, 1, 4), {
+        let mut p = tiny("1f1b", 4, 1, 4).plan().unwrap();
+        p.set_layers(&[3, 2, 2, 1]);
+        p
+    })
+    .unwrap();
+    assert!(windows.set_cache(Some(cache)).is_err());
+    let _ = std::fs::remove_dir_all(dir);
+}

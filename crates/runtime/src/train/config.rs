@@ -1,6 +1,7 @@
 //! What decides a training run besides the plan: model, batch, optimizer, steps, seed; and
 //! the plan `train` builds from flags when it is not given one.
 
+use crate::data::{Sampler, Sampling};
 use crate::error::{Error, Result};
 use crate::model::GptConfig;
 use pipewright_core::cluster::Cluster;
@@ -36,6 +37,9 @@ pub struct TrainConfig {
     /// Global gradient-norm clip.
     pub clip: f32,
     pub seed: u64,
+    /// How steps draw sequences from the training text: random windows, or epochs over fixed
+    /// samples (needed by the frozen-prefix cache).
+    pub sampling: Sampling,
 }
 
 impl Default for TrainConfig {
@@ -55,6 +59,7 @@ impl Default for TrainConfig {
             weight_decay: 0.01,
             clip: 1.0,
             seed: 42,
+            sampling: Sampling::Windows,
         }
     }
 }
@@ -68,6 +73,11 @@ impl TrainConfig {
         let span = self.steps.saturating_sub(self.warmup).max(1) as f64;
         let t = ((step - self.warmup) as f64 / span).min(1.0);
         self.min_lr + 0.5 * (self.lr - self.min_lr) * (1.0 + (std::f64::consts::PI * t).cos())
+    }
+
+    /// The sampler of this run's micro-batches.
+    pub fn sampler(&self) -> Sampler {
+        Sampler::new(self.sampling, self.model.seq_len, self.rows, self.seed)
     }
 
     /// Settings that no plan can fix: model shape, batch and optimizer values.

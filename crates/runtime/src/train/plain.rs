@@ -4,7 +4,7 @@
 
 use super::trainer::{fresh_state, LayerState};
 use super::TrainConfig;
-use crate::data::{micro_batch, Corpus, MicroBatch};
+use crate::data::{Corpus, MicroBatch, Sampler};
 use crate::grads::{add_grads, clip_factor, flat_params, grads_params, sum_squares, GradSource};
 use crate::model::{loss, LayerBlock, Stage, StageInput};
 use burn::tensor::Tensor;
@@ -18,6 +18,7 @@ pub struct PlainTrainer {
     pub step: u64,
     /// Layer blocks `0..frozen` take no optimizer step and leave the gradient norm.
     pub frozen: usize,
+    sampler: Sampler,
 }
 
 impl PlainTrainer {
@@ -31,6 +32,7 @@ impl PlainTrainer {
             .collect();
         let state = fresh_state(&cfg);
         PlainTrainer {
+            sampler: cfg.sampler(),
             cfg,
             sequences,
             state,
@@ -55,8 +57,12 @@ impl PlainTrainer {
 
     /// One step; returns the mean loss over the step's micro-batches.
     pub fn train_step(&mut self, corpus: &Corpus) -> f64 {
-        let c = &self.cfg;
         let n = self.sequences.len();
+        let batches = self
+            .sampler
+            .batches(&corpus.train, self.step, n)
+            .expect("the corpus holds a step of samples");
+        let c = &self.cfg;
         // Micro-batches with the same layer sequence run as one batch.
         let mut groups: Vec<(Vec<usize>, Vec<usize>)> = Vec::new();
         for (mb, seq) in self.sequences.iter().enumerate() {
@@ -68,24 +74,13 @@ impl PlainTrainer {
         let mut total: Option<Tensor<1>> = None;
         let mut value = 0.0;
         for (seq, mbs) in &groups {
-            let parts: Vec<MicroBatch> = mbs
-                .iter()
-                .map(|&i| {
-                    micro_batch(
-                        &corpus.train,
-                        c.model.seq_len,
-                        c.rows,
-                        c.seed,
-                        self.step,
-                        i as u64,
-                    )
-                })
-                .collect();
+            let parts: Vec<&MicroBatch> = mbs.iter().map(|&i| &batches[i]).collect();
             let all = MicroBatch {
                 rows: c.rows * parts.len(),
                 seq_len: c.model.seq_len,
                 tokens: parts.iter().flat_map(|m| m.tokens.clone()).collect(),
                 targets: parts.iter().flat_map(|m| m.targets.clone()).collect(),
+                samples: Vec::new(),
             };
             let mut x = StageInput::Tokens(all.ids(&all.tokens));
             for &i in seq {

@@ -4,7 +4,8 @@
 
 use super::TrainConfig;
 use crate::backend::{autodiff_lock, plain_device, train_device};
-use crate::data::{micro_batch, Corpus, MicroBatch};
+use crate::cache::{CacheStats, PrefixCache};
+use crate::data::{micro_batch, Corpus, MicroBatch, Sampler, Sampling};
 use crate::error::{Error, Result};
 use crate::exec::{ExecError, HeldStage, Worker, WorkerOutput};
 use crate::grads::{clip_factor, flat_params, grads_params, sum_squares};
@@ -89,6 +90,9 @@ pub struct Trainer {
     pub step: u64,
     /// Checkpoints kept in the directory (the newest ones).
     pub keep_checkpoints: usize,
+    sampler: Sampler,
+    /// AutoCache: the frozen prefix's outputs per sample (see [`Trainer::set_cache`]).
+    cache: Option<Arc<PrefixCache>>,
 }
 
 impl Trainer {
@@ -154,6 +158,8 @@ impl Trainer {
         let state = fresh_state(&cfg);
         let workers = build_workers(&plan, &state, rank);
         Ok(Trainer {
+            sampler: cfg.sampler(),
+            cache: None,
             routes: RouteIndex::new(&plan),
             topo: Topology::new(&plan),
             cfg,
@@ -236,6 +242,24 @@ impl Trainer {
         Ok(())
     }
 
+    /// Cache the frozen prefix's output per sample (AutoCache); needs epoch sampling, whose
+    /// samples the entries are keyed by.
+    pub fn set_cache(&mut self, cache: Option<Arc<PrefixCache>>) -> Result<()> {
+        if cache.is_some() && self.cfg.sampling != Sampling::Epochs {
+            return Err(Error::Config(
+                "the frozen-prefix cache needs sampling = \"epochs\" (fixed samples to key on)"
+                    .into(),
+            ));
+        }
+        self.cache = cache;
+        Ok(())
+    }
+
+    /// What the cache holds and served so far.
+    pub fn cache_stats(&self) -> Option<CacheStats> {
+        self.cache.as_ref().map(|c| c.stats())
+    }
+
     /// A stage as held by worker `w` (one this process runs).
     fn held(&self, w: usize, s: usize) -> &HeldStage {
         self.workers
@@ -282,20 +306,14 @@ impl Trainer {
     }
 
     /// The micro-batches of `step`, numbered over the whole job.
-    fn batches(&self, corpus: &Corpus, step: u64) -> Vec<MicroBatch> {
-        let c = &self.cfg;
-        (0..self.plan.num_microbatches)
-            .map(|i| {
-                micro_batch(
-                    &corpus.train,
-                    c.model.seq_len,
-                    c.rows,
-                    c.seed,
-                    step,
-                    i as u64,
-                )
-            })
-            .collect()
+    fn batches(
+        &mut self,
+        corpus: &Corpus,
+        step: u64,
+    ) -> std::result::Result<Vec<MicroBatch>, ExecError> {
+        self.sampler
+            .batches(&corpus.train, step, self.plan.num_microbatches)
+            .map_err(|msg| ExecError::Plan { worker: 0, msg })
     }
 
     /// One optimizer step: every worker runs its actions in its own thread; each stage's
@@ -306,10 +324,11 @@ impl Trainer {
         let scale = 1.0 / n as f32;
         let lr = self.cfg.lr_at(self.step);
         let clip = self.cfg.clip;
-        let batches = self.batches(corpus, self.step);
+        let batches = self.batches(corpus, self.step)?;
         let clock = Instant::now();
         let (plan, routes, topo) = (&self.plan, &self.routes, &self.topo);
         let transport = self.transport.as_ref();
+        let cache = self.cache.as_deref();
         type Done = (WorkerOutput, f64, f64, Vec<(usize, f64)>);
         let results: Vec<std::result::Result<Done, ExecError>> = std::thread::scope(|sc| {
             let handles: Vec<_> = self
@@ -319,8 +338,8 @@ impl Trainer {
                     let batches = &batches;
                     sc.spawn(move || {
                         let r = (|| {
-                            let mut out =
-                                worker.run(plan, routes, transport, batches, scale, clock)?;
+                            let mut out = worker
+                                .run(plan, routes, transport, batches, scale, clock, cache)?;
                             let rank = worker.rank;
                             let frozen = worker.frozen;
                             // Frozen layer blocks have no gradient: none to sum or step.
