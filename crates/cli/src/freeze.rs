@@ -9,6 +9,7 @@ use pipewright_core::elastic::{elastic_plan, peak_memory};
 use pipewright_core::freeze::{FreezeMode, FreezePolicy};
 use pipewright_core::ir::Plan;
 use pipewright_core::schedule::ScheduleKind;
+use pipewright_runtime::cache::PrefixCache;
 use pipewright_runtime::train::{StepReport, Trainer};
 
 #[derive(Args)]
@@ -38,6 +39,63 @@ pub struct FreezeArgs {
     /// data-parallel replicas, at the same global batch.
     #[arg(long)]
     elastic: bool,
+    /// AutoCache: keep the frozen prefix's output for each training sample, up to this many
+    /// bytes in memory (suffixes K, M, G: powers of 1024), the rest in a spill file; later
+    /// epochs skip the frozen layers. Implies --sampling epochs.
+    #[arg(long, value_name = "BYTES", value_parser = parse_bytes)]
+    pub cache_budget: Option<u64>,
+    /// Keep cached activations as f16 (half the bytes; the frozen output is rounded).
+    #[arg(long, requires = "cache_budget")]
+    cache_f16: bool,
+    /// Directory for the cache's spill file (deleted when the run ends; default: the system's
+    /// temporary directory).
+    #[arg(long, requires = "cache_budget")]
+    cache_dir: Option<std::path::PathBuf>,
+}
+
+/// `123`, `64K`, `512M`, `2G` (powers of 1024).
+fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
+    let t = s.trim();
+    let (num, mult) = match t.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => {
+            let m: u64 = match c.to_ascii_uppercase() {
+                'K' => 1 << 10,
+                'M' => 1 << 20,
+                'G' => 1 << 30,
+                _ => return Err(format!("{s:?}: expected bytes, e.g. 1000000, 512M or 2G")),
+            };
+            (&t[..i], m)
+        }
+        _ => (t, 1),
+    };
+    num.parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .ok_or_else(|| {
+            format!("{s:?}: expected bytes, e.g. 1000000, 512M or 2G (at most 2^64 - 1)")
+        })
+}
+
+impl FreezeArgs {
+    /// The frozen-prefix cache these flags ask for (checked against the freeze mode).
+    pub fn cache(&self) -> Result<Option<std::sync::Arc<PrefixCache>>> {
+        let Some(budget) = self.cache_budget else {
+            return Ok(None);
+        };
+        if self.freeze == FreezeMode::Off {
+            return Err(BadInput(
+                "--cache-budget caches frozen layers: it needs --freeze adaptive or schedule"
+                    .into(),
+            )
+            .into());
+        }
+        let dir = self.cache_dir.clone().unwrap_or_else(std::env::temp_dir);
+        Ok(Some(std::sync::Arc::new(PrefixCache::new(
+            budget,
+            self.cache_f16,
+            &dir,
+        ))))
+    }
 }
 
 /// The freeze and elastic state of a run.
@@ -63,7 +121,7 @@ impl Controller {
         a: &FreezeArgs,
         trainer: &Trainer,
         links: Option<&Cluster>,
-        train_bytes: usize,
+        epoch_steps: u64,
         mpi: bool,
     ) -> Result<Option<Self>> {
         if a.freeze == FreezeMode::Off {
@@ -93,9 +151,7 @@ impl Controller {
             .map_err(|e| BadInput(format!("--freeze: {e}")))?;
         let cfg = &trainer.cfg;
         let plan = &trainer.plan;
-        let tokens_per_step = plan.num_microbatches * cfg.rows * cfg.model.seq_len;
-        let epoch = (train_bytes / tokens_per_step.max(1)).max(1) as u64;
-        let every = a.freeze_every.unwrap_or(epoch);
+        let every = a.freeze_every.unwrap_or(epoch_steps);
         if every == 0 {
             return Err(BadInput("--freeze-every must be at least 1".into()).into());
         }
@@ -128,6 +184,43 @@ impl Controller {
             budget,
             cluster,
         }))
+    }
+
+    /// After a resume: count the decisions already taken, and freeze again what the
+    /// checkpoint had frozen (re-planning first when elastic). Returns what it did, to log.
+    pub fn resumed(
+        &mut self,
+        trainer: &mut Trainer,
+        step: u64,
+        frozen: usize,
+    ) -> Result<Option<String>> {
+        self.decisions = (step / self.every) as usize;
+        if frozen <= trainer.frozen() {
+            return Ok(None);
+        }
+        if self.elastic {
+            let profile = trainer.cfg.model.cost_profile(trainer.cfg.rows);
+            if let Ok(c) = elastic_plan(
+                &profile,
+                frozen,
+                self.workers,
+                self.total_mbs,
+                self.kind,
+                &self.cluster,
+                self.budget,
+            ) {
+                trainer.replan(c.plan)?;
+                trainer.set_frozen(frozen)?;
+                return Ok(Some(format!(
+                    "the checkpoint had layer blocks 0..{frozen} frozen: frozen again on {}",
+                    pipewright_runtime::train::describe(&trainer.plan)
+                )));
+            }
+        }
+        Ok(Some(format!(
+            "warning: the checkpoint had layer blocks 0..{frozen} frozen, but stage 0 of this plan ({:?}) has no room for them with a training layer after; they train again",
+            trainer.plan.layers_per_stage()
+        )))
     }
 
     /// After a step: maybe freeze more layers (and re-plan). Returns what changed, to log.

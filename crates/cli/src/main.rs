@@ -1,5 +1,6 @@
 //! `pipewright`: plan, simulate and run pipeline-parallel training.
 
+mod elastic;
 mod eval;
 mod freeze;
 mod plan;
@@ -47,6 +48,9 @@ enum Cmd {
     Train(Box<train::TrainArgs>),
     /// Measure each layer block of the model on this machine and write a profile TOML.
     Profile(train::ProfileArgs),
+    /// PipeTransformer's ablations on a profile and cluster: throughput per epoch and speedup of
+    /// freeze only, + AutoPipe + AutoCache, + AutoPipe + AutoDP, and all four.
+    ElasticSim(elastic::ElasticSimArgs),
     /// Validation loss and perplexity of a checkpoint, also with stages left out (skip-robust inference).
     Eval(eval::EvalArgs),
     /// Check a plan file (JSON or CSV) and say what is wrong, if anything.
@@ -224,6 +228,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Train(a) => train::cmd_train(*a),
         Cmd::Profile(a) => train::cmd_profile(a),
         Cmd::Eval(a) => eval::cmd_eval(a),
+        Cmd::ElasticSim(a) => elastic::cmd_elastic_sim(a),
         Cmd::Validate {
             file,
             skip,

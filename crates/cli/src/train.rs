@@ -6,7 +6,7 @@ use clap::Args;
 use pipewright_core::cluster::Cluster;
 use pipewright_core::schedule::ScheduleKind;
 use pipewright_core::sim::{devices_for_plan, simulate, SimSetup};
-use pipewright_runtime::data::Corpus;
+use pipewright_runtime::data::{Corpus, Sampling};
 use pipewright_runtime::model::GptConfig;
 use pipewright_runtime::train::{TrainConfig, Trainer};
 use serde_json::json;
@@ -125,8 +125,18 @@ pub struct TrainArgs {
     /// Seconds a worker waits for a peer's message before it gives up and names the peer.
     #[arg(long, default_value_t = 60.0)]
     peer_timeout: f64,
+    /// How steps draw sequences: random windows of the text, or epochs over fixed samples
+    /// (each sample once an epoch; what --cache-budget keys on).
+    #[arg(long, value_enum)]
+    sampling: Option<SamplingArg>,
     #[command(flatten)]
     freeze: crate::freeze::FreezeArgs,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum SamplingArg {
+    Windows,
+    Epochs,
 }
 
 #[derive(Args)]
@@ -214,6 +224,18 @@ fn config(a: &TrainArgs) -> Result<TrainConfig> {
         ($($f:ident),*) => { $(if let Some(v) = a.$f { cfg.model.$f = v; })* };
     }
     set_model!(d_model, layers, heads, seq_len);
+    match (a.sampling, a.freeze.cache_budget.is_some()) {
+        (Some(SamplingArg::Windows), true) => {
+            return Err(BadInput(
+                "--cache-budget keys cached activations by sample: it needs --sampling epochs"
+                    .into(),
+            )
+            .into())
+        }
+        (Some(SamplingArg::Windows), false) => cfg.sampling = Sampling::Windows,
+        (Some(SamplingArg::Epochs), _) | (None, true) => cfg.sampling = Sampling::Epochs,
+        (None, false) => {}
+    }
     if a.chunks.is_none() && a.schedule.is_some() {
         cfg.chunks = cfg.schedule.default_chunks();
     }
@@ -277,6 +299,10 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
         None => Corpus::builtin(),
     };
     corpus.check(cfg.model.seq_len).map_err(BadInput)?;
+    let epoch_steps = cfg
+        .sampler()
+        .steps_per_epoch(&corpus.train, plan.num_microbatches)
+        .map_err(|e| BadInput(format!("{}: {e}", corpus.name)))?;
     let links = match &a.cluster {
         Some(_) if procs.is_some() => {
             return Err(BadInput(
@@ -371,6 +397,7 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
         ($($t:tt)*) => { if root { eprintln!($($t)*); } };
     }
     trainer.keep_checkpoints = a.keep;
+    let mut resumed = None;
     if a.resume {
         let r = trainer.load_checkpoint(&a.checkpoint_dir)?;
         if let Some(why) = &r.fallback {
@@ -380,22 +407,33 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
         if let (Some(f), true) = (&a.metrics, root) {
             cut_metrics(f, r.step)?;
         }
+        resumed = Some(r);
     }
     let mut freezer = crate::freeze::Controller::new(
         &a.freeze,
         &trainer,
         links.as_ref(),
-        corpus.train.len(),
+        epoch_steps,
         procs.is_some(),
     )?;
+    trainer.set_cache(a.freeze.cache()?)?;
+    if let (Some(f), Some(r)) = (freezer.as_mut(), &resumed) {
+        if let Some(msg) = f.resumed(&mut trainer, r.step, r.frozen)? {
+            say!("{msg}");
+        }
+    }
     let baseline = corpus.unigram_baseline();
     say!(
-        "training gpt ({} layer blocks, d_model {}) on {}: {}; {} steps; unigram baseline {:.3}",
+        "training gpt ({} layer blocks, d_model {}) on {}: {}; {} steps{}; unigram baseline {:.3}",
         cfg.model.num_blocks(),
         cfg.model.d_model,
         corpus.name,
         pipewright_runtime::train::describe(&trainer.plan),
         cfg.steps,
+        match cfg.sampling {
+            Sampling::Epochs => format!(" in epochs of {epoch_steps}"),
+            Sampling::Windows => String::new(),
+        },
         baseline
     );
     let mut metrics = match &a.metrics {
@@ -453,7 +491,7 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
         }
         let (stages, replicas) = shape(&trainer.plan);
         emit(
-            json!({"step": r.step, "loss": r.loss, "val_loss": val, "val_perplexity": val.map(f64::exp), "tokens_per_s": tps, "samples_per_s": (trainer.plan.num_microbatches * cfg.rows) as f64 / r.seconds, "lr": r.lr, "grad_norm": r.grad_norm, "busy": r.busy, "seconds": r.seconds, "frozen_layers": trainer.frozen(), "stages": stages, "replicas": replicas}),
+            json!({"step": r.step, "loss": r.loss, "val_loss": val, "val_perplexity": val.map(f64::exp), "tokens_per_s": tps, "samples_per_s": (trainer.plan.num_microbatches * cfg.rows) as f64 / r.seconds, "lr": r.lr, "grad_norm": r.grad_norm, "busy": r.busy, "seconds": r.seconds, "frozen_layers": trainer.frozen(), "stages": stages, "replicas": replicas, "cache": trainer.cache_stats().map(|c| json!({"hits": c.hits, "extended": c.extended, "misses": c.misses, "memory_bytes": c.memory_bytes, "disk_bytes": c.disk_bytes}))}),
         )?;
         bar.set_message(format!(
             "loss {:.3} val {:.3} {:.0} tok/s",
@@ -502,6 +540,16 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
     if let (Some(f), Some(r)) = (&a.trace, &last) {
         let tl = trainer.timeline(r);
         write_with(f, |mut w| tl.write_chrome_trace(&mut w))?;
+    }
+    if let Some(c) = trainer.cache_stats() {
+        println!(
+            "frozen-prefix cache: {} rows read back, {} extended by newly frozen layers, {} computed; {:.1} MB in memory, {:.1} MB spilled",
+            c.hits,
+            c.extended,
+            c.misses,
+            c.memory_bytes as f64 / 1e6,
+            c.disk_bytes as f64 / 1e6
+        );
     }
     println!(
         "val loss {:.4} -> {:.4} (perplexity {:.2}; unigram baseline {:.4}) after {} steps",

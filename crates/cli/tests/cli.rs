@@ -1037,3 +1037,191 @@ fn zb_auto_from_the_cli() {
         "--chunks 2",
     );
 }
+
+/// AutoCache from the CLI: epochs over a short text, a cache that spills, its figures in the
+/// metrics; a resumed run freezes again what the checkpoint had frozen; `elastic-sim` replays
+/// the ablations; bad cache and sampling flags get one line each.
+#[test]
+fn cached_elastic_training_resumes_frozen_and_elastic_sim() {
+    let dir = fresh_dir("cache");
+    let m = dir.join("m.jsonl");
+    let data = dir.join("text.txt");
+    // 1150 bytes: 1035 to train on = 64 samples of 16 = 2 steps of 32 an epoch.
+    let text: String = "the quick brown fox jumps over the lazy dog. "
+        .repeat(30)
+        .chars()
+        .take(1150)
+        .collect();
+    std::fs::write(&data, text).unwrap();
+    let ck = dir.join("ck");
+    let run = |steps: &str, resume: bool| {
+        let mut args = vec![
+            "train",
+            "--stages",
+            "4",
+            "--microbatches",
+            "8",
+            "--steps",
+            steps,
+            "--freeze",
+            "schedule",
+            "--freeze-alpha",
+            "0.5",
+            "--freeze-every",
+            "4",
+            "--elastic",
+            "--cache-budget",
+            "4K",
+            "--cache-dir",
+            dir.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--checkpoint-dir",
+            ck.to_str().unwrap(),
+            "--metrics",
+            m.to_str().unwrap(),
+        ];
+        if resume {
+            args.push("--resume");
+        }
+        args.extend(TINY_L4);
+        pw(&args)
+    };
+    let o = run("8", false);
+    let (out, err) = (
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+    );
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("in epochs of 2"), "{err}");
+    assert!(out.contains("frozen-prefix cache: "), "{out}");
+    let rows = |f: &std::path::Path| -> Vec<serde_json::Value> {
+        std::fs::read_to_string(f)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let last = rows(&m).last().unwrap().clone();
+    let frozen = last["frozen_layers"].as_u64().unwrap();
+    assert!(frozen >= 2, "{last}");
+    assert!(last["cache"]["hits"].as_u64().unwrap() > 0, "{last}");
+    assert!(last["cache"]["disk_bytes"].as_u64().unwrap() > 0, "{last}");
+    assert!(
+        last["cache"]["memory_bytes"].as_u64().unwrap() <= 4096,
+        "{last}"
+    );
+    // The spill file is gone with the run.
+    assert_eq!(
+        std::fs::read_dir(&dir).unwrap().count(),
+        3,
+        "only m.jsonl, text.txt and ck remain"
+    );
+    let o = run("10", true);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("frozen again on"), "{err}");
+    let after: Vec<_> = rows(&m).into_iter().filter(|r| r["step"] == 9).collect();
+    assert_eq!(after.len(), 1, "one row per step after the resume");
+    assert!(after[0]["frozen_layers"].as_u64().unwrap() >= frozen);
+    // Flags that cannot work together, and a text too short for one step of epochs.
+    let model = TINY_L4;
+    fn t<'a>(extra: &[&'a str], model: &[&'a str]) -> Vec<&'a str> {
+        [&["train", "--steps", "1"][..], extra, model].concat()
+    }
+    bad(&t(&["--cache-budget", "1M"], &model), "needs --freeze");
+    bad(
+        &t(
+            &[
+                "--freeze",
+                "schedule",
+                "--cache-budget",
+                "1M",
+                "--sampling",
+                "windows",
+            ],
+            &model,
+        ),
+        "needs --sampling epochs",
+    );
+    bad(
+        &t(&["--freeze", "schedule", "--cache-budget", "12Q"], &model),
+        "expected bytes",
+    );
+    bad(
+        &t(
+            &["--freeze", "schedule", "--cache-budget", "99999999999G"],
+            &model,
+        ),
+        "expected bytes",
+    );
+    bad(
+        &t(
+            &[
+                "--sampling",
+                "epochs",
+                "--microbatches",
+                "64",
+                "--data",
+                data.to_str().unwrap(),
+            ],
+            &model,
+        ),
+        "fewer than one step",
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    // PipeTransformer's ablations on its own setting.
+    let vit = shared("examples/vit_b16_rtx5000.toml");
+    let c = shared("examples/pipetransformer_2x8.toml");
+    let j = json(&pw(&[
+        "elastic-sim",
+        "--profile",
+        &vit,
+        "--cluster",
+        &c,
+        "--epochs",
+        "4",
+        "--json",
+    ]));
+    let speedup = |i: usize| j["ablations"][i]["speedup"].as_f64().unwrap();
+    assert_eq!(j["trajectory"], serde_json::json!([0, 13, 19, 20]));
+    assert_eq!(speedup(0), 1.0);
+    assert!(speedup(3) > 1.0 && speedup(4) >= speedup(3), "{j}");
+    assert!(speedup(4) >= speedup(2), "{j}");
+    bad(
+        &[
+            "elastic-sim",
+            "--profile",
+            &vit,
+            "--cluster",
+            &c,
+            "--trajectory",
+            "0,5,3",
+        ],
+        "must not decrease",
+    );
+    bad(
+        &[
+            "elastic-sim",
+            "--profile",
+            &vit,
+            "--cluster",
+            &c,
+            "--pipelines",
+            "3",
+        ],
+        "need 24 devices",
+    );
+    bad(
+        &[
+            "elastic-sim",
+            "--profile",
+            &vit,
+            "--cluster",
+            &c,
+            "--trajectory",
+            "0,27",
+        ],
+        "always trains",
+    );
+}

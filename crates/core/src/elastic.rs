@@ -48,28 +48,32 @@ pub struct ElasticChoice {
     pub candidates: Vec<Candidate>,
 }
 
-/// The plan of depth `d` x `r` replicas for `total_mbs` micro-batches per iteration, with
-/// the frozen prefix in stage 0 and the other layers cut by the exact partitioner; its stage
-/// costs; `None` if the layers or micro-batches do not divide that way.
+/// The plan of depth `d` x `r` replicas for `total_mbs` micro-batches per iteration, cut by
+/// the exact partitioner; with `pin`, the frozen prefix stays in stage 0 (as the runtime runs
+/// it: forward only, outside autodiff, before a training layer), else frozen layers go
+/// wherever their forward-only cost balances best (as PipeTransformer's AutoPipe places
+/// them). Its stage costs; `None` if the layers or micro-batches do not divide that way.
 fn layout(
     profile: &Profile,
     frozen: usize,
+    pin: bool,
     kind: ScheduleKind,
     d: usize,
     r: usize,
     total_mbs: usize,
 ) -> Result<Option<(Plan, Vec<StageCost>)>> {
     let n = profile.layers.len();
-    if d > n - frozen || !total_mbs.is_multiple_of(r) {
+    let at = if pin { frozen } else { 0 };
+    if d > n - at || !total_mbs.is_multiple_of(r) {
         return Ok(None);
     }
     let work = prefix(profile.layers.iter().map(|l| l.forward + l.backward()));
-    let head = work[frozen];
-    let split = min_max_split(n - frozen, d, |st, lo, hi| {
-        work[frozen + hi] - work[frozen + lo] + if st == 0 { head } else { 0.0 }
+    let head = work[at];
+    let split = min_max_split(n - at, d, |st, lo, hi| {
+        work[at + hi] - work[at + lo] + if st == 0 { head } else { 0.0 }
     })?;
     let mut layers = split.layers_per_stage;
-    layers[0] += frozen;
+    layers[0] += at;
     let mut plan = generate(kind, d, total_mbs / r, 1)?.replicate(r)?;
     plan.set_layers(&layers);
     let costs = profile.stage_costs(&layers);
@@ -92,10 +96,43 @@ pub fn elastic_plan(
     cluster: &Cluster,
     memory_budget: u64,
 ) -> Result<ElasticChoice> {
-    if frozen >= profile.layers.len() {
+    let fp = frozen_profile(profile, frozen);
+    // As many replicas as the workers allow and the micro-batches divide into (AutoDP).
+    search(
+        &fp,
+        frozen,
+        true,
+        workers,
+        total_mbs,
+        kind,
+        cluster,
+        memory_budget,
+        |d| {
+            (1..=workers / d)
+                .rev()
+                .find(|r| total_mbs.is_multiple_of(*r))
+        },
+    )
+}
+
+/// Like [`elastic_plan`] on an already frozen (and maybe cached) `profile`, each depth taking
+/// the replicas `replicas_at(depth)` gives (`None`: skip that depth).
+#[allow(clippy::too_many_arguments)]
+fn search(
+    fp: &Profile,
+    frozen: usize,
+    pin: bool,
+    workers: usize,
+    total_mbs: usize,
+    kind: ScheduleKind,
+    cluster: &Cluster,
+    memory_budget: u64,
+    replicas_at: impl Fn(usize) -> Option<usize>,
+) -> Result<ElasticChoice> {
+    if frozen >= fp.layers.len() {
         return Err(Error::Invalid(format!(
             "cannot freeze {frozen} of {} layers (the head always trains)",
-            profile.layers.len()
+            fp.layers.len()
         )));
     }
     if kind.default_chunks() != 1 {
@@ -104,18 +141,13 @@ pub fn elastic_plan(
             kind.default_chunks()
         )));
     }
-    let fp = frozen_profile(profile, frozen);
     let mut best: Option<ElasticChoice> = None;
     let mut candidates = Vec::new();
     for d in 1..=workers {
-        // As many replicas as the workers allow and the micro-batches divide into.
-        let Some(r) = (1..=workers / d)
-            .rev()
-            .find(|r| total_mbs.is_multiple_of(*r))
-        else {
+        let Some(r) = replicas_at(d).filter(|r| r * d <= workers) else {
             continue;
         };
-        let Some((plan, costs)) = layout(&fp, frozen, kind, d, r, total_mbs)? else {
+        let Some((plan, costs)) = layout(fp, frozen, pin, kind, d, r, total_mbs)? else {
             continue;
         };
         let devices: Vec<usize> = (0..plan.num_workers()).collect();
@@ -155,6 +187,175 @@ pub fn elastic_plan(
     Ok(choice)
 }
 
+/// `frozen` (a frozen profile) with the outputs of layers `0..cached` read from AutoCache:
+/// those layers no longer run, hold no activations, and need not stay on the device.
+pub fn cached_profile(frozen: &Profile, cached: usize) -> Profile {
+    let mut p = frozen.clone();
+    for l in p.layers.iter_mut().take(cached) {
+        l.forward = 0.0;
+        l.params = 0;
+        l.activation = 0;
+    }
+    p
+}
+
+/// PipeTransformer's components, switched on one by one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ablation {
+    /// No freezing: the starting layout throughout.
+    Baseline,
+    /// Frozen layers skip backward and the optimizer; the layout stays.
+    FreezeOnly,
+    /// AutoPipe (shorter pipelines, as many as at the start) and AutoCache.
+    PipeCache,
+    /// AutoPipe and AutoDP (freed workers become replicas), no cache.
+    PipeDp,
+    /// AutoFreeze, AutoPipe, AutoDP and AutoCache.
+    All,
+}
+
+impl Ablation {
+    pub const ALL: [Ablation; 5] = [
+        Ablation::Baseline,
+        Ablation::FreezeOnly,
+        Ablation::PipeCache,
+        Ablation::PipeDp,
+        Ablation::All,
+    ];
+    pub fn name(self) -> &'static str {
+        match self {
+            Ablation::Baseline => "no freezing (baseline)",
+            Ablation::FreezeOnly => "freeze only",
+            Ablation::PipeCache => "+ AutoPipe + AutoCache",
+            Ablation::PipeDp => "+ AutoPipe + AutoDP",
+            Ablation::All => "all four",
+        }
+    }
+}
+
+/// A training job to replay under each ablation.
+#[derive(Debug, Clone)]
+pub struct AblationSetup<'a> {
+    pub profile: &'a Profile,
+    pub cluster: &'a Cluster,
+    /// Pipelines at the start (data-parallel replicas).
+    pub pipelines: usize,
+    /// Stages of each pipeline at the start.
+    pub depth: usize,
+    /// Micro-batches of each starting pipeline per iteration (the global batch stays).
+    pub microbatches: usize,
+    pub kind: ScheduleKind,
+    /// Frozen layers of the profile during each epoch (a non-decreasing prefix count).
+    pub trajectory: &'a [usize],
+    /// Bytes each worker may hold.
+    pub memory_budget: u64,
+}
+
+/// One epoch of one ablation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AblationEpoch {
+    pub frozen: usize,
+    pub depth: usize,
+    pub replicas: usize,
+    /// Simulated seconds per iteration.
+    pub iteration_time: f64,
+}
+
+/// Replay `setup`'s freezing trajectory under `which`: per epoch the layout chosen and its
+/// simulated iteration time. With AutoCache, the layers frozen before an epoch are read from
+/// the cache in it, and the layers newly frozen run forward once per sample (filling it).
+pub fn ablation(setup: &AblationSetup, which: Ablation) -> Result<Vec<AblationEpoch>> {
+    let workers = setup.pipelines * setup.depth;
+    let total_mbs = setup.pipelines * setup.microbatches;
+    let n = setup.profile.layers.len();
+    if setup.trajectory.windows(2).any(|w| w[1] < w[0]) {
+        return Err(Error::Invalid(format!(
+            "the freezing trajectory {:?} must not decrease (frozen layers stay frozen)",
+            setup.trajectory
+        )));
+    }
+    if let Some(&k) = setup.trajectory.iter().find(|&&k| k >= n) {
+        return Err(Error::Invalid(format!(
+            "the trajectory freezes {k} layers of {n} (the last layer always trains)"
+        )));
+    }
+    // The starting layout: the exact partition of the unfrozen model.
+    let start = search(
+        setup.profile,
+        0,
+        false,
+        workers,
+        total_mbs,
+        setup.kind,
+        setup.cluster,
+        u64::MAX,
+        |d| (d == setup.depth).then_some(setup.pipelines),
+    )?;
+    let mut out = Vec::with_capacity(setup.trajectory.len());
+    let mut before = 0;
+    for &k in setup.trajectory {
+        let frozen = if which == Ablation::Baseline { 0 } else { k };
+        let fp = frozen_profile(setup.profile, frozen);
+        let cached = match which {
+            Ablation::PipeCache | Ablation::All => cached_profile(&fp, before.min(frozen)),
+            _ => fp,
+        };
+        let choice = match which {
+            // Nothing frozen yet: every variant runs the starting layout.
+            _ if frozen == 0 || matches!(which, Ablation::Baseline | Ablation::FreezeOnly) => {
+                let mut plan = start.plan.clone();
+                let costs = cached.stage_costs(&plan.layers_per_stage());
+                for (st, c) in plan.stages.iter_mut().zip(&costs) {
+                    st.cost = Some(*c);
+                }
+                let devices: Vec<usize> = (0..plan.num_workers()).collect();
+                let sim = simulate(&SimSetup {
+                    plan: &plan,
+                    stages: &costs,
+                    cluster: &setup.cluster.subset(&devices),
+                })?;
+                AblationEpoch {
+                    frozen,
+                    depth: setup.depth,
+                    replicas: setup.pipelines,
+                    iteration_time: sim.iteration_time,
+                }
+            }
+            _ => {
+                let dp = matches!(which, Ablation::PipeDp | Ablation::All);
+                let c = search(
+                    &cached,
+                    frozen,
+                    false,
+                    workers,
+                    total_mbs,
+                    setup.kind,
+                    setup.cluster,
+                    setup.memory_budget,
+                    |d| {
+                        if dp {
+                            (1..=workers / d)
+                                .rev()
+                                .find(|r| total_mbs.is_multiple_of(*r))
+                        } else {
+                            Some(setup.pipelines)
+                        }
+                    },
+                )?;
+                AblationEpoch {
+                    frozen,
+                    depth: c.depth,
+                    replicas: c.replicas,
+                    iteration_time: c.time,
+                }
+            }
+        };
+        out.push(choice);
+        before = k;
+    }
+    Ok(out)
+}
+
 /// The most memory a worker of `plan` holds (the simulator's count): the budget an elastic
 /// run keeps to.
 pub fn peak_memory(plan: &Plan, costs: &[StageCost], cluster: &Cluster) -> Result<u64> {
@@ -190,7 +391,7 @@ mod tests {
         }
         let cl = Cluster::uniform(4);
         // The budget: what the 4-deep pipeline holds per worker with nothing frozen.
-        let (start, costs) = layout(&prof, 0, ScheduleKind::OneFOneB, 4, 1, 8)
+        let (start, costs) = layout(&prof, 0, true, ScheduleKind::OneFOneB, 4, 1, 8)
             .unwrap()
             .unwrap();
         let budget = peak_memory(&start, &costs, &cl).unwrap();
@@ -246,5 +447,59 @@ mod tests {
             u64::MAX
         )
         .is_err());
+    }
+
+    #[test]
+    fn ablations_replay_the_trajectory_each_component_helping() {
+        let prof = profile(8);
+        let cl = Cluster::uniform(4);
+        let trajectory = [0, 4, 4, 6];
+        let setup = AblationSetup {
+            profile: &prof,
+            cluster: &cl,
+            pipelines: 1,
+            depth: 4,
+            microbatches: 8,
+            kind: ScheduleKind::GPipe,
+            trajectory: &trajectory,
+            memory_budget: u64::MAX,
+        };
+        let run = |w| ablation(&setup, w).unwrap();
+        let (base, freeze, cache, dp, all) = (
+            run(Ablation::Baseline),
+            run(Ablation::FreezeOnly),
+            run(Ablation::PipeCache),
+            run(Ablation::PipeDp),
+            run(Ablation::All),
+        );
+        for e in 0..4 {
+            assert_eq!(base[e], base[0]);
+            assert!(freeze[e].iteration_time <= base[e].iteration_time + 1e-9);
+            assert!(
+                all[e].iteration_time <= dp[e].iteration_time + 1e-9,
+                "epoch {e}"
+            );
+            assert_eq!(cache[e].replicas, 1);
+        }
+        // Nothing frozen: the starting layout everywhere.
+        for r in [&freeze, &cache, &dp, &all] {
+            assert_eq!(r[0], base[0]);
+        }
+        // Freezing frees workers that become replicas; in the first frozen epoch the cache is
+        // still filling (all == dp), after it the cached layers cost nothing.
+        assert!(dp[1].replicas > 1 && dp[1].iteration_time < base[1].iteration_time);
+        assert_eq!(all[1].iteration_time, dp[1].iteration_time);
+        assert!(all[2].iteration_time < dp[2].iteration_time);
+        assert!(cache[2].iteration_time < cache[1].iteration_time);
+        let bad = AblationSetup {
+            trajectory: &[0, 3, 2],
+            ..setup.clone()
+        };
+        assert!(ablation(&bad, Ablation::All).is_err());
+        let bad = AblationSetup {
+            trajectory: &[8],
+            ..setup
+        };
+        assert!(ablation(&bad, Ablation::FreezeOnly).is_err());
     }
 }

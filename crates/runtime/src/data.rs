@@ -222,9 +222,13 @@ impl Sampler {
 
     /// Steps in one epoch of `text` with `microbatches` micro-batches a step; an error naming
     /// the sizes when the text holds fewer samples than one step takes.
+    /// (Random windows: the steps that draw as many bytes as the text holds.)
     pub fn steps_per_epoch(&self, text: &[u8], microbatches: usize) -> Result<u64, String> {
         let n = samples_in(text.len(), self.seq_len);
         let batch = microbatches.saturating_mul(self.rows).max(1);
+        if self.sampling == Sampling::Windows {
+            return Ok((n / batch).max(1) as u64);
+        }
         match n / batch {
             0 => Err(format!(
                 "the training text holds {n} samples of {} bytes, fewer than one step's {batch} ({microbatches} micro-batches of {} sequences); use a longer text, fewer micro-batches or rows, or --sampling windows",

@@ -22,6 +22,9 @@ struct CheckpointState {
     config: TrainConfig,
     /// The plan the run used (for the record; resuming may use another).
     plan: Plan,
+    /// Layer blocks frozen (AutoFreeze) when it was written.
+    #[serde(default)]
+    frozen: usize,
 }
 
 /// Visit the module inside a layer block, so names start at the block's own fields.
@@ -238,6 +241,9 @@ pub struct Resumed {
     pub step: u64,
     /// Why the checkpoint `latest` names was passed over for an older one, if it was.
     pub fallback: Option<String>,
+    /// Layer blocks frozen when it was written (the trainer keeps them frozen when this
+    /// run's plan has room for them in stage 0; else re-plan and call `set_frozen`).
+    pub frozen: usize,
 }
 
 impl Trainer {
@@ -279,6 +285,7 @@ impl Trainer {
             step: self.step,
             config: self.cfg.clone(),
             plan: self.plan.clone(),
+            frozen: self.frozen(),
         };
         w.file(
             "state.json",
@@ -326,10 +333,15 @@ impl Trainer {
         }
         self.set_layer_state(&loaded);
         self.step = state.step;
+        // Frozen layers stay frozen where this plan allows it.
+        if self.set_frozen(state.frozen).is_err() {
+            self.set_frozen(0)?;
+        }
         Ok(Resumed {
             path: ck,
             step: state.step,
             fallback,
+            frozen: state.frozen,
         })
     }
 }

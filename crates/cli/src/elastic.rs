@@ -1,0 +1,228 @@
+//! `elastic-sim`: replay a freezing trajectory under PipeTransformer's ablations (freeze only,
+//! + AutoPipe + AutoCache, + AutoPipe + AutoDP, all four) on a profile and cluster, and print
+//! throughput per epoch and the total speedup over training without freezing.
+
+use crate::BadInput;
+use anyhow::Result;
+use clap::Args;
+use pipewright_core::cluster::Cluster;
+use pipewright_core::elastic::{ablation, Ablation, AblationSetup};
+use pipewright_core::freeze::{FreezeMode, FreezePolicy};
+use pipewright_core::profile::Profile;
+use pipewright_core::schedule::ScheduleKind;
+use serde_json::json;
+use std::path::PathBuf;
+
+#[derive(Args)]
+pub struct ElasticSimArgs {
+    /// Layer profile (seconds per micro-batch; e.g. examples/vit_b16_rtx5000.toml).
+    #[arg(long)]
+    profile: PathBuf,
+    /// Cluster (e.g. examples/pipetransformer_2x8.toml); its first pipelines x stages devices
+    /// are used, pipeline r on devices r*stages.. .
+    #[arg(long)]
+    cluster: PathBuf,
+    /// Data-parallel pipelines at the start.
+    #[arg(long, default_value_t = 2)]
+    pipelines: usize,
+    /// Stages of each pipeline at the start.
+    #[arg(long, default_value_t = 8)]
+    stages: usize,
+    /// Micro-batches per pipeline per iteration at the start (the global batch stays).
+    #[arg(long, default_value_t = 8)]
+    microbatches: usize,
+    /// Pipeline schedule (one stage per worker).
+    #[arg(long, value_enum, default_value = "gpipe")]
+    kind: ScheduleKind,
+    /// Epochs to replay.
+    #[arg(long, default_value_t = 10)]
+    epochs: usize,
+    /// The released schedule's rate: L (1 - (1 - alpha)^e) layers frozen after epoch e.
+    #[arg(long, default_value_t = 0.5)]
+    freeze_alpha: f64,
+    /// Most of the freezable layers (all but the last) that may freeze.
+    #[arg(long, default_value_t = 0.8)]
+    max_frozen: f64,
+    /// Frozen layers of the profile in each epoch, e.g. 0,13,19,20 (instead of the schedule;
+    /// from the paper or from a run's metrics).
+    #[arg(long, value_delimiter = ',')]
+    trajectory: Option<Vec<usize>>,
+    /// Bytes each worker may hold (default: the smallest device memory of the cluster).
+    #[arg(long)]
+    memory: Option<u64>,
+    /// Samples per micro-batch, to print samples per second (default: iterations per second).
+    #[arg(long)]
+    rows: Option<usize>,
+    #[arg(long)]
+    json: bool,
+}
+
+/// PipeTransformer's reported speedups for ViT-B/16 on ImageNet (2 x 8 GPUs), per ablation.
+fn paper(which: Ablation) -> Option<f64> {
+    match which {
+        Ablation::Baseline => None,
+        Ablation::FreezeOnly => Some(0.95),
+        Ablation::PipeCache => Some(1.26),
+        Ablation::PipeDp => Some(2.27),
+        Ablation::All => Some(2.83),
+    }
+}
+
+pub fn cmd_elastic_sim(a: ElasticSimArgs) -> Result<()> {
+    let profile = Profile::load(&a.profile)?;
+    let cluster = Cluster::load(&a.cluster)?;
+    let workers = a.pipelines.checked_mul(a.stages).unwrap_or(usize::MAX);
+    if a.pipelines == 0 || a.stages == 0 || a.microbatches == 0 || a.epochs == 0 {
+        return Err(BadInput(
+            "--pipelines, --stages, --microbatches and --epochs must be at least 1".into(),
+        )
+        .into());
+    }
+    if a.epochs > 10_000 || a.microbatches > 100_000 {
+        return Err(
+            BadInput("--epochs at most 10000, --microbatches at most 100000".into()).into(),
+        );
+    }
+    if workers > cluster.devices.len() {
+        return Err(BadInput(format!(
+            "{} pipelines x {} stages need {workers} devices; {} has {}",
+            a.pipelines,
+            a.stages,
+            a.cluster.display(),
+            cluster.devices.len()
+        ))
+        .into());
+    }
+    if a.stages > profile.layers.len() {
+        return Err(BadInput(format!(
+            "--stages {} is more than the profile's {} layers",
+            a.stages,
+            profile.layers.len()
+        ))
+        .into());
+    }
+    if a.rows == Some(0) {
+        return Err(BadInput("--rows must be at least 1".into()).into());
+    }
+    let trajectory = match &a.trajectory {
+        Some(t) if t.is_empty() => return Err(BadInput("--trajectory is empty".into()).into()),
+        Some(t) => t.clone(),
+        None => {
+            let policy = FreezePolicy {
+                mode: FreezeMode::Schedule,
+                alpha: a.freeze_alpha,
+                max_fraction: a.max_frozen,
+                ..FreezePolicy::default()
+            };
+            policy
+                .check()
+                .map_err(|e| BadInput(format!("--freeze-alpha / --max-frozen: {e}")))?;
+            let freezable = profile.layers.len() - 1;
+            let mut t = vec![0];
+            for e in 1..a.epochs {
+                let k = policy.decide(e, t[e - 1], freezable, &[]);
+                t.push(k.max(t[e - 1]));
+            }
+            t
+        }
+    };
+    let memory = a.memory.unwrap_or_else(|| {
+        cluster.devices[..workers]
+            .iter()
+            .filter_map(|d| d.memory)
+            .min()
+            .unwrap_or(u64::MAX)
+    });
+    let setup = AblationSetup {
+        profile: &profile,
+        cluster: &cluster,
+        pipelines: a.pipelines,
+        depth: a.stages,
+        microbatches: a.microbatches,
+        kind: a.kind,
+        trajectory: &trajectory,
+        memory_budget: memory,
+    };
+    let runs: Vec<(Ablation, Vec<_>)> = Ablation::ALL
+        .iter()
+        .map(|&w| {
+            ablation(&setup, w)
+                .map(|r| (w, r))
+                .map_err(|e| BadInput(format!("{}: {e}", w.name())))
+        })
+        .collect::<std::result::Result<_, _>>()?;
+    let total = |r: &[pipewright_core::elastic::AblationEpoch]| -> f64 {
+        r.iter().map(|e| e.iteration_time).sum()
+    };
+    let base = total(&runs[0].1);
+    let per_iter = (a.pipelines * a.microbatches * a.rows.unwrap_or(1)) as f64;
+    let unit = if a.rows.is_some() {
+        "samples/s"
+    } else {
+        "iterations/s"
+    };
+    if a.json {
+        let rows: Vec<_> = runs
+            .iter()
+            .map(|(w, r)| {
+                json!({
+                    "ablation": w.name(),
+                    "speedup": base / total(r),
+                    "paper_speedup": paper(*w),
+                    "epochs": r.iter().map(|e| json!({
+                        "frozen": e.frozen, "stages": e.depth, "replicas": e.replicas,
+                        "iteration_time": e.iteration_time,
+                        "throughput": per_iter / e.iteration_time,
+                    })).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        println!(
+            "{}",
+            serde_json::to_string_pretty(
+                &json!({"trajectory": trajectory, "memory_budget": memory, "throughput_unit": unit, "ablations": rows})
+            )?
+        );
+        return Ok(());
+    }
+    println!(
+        "{} ({} layers) on {}: {} pipelines x {} stages, {} micro-batches each, {}, {:.1} GB per worker",
+        profile.model.name,
+        profile.layers.len(),
+        a.cluster.display(),
+        a.pipelines,
+        a.stages,
+        a.microbatches,
+        a.kind,
+        memory as f64 / 1e9
+    );
+    println!("\n{unit} per epoch (stages x replicas):");
+    print!("{:>5} {:>6}", "epoch", "frozen");
+    for (w, _) in &runs {
+        print!(" | {:>24}", w.name());
+    }
+    println!();
+    for (e, &k) in trajectory.iter().enumerate() {
+        print!("{:>5} {:>6}", e + 1, k);
+        for (_, r) in &runs {
+            let x = &r[e];
+            print!(
+                " | {:>13.1} ({:>2} x {:>2})",
+                per_iter / x.iteration_time,
+                x.depth,
+                x.replicas
+            );
+        }
+        println!();
+    }
+    println!("\n{:<24} {:>9} {:>7}", "configuration", "speedup", "paper");
+    for (w, r) in &runs {
+        println!(
+            "{:<24} {:>8.2}x {:>7}",
+            w.name(),
+            base / total(r),
+            paper(*w).map_or("-".into(), |p| format!("{p:.2}x"))
+        );
+    }
+    Ok(())
+}
