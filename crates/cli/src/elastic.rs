@@ -1,5 +1,5 @@
-//! `elastic-sim`: replay a freezing trajectory under PipeTransformer's ablations (freeze only,
-//! + AutoPipe + AutoCache, + AutoPipe + AutoDP, all four) on a profile and cluster, and print
+//! `elastic-sim`: replay a freezing trajectory under PipeTransformer's ablations (freeze only;
+//! AutoPipe and AutoCache; AutoPipe and AutoDP; all four) on a profile and cluster, and print
 //! throughput per epoch and the total speedup over training without freezing.
 
 use crate::BadInput;
@@ -71,7 +71,7 @@ fn paper(which: Ablation) -> Option<f64> {
 pub fn cmd_elastic_sim(a: ElasticSimArgs) -> Result<()> {
     let profile = Profile::load(&a.profile)?;
     let cluster = Cluster::load(&a.cluster)?;
-    let workers = a.pipelines.checked_mul(a.stages).unwrap_or(usize::MAX);
+    let workers = a.pipelines.saturating_mul(a.stages);
     if a.pipelines == 0 || a.stages == 0 || a.microbatches == 0 || a.epochs == 0 {
         return Err(BadInput(
             "--pipelines, --stages, --microbatches and --epochs must be at least 1".into(),

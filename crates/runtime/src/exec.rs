@@ -39,6 +39,16 @@ pub struct HeldStage {
     pub optims: Vec<ModuleOptimizer>,
 }
 
+/// What every worker of a step reads.
+pub struct StepInput<'a> {
+    /// Micro-batch `m` of the job is `batches[m]`.
+    pub batches: &'a [MicroBatch],
+    /// Each micro-batch's loss is scaled by this (1 / all micro-batches).
+    pub scale: f32,
+    /// AutoCache for the frozen prefix's outputs, if on.
+    pub cache: Option<&'a PrefixCache>,
+}
+
 /// One worker of the plan, with the stages it hosts.
 pub struct Worker {
     /// The plan's worker index (the rank).
@@ -84,9 +94,8 @@ enum Out {
 }
 
 impl Worker {
-    /// Run this worker's actions for one iteration. `batches[m]` is micro-batch `m` of the
-    /// job; each micro-batch's loss is scaled by `scale` (1 / all micro-batches) so accumulated
-    /// gradients are those of the mean loss. Split (B + W) or fused (BW) backward is decided
+    /// Run this worker's actions for one iteration on `input`; scaled losses make the
+    /// accumulated gradients those of the mean loss. Split (B + W) or fused (BW) backward is decided
     /// per (stage, micro-batch): split where the plan gives this worker a W for it. With a
     /// `cache`, the frozen prefix's outputs come from (and go to) it.
     pub fn run(
@@ -94,11 +103,10 @@ impl Worker {
         plan: &Plan,
         routes: &RouteIndex,
         transport: &dyn Transport,
-        batches: &[MicroBatch],
-        scale: f32,
+        input: &StepInput,
         clock: Instant,
-        cache: Option<&PrefixCache>,
     ) -> Result<WorkerOutput, ExecError> {
+        let (batches, scale, cache) = (input.batches, input.scale, input.cache);
         let mine = &plan.workers[self.rank];
         let split: HashSet<(usize, usize)> = mine
             .iter()

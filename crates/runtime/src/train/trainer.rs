@@ -7,7 +7,7 @@ use crate::backend::{autodiff_lock, plain_device, train_device};
 use crate::cache::{CacheStats, PrefixCache};
 use crate::data::{micro_batch, Corpus, MicroBatch, Sampler, Sampling};
 use crate::error::{Error, Result};
-use crate::exec::{ExecError, HeldStage, Worker, WorkerOutput};
+use crate::exec::{ExecError, HeldStage, StepInput, Worker, WorkerOutput};
 use crate::grads::{clip_factor, flat_params, grads_params, sum_squares};
 use crate::model::{fresh_copy, loss, LayerBlock, Layers, Stage, StageInput};
 use crate::transport::{InProcess, Transport, DEFAULT_TIMEOUT};
@@ -328,18 +328,21 @@ impl Trainer {
         let clock = Instant::now();
         let (plan, routes, topo) = (&self.plan, &self.routes, &self.topo);
         let transport = self.transport.as_ref();
-        let cache = self.cache.as_deref();
+        let input = StepInput {
+            batches: &batches,
+            scale,
+            cache: self.cache.as_deref(),
+        };
         type Done = (WorkerOutput, f64, f64, Vec<(usize, f64)>);
         let results: Vec<std::result::Result<Done, ExecError>> = std::thread::scope(|sc| {
             let handles: Vec<_> = self
                 .workers
                 .iter_mut()
                 .map(|worker| {
-                    let batches = &batches;
+                    let input = &input;
                     sc.spawn(move || {
                         let r = (|| {
-                            let mut out = worker
-                                .run(plan, routes, transport, batches, scale, clock, cache)?;
+                            let mut out = worker.run(plan, routes, transport, input, clock)?;
                             let rank = worker.rank;
                             let frozen = worker.frozen;
                             // Frozen layer blocks have no gradient: none to sum or step.
