@@ -5,9 +5,10 @@ use crate::BadInput;
 use anyhow::Result;
 use clap::Args;
 use pipewright_core::cluster::Cluster;
-use pipewright_core::elastic::{elastic_plan, peak_memory};
+use pipewright_core::elastic::{elastic_plan, elastic_plan_on_all, peak_memory, ElasticChoice};
 use pipewright_core::freeze::{FreezeMode, FreezePolicy};
 use pipewright_core::ir::Plan;
+use pipewright_core::profile::Profile;
 use pipewright_core::schedule::ScheduleKind;
 use pipewright_runtime::cache::PrefixCache;
 use pipewright_runtime::train::{StepReport, Trainer};
@@ -113,6 +114,8 @@ pub struct Controller {
     kind: ScheduleKind,
     budget: u64,
     cluster: Cluster,
+    /// Worker processes (MPI): every layout uses all of them.
+    all_workers: bool,
 }
 
 impl Controller {
@@ -132,12 +135,6 @@ impl Controller {
                 .into());
             }
             return Ok(None);
-        }
-        if mpi {
-            return Err(BadInput(
-                "--freeze runs with worker threads for now (drop --transport mpi)".into(),
-            )
-            .into());
         }
         let policy = FreezePolicy {
             mode: a.freeze,
@@ -183,7 +180,31 @@ impl Controller {
             kind,
             budget,
             cluster,
+            all_workers: mpi,
         }))
+    }
+
+    /// The fastest layout with `frozen` blocks frozen that fits each worker's memory (using
+    /// every worker process under MPI).
+    fn layout(
+        &self,
+        profile: &Profile,
+        frozen: usize,
+    ) -> pipewright_core::error::Result<ElasticChoice> {
+        let f = if self.all_workers {
+            elastic_plan_on_all
+        } else {
+            elastic_plan
+        };
+        f(
+            profile,
+            frozen,
+            self.workers,
+            self.total_mbs,
+            self.kind,
+            &self.cluster,
+            self.budget,
+        )
     }
 
     /// After a resume: count the decisions already taken, and freeze again what the
@@ -200,15 +221,7 @@ impl Controller {
         }
         if self.elastic {
             let profile = trainer.cfg.model.cost_profile(trainer.cfg.rows);
-            if let Ok(c) = elastic_plan(
-                &profile,
-                frozen,
-                self.workers,
-                self.total_mbs,
-                self.kind,
-                &self.cluster,
-                self.budget,
-            ) {
+            if let Ok(c) = self.layout(&profile, frozen) {
                 trainer.replan(c.plan)?;
                 trainer.set_frozen(frozen)?;
                 return Ok(Some(format!(
@@ -251,19 +264,9 @@ impl Controller {
         if self.elastic {
             // The deepest freeze that some layout fits; none: keep the plan.
             let profile = trainer.cfg.model.cost_profile(trainer.cfg.rows);
-            let fit = (before + 1..=want).rev().find_map(|k| {
-                elastic_plan(
-                    &profile,
-                    k,
-                    self.workers,
-                    self.total_mbs,
-                    self.kind,
-                    &self.cluster,
-                    self.budget,
-                )
-                .ok()
-                .map(|c| (k, c))
-            });
+            let fit = (before + 1..=want)
+                .rev()
+                .find_map(|k| self.layout(&profile, k).ok().map(|c| (k, c)));
             if let Some((k, c)) = fit {
                 want = k;
                 if c.plan.layers_per_stage() != trainer.plan.layers_per_stage()

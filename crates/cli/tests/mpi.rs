@@ -5,7 +5,7 @@
 #![cfg(feature = "mpi")]
 
 mod common;
-use common::TINY;
+use common::{TINY, TINY_L4};
 use pipewright_core::ir::Plan;
 use pipewright_runtime::data::Corpus;
 use pipewright_runtime::train::{PlainTrainer, TrainConfig, Trainer};
@@ -305,4 +305,70 @@ fn a_switch_of_plan_moves_state_between_processes_exactly() {
         .map(|(a, b)| (a - b).abs())
         .fold(0.0f32, f32::max);
     assert!(worst <= 1e-5, "max |diff| {worst}");
+}
+
+/// Elastic freezing over worker processes: every rank takes the same freeze decisions (the
+/// layer gradient norms are gathered to all), re-plans in step, and freed ranks join as
+/// replicas (a layout under MPI uses every rank); the frozen count resumes from the checkpoint.
+#[test]
+fn elastic_freezing_under_mpi_turns_freed_ranks_into_replicas() {
+    let _one = one_at_a_time();
+    let d = dir("elastic");
+    let m = d.join("m.jsonl");
+    let ck = d.join("ck");
+    let run = |steps: &str, resume: bool| {
+        let mut c = mpirun(4);
+        c.args([
+            "train",
+            "--transport",
+            "mpi",
+            "--stages",
+            "4",
+            "--microbatches",
+            "8",
+        ])
+        .args(["--steps", steps, "--eval-every", "3", "--eval-batches", "2"])
+        .args([
+            "--freeze",
+            "schedule",
+            "--freeze-alpha",
+            "0.5",
+            "--freeze-every",
+            "3",
+        ])
+        .args(["--elastic", "--cache-budget", "1M"])
+        .args(TINY_L4)
+        .arg("--metrics")
+        .arg(&m)
+        .arg("--checkpoint-dir")
+        .arg(&ck);
+        if resume {
+            c.arg("--resume");
+        }
+        let o = c.output().unwrap();
+        let all = text(&o);
+        assert!(o.status.success(), "{all}");
+        all
+    };
+    let all = run("10", false);
+    // Rank 0 alone reports each transition.
+    assert_eq!(
+        all.matches("froze layer blocks 0..2 (was 0)").count(),
+        1,
+        "{all}"
+    );
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(&m)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let max = |k: &str| rows.iter().filter_map(|r| r[k].as_u64()).max().unwrap();
+    let min = |k: &str| rows.iter().filter_map(|r| r[k].as_u64()).min().unwrap();
+    assert!(max("frozen_layers") >= 2, "{all}");
+    assert!(min("stages") < 4 && max("replicas") >= 2, "{all}");
+    let vals: Vec<f64> = rows.iter().filter_map(|r| r["val_loss"].as_f64()).collect();
+    assert!(vals.last().unwrap() < &vals[0], "{vals:?}");
+    let all = run("11", true);
+    assert!(all.contains("frozen again on"), "{all}");
+    let _ = std::fs::remove_dir_all(&d);
 }

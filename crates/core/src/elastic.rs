@@ -115,6 +115,31 @@ pub fn elastic_plan(
     )
 }
 
+/// [`elastic_plan`] restricted to layouts that use every one of the `workers` (worker
+/// processes that all stay in the job: the freed ones join as replicas).
+pub fn elastic_plan_on_all(
+    profile: &Profile,
+    frozen: usize,
+    workers: usize,
+    total_mbs: usize,
+    kind: ScheduleKind,
+    cluster: &Cluster,
+    memory_budget: u64,
+) -> Result<ElasticChoice> {
+    let fp = frozen_profile(profile, frozen);
+    search(
+        &fp,
+        frozen,
+        true,
+        workers,
+        total_mbs,
+        kind,
+        cluster,
+        memory_budget,
+        |d| Some(workers / d).filter(|r| r * d == workers && total_mbs.is_multiple_of(*r)),
+    )
+}
+
 /// Like [`elastic_plan`] on an already frozen (and maybe cached) `profile`, each depth taking
 /// the replicas `replicas_at(depth)` gives (`None`: skip that depth).
 #[allow(clippy::too_many_arguments)]

@@ -32,8 +32,8 @@ pub struct StepReport {
     /// Compute seconds per worker.
     pub busy: Vec<f64>,
     pub actions: Vec<TimedAction>,
-    /// Gradient norm of each layer block (model order; 0 when frozen; NaN for layers this
-    /// process does not lead).
+    /// Gradient norm of each layer block (model order; 0 when frozen; the same on every
+    /// process).
     pub layer_norms: Vec<f64>,
 }
 
@@ -463,17 +463,27 @@ impl Trainer {
             return Err(e);
         }
         if let Some(rank) = self.rank {
-            // Every rank gets every rank's measured actions (for metrics and traces).
-            let mine = serde_json::to_vec(&actions).expect("actions serialise");
+            // Every rank gets every rank's measured actions (for metrics and traces) and the
+            // gradient norms of the layers it leads (so freeze decisions agree everywhere).
+            let norms: Vec<Option<f64>> = layer_norms
+                .iter()
+                .map(|x| (!x.is_nan()).then_some(*x))
+                .collect();
+            let mine = serde_json::to_vec(&(&actions, norms)).expect("actions serialise");
             let parts = self.transport.all_gather(rank, mine)?;
             actions = Vec::new();
             for p in parts {
-                let theirs: Vec<TimedAction> =
+                let (theirs, norms): (Vec<TimedAction>, Vec<Option<f64>>) =
                     serde_json::from_slice(&p).map_err(|e| ExecError::Plan {
                         worker: rank,
                         msg: format!("a peer's timeline does not parse: {e}"),
                     })?;
                 actions.extend(theirs);
+                for (slot, x) in layer_norms.iter_mut().zip(norms) {
+                    if let Some(x) = x {
+                        *slot = x;
+                    }
+                }
             }
             busy.iter_mut().for_each(|b| *b = 0.0);
             for a in &actions {
