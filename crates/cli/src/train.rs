@@ -474,6 +474,14 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
     );
     bar.set_position(trainer.step);
     let mut last = None;
+    // With freezing, --trace covers the whole run (up to a size cap) with the transitions
+    // marked, so re-plans show in the timeline.
+    let mut whole = freezer.is_some().then(|| WholeRun {
+        clock: std::time::Instant::now(),
+        actions: Vec::new(),
+        marks: Vec::new(),
+        workers: trainer.plan.num_workers(),
+    });
     let mut step_seconds = Vec::new();
     let mut last_val = first_val;
     while trainer.step < cfg.steps {
@@ -506,13 +514,25 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
             trainer.save_checkpoint(&a.checkpoint_dir)?;
         }
         step_seconds.push(r.seconds);
+        if let Some(w) = whole.as_mut() {
+            w.step(&r);
+        }
         if let Some(f) = freezer.as_mut() {
             if let Some(msg) = f.after_step(&mut trainer, &r)? {
                 bar.suspend(|| say!("{msg}"));
+                if let Some(w) = whole.as_mut() {
+                    w.mark(msg.lines().next().unwrap_or(""), trainer.plan.num_workers());
+                }
             }
         }
         for (_, next) in switches.iter().filter(|(at, _)| *at == r.step) {
             let rep = trainer.replan(next.clone())?;
+            if let Some(w) = whole.as_mut() {
+                w.mark(
+                    &format!("step {}: re-planned", r.step),
+                    trainer.plan.num_workers(),
+                );
+            }
             bar.suspend(|| {
                 say!(
                     "step {}: re-planned in {:.3} s\n  before: {}\n  after:  {}",
@@ -538,7 +558,12 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
         return Ok(());
     }
     if let (Some(f), Some(r)) = (&a.trace, &last) {
-        let tl = trainer.timeline(r);
+        let mut tl = trainer.timeline(r);
+        if let Some(w) = whole {
+            tl.worker_names = (0..w.workers).map(|i| format!("worker {i}")).collect();
+            tl.actions = w.actions;
+            tl.marks = w.marks;
+        }
         write_with(f, |mut w| tl.write_chrome_trace(&mut w))?;
     }
     if let Some(c) = trainer.cache_stats() {
@@ -570,6 +595,37 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
         compare_sim(&trainer, links.as_ref(), &step_seconds, procs.is_none())?;
     }
     Ok(())
+}
+
+/// The measured actions of every step of a run, on one clock, and its transitions.
+struct WholeRun {
+    clock: std::time::Instant,
+    actions: Vec<pipewright_core::timeline::TimedAction>,
+    marks: Vec<(f64, String)>,
+    /// The most workers any plan of the run had.
+    workers: usize,
+}
+
+impl WholeRun {
+    /// Actions kept at most (about 100 bytes each in the trace).
+    const CAP: usize = 2_000_000;
+
+    fn step(&mut self, r: &pipewright_runtime::train::StepReport) {
+        let offset = self.clock.elapsed().as_secs_f64() - r.seconds;
+        let room = Self::CAP.saturating_sub(self.actions.len());
+        self.actions.extend(r.actions.iter().take(room).map(|a| {
+            let mut a = *a;
+            a.start += offset;
+            a.end += offset;
+            a
+        }));
+    }
+
+    fn mark(&mut self, label: &str, workers: usize) {
+        self.marks
+            .push((self.clock.elapsed().as_secs_f64(), label.to_string()));
+        self.workers = self.workers.max(workers);
+    }
 }
 
 /// Pipeline depth (stages) and replicas (the most hosts of a stage) of `plan`.

@@ -954,6 +954,8 @@ fn freeze_and_elastic_training() {
         "--no-checkpoint",
         "--metrics",
         m.to_str().unwrap(),
+        "--trace",
+        dir.join("t.json").to_str().unwrap(),
     ]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{err}");
@@ -968,6 +970,25 @@ fn freeze_and_elastic_training() {
     assert!(last["stages"].as_u64().unwrap() < 4, "{last}");
     assert!(last["replicas"].as_u64().unwrap() >= 2, "{last}");
     assert_eq!(rows[1]["frozen_layers"], 0);
+    // The trace covers the whole run, transitions marked.
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("t.json")).unwrap()).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    let marks: Vec<&str> = events
+        .iter()
+        .filter(|e| e["ph"] == "i")
+        .map(|e| e["name"].as_str().unwrap())
+        .collect();
+    assert!(
+        marks.iter().any(|m| m.contains("froze layer blocks 0..2")),
+        "{marks:?}"
+    );
+    let fwd = events.iter().filter(|e| e["cat"] == "F").count();
+    let want: u64 = rows[1..]
+        .iter()
+        .map(|r| 8 * r["stages"].as_u64().unwrap())
+        .sum();
+    assert_eq!(fwd as u64, want, "every step's forwards");
     let _ = std::fs::remove_dir_all(&dir);
     bad(
         &[&["train", "--elastic", "--steps", "1"][..], &model].concat(),

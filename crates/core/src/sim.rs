@@ -206,6 +206,7 @@ impl<'a> State<'a> {
                 worker_names: (0..p).map(|w| cluster.devices[w].name.clone()).collect(),
                 actions: Vec::with_capacity(plan.workers.iter().map(Vec::len).sum()),
                 transfers: Vec::new(),
+                marks: Vec::new(),
             },
             events: BinaryHeap::new(),
             waiting: vec![Vec::new(); s * m],

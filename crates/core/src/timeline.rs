@@ -35,6 +35,8 @@ pub struct Timeline {
     pub worker_names: Vec<String>,
     pub actions: Vec<TimedAction>,
     pub transfers: Vec<TimedTransfer>,
+    /// Moments worth a line across the whole trace (re-plans, freezes), in seconds.
+    pub marks: Vec<(f64, String)>,
 }
 
 const US: f64 = 1e6;
@@ -113,6 +115,12 @@ impl Timeline {
                     "ts": t.start * US, "dur": (t.end - t.start) * US,
                     "args": {"from": t.from, "to": t.to, "bytes": t.bytes, "op": t.action.op.as_str(), "stage": t.action.stage, "mb": t.action.mb},
                 }),
+            )?;
+        }
+        for (t, label) in &self.marks {
+            event(
+                w,
+                json!({"ph": "i", "s": "g", "pid": 0, "tid": 0, "name": label, "ts": t * US}),
             )?;
         }
         w.write_all(b"],\"displayTimeUnit\":\"ms\"}")

@@ -588,6 +588,7 @@ impl Trainer {
                 .collect(),
             actions: report.actions.clone(),
             transfers: Vec::new(),
+            marks: Vec::new(),
         }
     }
 }
