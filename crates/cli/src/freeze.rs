@@ -5,7 +5,9 @@ use crate::BadInput;
 use anyhow::Result;
 use clap::Args;
 use pipewright_core::cluster::Cluster;
-use pipewright_core::elastic::{elastic_plan, elastic_plan_on_all, peak_memory, ElasticChoice};
+use pipewright_core::elastic::{
+    elastic_plan, elastic_plan_on_all, elastic_plan_scaled, peak_memory, ElasticChoice,
+};
 use pipewright_core::freeze::{FreezeMode, FreezePolicy};
 use pipewright_core::ir::Plan;
 use pipewright_core::profile::Profile;
@@ -40,6 +42,11 @@ pub struct FreezeArgs {
     /// data-parallel replicas, at the same global batch.
     #[arg(long)]
     elastic: bool,
+    /// With --elastic: `keep` the global batch (more replicas, fewer micro-batches each) or
+    /// `scale` it (every replica keeps its micro-batches; the learning rate grows with the
+    /// batch, the linear scaling rule).
+    #[arg(long, value_enum, default_value = "keep", requires = "elastic")]
+    elastic_batch: ElasticBatch,
     /// AutoCache: keep the frozen prefix's output for each training sample, up to this many
     /// bytes in memory (suffixes K, M, G: powers of 1024), the rest in a spill file; later
     /// epochs skip the frozen layers. Implies --sampling epochs.
@@ -52,6 +59,12 @@ pub struct FreezeArgs {
     /// temporary directory).
     #[arg(long, requires = "cache_budget")]
     cache_dir: Option<std::path::PathBuf>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ElasticBatch {
+    Keep,
+    Scale,
 }
 
 /// `123`, `64K`, `512M`, `2G` (powers of 1024).
@@ -116,6 +129,8 @@ pub struct Controller {
     cluster: Cluster,
     /// Worker processes (MPI): every layout uses all of them.
     all_workers: bool,
+    /// Scale the global batch with the replicas (micro-batches per replica at the start).
+    scale_from: Option<usize>,
 }
 
 impl Controller {
@@ -181,6 +196,10 @@ impl Controller {
             budget,
             cluster,
             all_workers: mpi,
+            scale_from: (a.elastic_batch == ElasticBatch::Scale).then(|| {
+                let replicas = plan.stages.iter().map(|s| s.hosts.len()).max().unwrap_or(1);
+                plan.num_microbatches / replicas.max(1)
+            }),
         }))
     }
 
@@ -191,6 +210,18 @@ impl Controller {
         profile: &Profile,
         frozen: usize,
     ) -> pipewright_core::error::Result<ElasticChoice> {
+        if let Some(per_replica) = self.scale_from {
+            return elastic_plan_scaled(
+                profile,
+                frozen,
+                self.workers,
+                per_replica,
+                self.all_workers,
+                self.kind,
+                &self.cluster,
+                self.budget,
+            );
+        }
         let f = if self.all_workers {
             elastic_plan_on_all
         } else {
@@ -205,6 +236,21 @@ impl Controller {
             &self.cluster,
             self.budget,
         )
+    }
+
+    /// Switch to `plan` and, when the global batch scales, the learning rate with it.
+    fn replan(&self, trainer: &mut Trainer, plan: Plan) -> Result<String> {
+        let before = trainer.plan.num_microbatches;
+        trainer.replan(plan)?;
+        if self.scale_from.is_none() || trainer.plan.num_microbatches == before {
+            return Ok(String::new());
+        }
+        let x = trainer.plan.num_microbatches as f64 / self.total_mbs as f64;
+        trainer.set_lr_scale(x)?;
+        Ok(format!(
+            "; global batch {} -> {} micro-batches, learning rate x{x:.3}",
+            self.total_mbs, trainer.plan.num_microbatches
+        ))
     }
 
     /// After a resume: count the decisions already taken, and freeze again what the
@@ -222,10 +268,10 @@ impl Controller {
         if self.elastic {
             let profile = trainer.cfg.model.cost_profile(trainer.cfg.rows);
             if let Ok(c) = self.layout(&profile, frozen) {
-                trainer.replan(c.plan)?;
+                let scaled = self.replan(trainer, c.plan)?;
                 trainer.set_frozen(frozen)?;
                 return Ok(Some(format!(
-                    "the checkpoint had layer blocks 0..{frozen} frozen: frozen again on {}",
+                    "the checkpoint had layer blocks 0..{frozen} frozen: frozen again on {}{scaled}",
                     pipewright_runtime::train::describe(&trainer.plan)
                 )));
             }
@@ -288,9 +334,10 @@ impl Controller {
         if want <= before {
             return Ok(None);
         }
-        if let Some(plan) = next {
-            trainer.replan(plan)?;
-        }
+        let scaled = match next {
+            Some(plan) => self.replan(trainer, plan)?,
+            None => String::new(),
+        };
         trainer.set_frozen(want)?;
         let new = pipewright_runtime::train::describe(&trainer.plan);
         Ok(Some(if new == old {
@@ -301,7 +348,7 @@ impl Controller {
             )
         } else {
             format!(
-                "step {}: froze layer blocks 0..{want} (was {before}) and re-planned in {:.3} s\n  before: {old}\n  after:  {new}",
+                "step {}: froze layer blocks 0..{want} (was {before}) and re-planned in {:.3} s{scaled}\n  before: {old}\n  after:  {new}",
                 r.step,
                 t0.elapsed().as_secs_f64()
             )

@@ -1246,3 +1246,65 @@ fn cached_elastic_training_resumes_frozen_and_elastic_sim() {
         "always trains",
     );
 }
+
+/// `--elastic-batch scale`: freed workers add replicas that keep their micro-batches, so the
+/// global batch and the learning rate double where `keep` splits the same batch.
+#[test]
+fn elastic_batch_scale_grows_batch_and_learning_rate() {
+    let run = |mode: &str| -> Vec<serde_json::Value> {
+        let dir = fresh_dir(&format!("scale-{mode}"));
+        let m = dir.join("m.jsonl");
+        let o = pw(&[
+            &[
+                "train",
+                "--stages",
+                "4",
+                "--microbatches",
+                "8",
+                "--steps",
+                "14",
+                "--freeze",
+                "schedule",
+                "--freeze-every",
+                "4",
+                "--freeze-alpha",
+                "0.5",
+                "--elastic",
+                "--elastic-batch",
+                mode,
+                "--no-checkpoint",
+                "--metrics",
+                m.to_str().unwrap(),
+            ][..],
+            &TINY_L4,
+        ]
+        .concat());
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let rows = std::fs::read_to_string(&m)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let _ = std::fs::remove_dir_all(&dir);
+        rows
+    };
+    let (keep, scale) = (run("keep"), run("scale"));
+    let per_step = |r: &serde_json::Value| {
+        (r["samples_per_s"].as_f64().unwrap() * r["seconds"].as_f64().unwrap()).round()
+    };
+    // Step 13: two replicas in both runs.
+    let (k, s) = (&keep[13], &scale[13]);
+    assert_eq!(
+        (k["replicas"].as_u64(), s["replicas"].as_u64()),
+        (Some(2), Some(2)),
+        "{k} {s}"
+    );
+    assert_eq!((per_step(k), per_step(s)), (32.0, 64.0));
+    let ratio = s["lr"].as_f64().unwrap() / k["lr"].as_f64().unwrap();
+    assert!((ratio - 2.0).abs() < 1e-9, "{ratio}");
+    assert_eq!(keep[5]["lr"], scale[5]["lr"]);
+    bad(
+        &["train", "--elastic-batch", "scale", "--steps", "1"],
+        "--elastic",
+    );
+}

@@ -103,7 +103,6 @@ pub fn elastic_plan(
         frozen,
         true,
         workers,
-        total_mbs,
         kind,
         cluster,
         memory_budget,
@@ -111,6 +110,7 @@ pub fn elastic_plan(
             (1..=workers / d)
                 .rev()
                 .find(|r| total_mbs.is_multiple_of(*r))
+                .map(|r| (r, total_mbs))
         },
     )
 }
@@ -132,27 +132,60 @@ pub fn elastic_plan_on_all(
         frozen,
         true,
         workers,
-        total_mbs,
         kind,
         cluster,
         memory_budget,
-        |d| Some(workers / d).filter(|r| r * d == workers && total_mbs.is_multiple_of(*r)),
+        |d| {
+            Some(workers / d)
+                .filter(|r| r * d == workers && total_mbs.is_multiple_of(*r))
+                .map(|r| (r, total_mbs))
+        },
+    )
+}
+
+/// [`elastic_plan`] with the global batch scaled instead of kept: every replica runs
+/// `per_replica` micro-batches, so freed workers add to the batch (the caller scales the
+/// learning rate). With `all`, only layouts that use every worker.
+#[allow(clippy::too_many_arguments)]
+pub fn elastic_plan_scaled(
+    profile: &Profile,
+    frozen: usize,
+    workers: usize,
+    per_replica: usize,
+    all: bool,
+    kind: ScheduleKind,
+    cluster: &Cluster,
+    memory_budget: u64,
+) -> Result<ElasticChoice> {
+    let fp = frozen_profile(profile, frozen);
+    search(
+        &fp,
+        frozen,
+        true,
+        workers,
+        kind,
+        cluster,
+        memory_budget,
+        |d| {
+            let r = workers / d;
+            (!all || r * d == workers).then(|| (r, r * per_replica))
+        },
     )
 }
 
 /// Like [`elastic_plan`] on an already frozen (and maybe cached) `profile`, each depth taking
-/// the replicas `replicas_at(depth)` gives (`None`: skip that depth).
+/// the replicas and micro-batches per iteration `shape_at(depth)` gives (`None`: skip that
+/// depth).
 #[allow(clippy::too_many_arguments)]
 fn search(
     fp: &Profile,
     frozen: usize,
     pin: bool,
     workers: usize,
-    total_mbs: usize,
     kind: ScheduleKind,
     cluster: &Cluster,
     memory_budget: u64,
-    replicas_at: impl Fn(usize) -> Option<usize>,
+    shape_at: impl Fn(usize) -> Option<(usize, usize)>,
 ) -> Result<ElasticChoice> {
     if frozen >= fp.layers.len() {
         return Err(Error::Invalid(format!(
@@ -169,7 +202,7 @@ fn search(
     let mut best: Option<ElasticChoice> = None;
     let mut candidates = Vec::new();
     for d in 1..=workers {
-        let Some(r) = replicas_at(d).filter(|r| r * d <= workers) else {
+        let Some((r, total_mbs)) = shape_at(d).filter(|(r, m)| r * d <= workers && *m > 0) else {
             continue;
         };
         let Some((plan, costs)) = layout(fp, frozen, pin, kind, d, r, total_mbs)? else {
@@ -310,11 +343,10 @@ pub fn ablation(setup: &AblationSetup, which: Ablation) -> Result<Vec<AblationEp
         0,
         false,
         workers,
-        total_mbs,
         setup.kind,
         setup.cluster,
         u64::MAX,
-        |d| (d == setup.depth).then_some(setup.pipelines),
+        |d| (d == setup.depth).then_some((setup.pipelines, total_mbs)),
     )?;
     let mut out = Vec::with_capacity(setup.trajectory.len());
     let mut before = 0;
@@ -353,18 +385,18 @@ pub fn ablation(setup: &AblationSetup, which: Ablation) -> Result<Vec<AblationEp
                     frozen,
                     false,
                     workers,
-                    total_mbs,
                     setup.kind,
                     setup.cluster,
                     setup.memory_budget,
                     |d| {
-                        if dp {
+                        let r = if dp {
                             (1..=workers / d)
                                 .rev()
                                 .find(|r| total_mbs.is_multiple_of(*r))
                         } else {
                             Some(setup.pipelines)
-                        }
+                        };
+                        r.map(|r| (r, total_mbs))
                     },
                 )?;
                 AblationEpoch {

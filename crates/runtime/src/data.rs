@@ -206,6 +206,18 @@ pub struct Sampler {
     /// The epoch whose permutation `order` holds.
     epoch: Option<u64>,
     order: Vec<u64>,
+    /// Where the next step starts, once known: (step, epoch, offset in the epoch's order).
+    /// Steps of a constant batch need none; a batch that changed mid-run (the global batch
+    /// scaled with replicas) continues from here, and checkpoints keep it.
+    pos: Option<SamplerPos>,
+}
+
+/// Where step `step` starts in the epoch sampler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SamplerPos {
+    pub step: u64,
+    pub epoch: u64,
+    pub offset: usize,
 }
 
 impl Sampler {
@@ -217,7 +229,18 @@ impl Sampler {
             seed,
             epoch: None,
             order: Vec::new(),
+            pos: None,
         }
+    }
+
+    /// Where the next step starts (epoch sampling, after a step).
+    pub fn position(&self) -> Option<SamplerPos> {
+        self.pos
+    }
+
+    /// Continue from `pos` (a checkpoint's).
+    pub fn set_position(&mut self, pos: Option<SamplerPos>) {
+        self.pos = pos;
     }
 
     /// Steps in one epoch of `text` with `microbatches` micro-batches a step; an error naming
@@ -253,10 +276,23 @@ impl Sampler {
                 .collect());
         }
         let per_epoch = self.steps_per_epoch(text, microbatches)?;
-        let (epoch, at) = (step / per_epoch, step % per_epoch);
+        let n = samples_in(text.len(), seq_len);
+        let batch = microbatches * rows;
+        let (mut epoch, mut first) = match self.pos {
+            Some(p) if p.step == step => (p.epoch, p.offset),
+            _ => (step / per_epoch, (step % per_epoch) as usize * batch),
+        };
+        // The rest of an epoch too small for this step's batch is left out.
+        if first + batch > n {
+            (epoch, first) = (epoch + 1, 0);
+        }
+        self.pos = Some(SamplerPos {
+            step: step + 1,
+            epoch,
+            offset: first + batch,
+        });
         if self.epoch != Some(epoch) {
             // Fisher-Yates over every sample, seeded by the run's seed and the epoch.
-            let n = samples_in(text.len(), seq_len);
             let mut r = Rng::new(seed ^ 0xE70C_5EED ^ epoch.wrapping_mul(0x2545_F491_4F6C_DD1D));
             self.order = (0..n as u64).collect();
             for i in (1..n).rev() {
@@ -264,7 +300,6 @@ impl Sampler {
             }
             self.epoch = Some(epoch);
         }
-        let first = at as usize * microbatches * rows;
         Ok((0..microbatches)
             .map(|i| {
                 let samples = self.order[first + i * rows..first + (i + 1) * rows].to_vec();
@@ -336,5 +371,31 @@ mod tests {
             .steps_per_epoch(&text, 40)
             .unwrap_err()
             .contains("fewer than one step"));
+        // A batch that grows mid-epoch (2, then 4 micro-batches of 3) continues where the
+        // epoch stood, still without repeats; a fresh sampler resumes from the position.
+        let mut s = Sampler::new(Sampling::Epochs, 16, 3, 9);
+        let mut seen = std::collections::HashSet::new();
+        for step in 0..5 {
+            for m in s.batches(&text, step, 2).unwrap() {
+                seen.extend(m.samples);
+            }
+        }
+        let pos = s.position();
+        let mut resumed = Sampler::new(Sampling::Epochs, 16, 3, 9);
+        resumed.set_position(pos);
+        for step in 5..10 {
+            let a = s.batches(&text, step, 4).unwrap();
+            assert_eq!(a, resumed.batches(&text, step, 4).unwrap());
+            for m in a {
+                for x in m.samples {
+                    assert!(seen.insert(x), "sample {x} twice at step {step}");
+                }
+            }
+        }
+        assert_eq!(seen.len(), 30 + 5 * 12);
+        // 90 + 12 > 100: the next step starts the next epoch.
+        assert_eq!(s.batches(&text, 10, 4).unwrap().len(), 4);
+        assert_eq!(s.position().unwrap().epoch, 1);
+        assert_eq!(s.position().unwrap().offset, 12);
     }
 }

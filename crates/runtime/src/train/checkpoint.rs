@@ -7,6 +7,7 @@ use super::store::{newest_verified, Writer};
 use super::trainer::{fresh_state, optimizer, LayerState};
 use super::{TrainConfig, Trainer};
 use crate::backend::train_device;
+use crate::data::SamplerPos;
 use crate::error::{Error, Result};
 use crate::model::{layer_name, LayerBlock};
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
@@ -25,6 +26,9 @@ struct CheckpointState {
     /// Layer blocks frozen (AutoFreeze) when it was written.
     #[serde(default)]
     frozen: usize,
+    /// Where the epoch sampler's next step starts.
+    #[serde(default)]
+    sampler: Option<SamplerPos>,
 }
 
 /// Visit the module inside a layer block, so names start at the block's own fields.
@@ -286,6 +290,7 @@ impl Trainer {
             config: self.cfg.clone(),
             plan: self.plan.clone(),
             frozen: self.frozen(),
+            sampler: self.sampler.position(),
         };
         w.file(
             "state.json",
@@ -333,6 +338,7 @@ impl Trainer {
         }
         self.set_layer_state(&loaded);
         self.step = state.step;
+        self.sampler.set_position(state.sampler);
         // Frozen layers stay frozen where this plan allows it.
         if self.set_frozen(state.frozen).is_err() {
             self.set_frozen(0)?;

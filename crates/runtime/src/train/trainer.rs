@@ -90,7 +90,9 @@ pub struct Trainer {
     pub step: u64,
     /// Checkpoints kept in the directory (the newest ones).
     pub keep_checkpoints: usize,
-    sampler: Sampler,
+    pub(crate) sampler: Sampler,
+    /// The learning rate is the schedule's times this (AutoDP with a scaled global batch).
+    lr_scale: f64,
     /// AutoCache: the frozen prefix's outputs per sample (see [`Trainer::set_cache`]).
     cache: Option<Arc<PrefixCache>>,
 }
@@ -160,6 +162,7 @@ impl Trainer {
         Ok(Trainer {
             sampler: cfg.sampler(),
             cache: None,
+            lr_scale: 1.0,
             routes: RouteIndex::new(&plan),
             topo: Topology::new(&plan),
             cfg,
@@ -255,6 +258,18 @@ impl Trainer {
         Ok(())
     }
 
+    /// Scale the learning rate by `x` from the next step (the linear scaling rule when the
+    /// global batch grows with replicas).
+    pub fn set_lr_scale(&mut self, x: f64) -> Result<()> {
+        if !(x.is_finite() && x > 0.0) {
+            return Err(Error::Config(format!(
+                "learning-rate scale {x} must be finite and > 0"
+            )));
+        }
+        self.lr_scale = x;
+        Ok(())
+    }
+
     /// What the cache holds and served so far.
     pub fn cache_stats(&self) -> Option<CacheStats> {
         self.cache.as_ref().map(|c| c.stats())
@@ -322,7 +337,7 @@ impl Trainer {
     pub fn train_step(&mut self, corpus: &Corpus) -> std::result::Result<StepReport, ExecError> {
         let n = self.plan.num_microbatches;
         let scale = 1.0 / n as f32;
-        let lr = self.cfg.lr_at(self.step);
+        let lr = self.cfg.lr_at(self.step) * self.lr_scale;
         let clip = self.cfg.clip;
         let batches = self.batches(corpus, self.step)?;
         let clock = Instant::now();
