@@ -101,6 +101,13 @@ pub fn cmd_elastic_sim(a: ElasticSimArgs) -> Result<()> {
         ))
         .into());
     }
+    if a.kind.default_chunks() != 1 || a.kind == ScheduleKind::Custom {
+        return Err(BadInput(format!(
+            "--kind {}: elastic-sim places one stage per worker (gpipe, 1f1b or zbh1)",
+            a.kind
+        ))
+        .into());
+    }
     if a.rows == Some(0) {
         return Err(BadInput("--rows must be at least 1".into()).into());
     }

@@ -348,9 +348,28 @@ pub fn ablation(setup: &AblationSetup, which: Ablation) -> Result<Vec<AblationEp
         u64::MAX,
         |d| (d == setup.depth).then_some((setup.pipelines, total_mbs)),
     )?;
-    let mut out = Vec::with_capacity(setup.trajectory.len());
+    let start_peak = peak_memory(
+        &start.plan,
+        &setup.profile.stage_costs(&start.plan.layers_per_stage()),
+        setup.cluster,
+    )?;
+    if start_peak > setup.memory_budget {
+        return Err(Error::Infeasible(format!(
+            "the starting layout ({} stages x {} pipelines) needs {start_peak} bytes on its fullest worker, more than the {} allowed",
+            setup.depth, setup.pipelines, setup.memory_budget
+        )));
+    }
+    let mut out: Vec<AblationEpoch> = Vec::with_capacity(setup.trajectory.len());
+    // An epoch's layout depends only on the layers frozen in it and before it.
+    let mut seen: std::collections::HashMap<(usize, usize), AblationEpoch> =
+        std::collections::HashMap::new();
     let mut before = 0;
     for &k in setup.trajectory {
+        if let Some(e) = seen.get(&(k, before)) {
+            out.push(e.clone());
+            before = k;
+            continue;
+        }
         let frozen = if which == Ablation::Baseline { 0 } else { k };
         let fp = frozen_profile(setup.profile, frozen);
         let cached = match which {
@@ -407,6 +426,7 @@ pub fn ablation(setup: &AblationSetup, which: Ablation) -> Result<Vec<AblationEp
                 }
             }
         };
+        seen.insert((k, before), choice.clone());
         out.push(choice);
         before = k;
     }
