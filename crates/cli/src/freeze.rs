@@ -5,9 +5,7 @@ use crate::BadInput;
 use anyhow::Result;
 use clap::Args;
 use pipewright_core::cluster::Cluster;
-use pipewright_core::elastic::{
-    elastic_plan, elastic_plan_on_all, elastic_plan_scaled, peak_memory, ElasticChoice,
-};
+use pipewright_core::elastic::{elastic_layout, peak_memory, ElasticChoice, GlobalBatch, Shape};
 use pipewright_core::freeze::{FreezeMode, FreezePolicy};
 use pipewright_core::ir::Plan;
 use pipewright_core::profile::Profile;
@@ -210,28 +208,18 @@ impl Controller {
         profile: &Profile,
         frozen: usize,
     ) -> pipewright_core::error::Result<ElasticChoice> {
-        if let Some(per_replica) = self.scale_from {
-            return elastic_plan_scaled(
-                profile,
-                frozen,
-                self.workers,
-                per_replica,
-                self.all_workers,
-                self.kind,
-                &self.cluster,
-                self.budget,
-            );
-        }
-        let f = if self.all_workers {
-            elastic_plan_on_all
-        } else {
-            elastic_plan
+        let shape = Shape {
+            workers: self.workers,
+            use_all: self.all_workers,
+            batch: match self.scale_from {
+                Some(m) => GlobalBatch::Scale(m),
+                None => GlobalBatch::Keep(self.total_mbs),
+            },
         };
-        f(
+        elastic_layout(
             profile,
             frozen,
-            self.workers,
-            self.total_mbs,
+            shape,
             self.kind,
             &self.cluster,
             self.budget,

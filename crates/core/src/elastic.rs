@@ -96,81 +96,56 @@ pub fn elastic_plan(
     cluster: &Cluster,
     memory_budget: u64,
 ) -> Result<ElasticChoice> {
-    let fp = frozen_profile(profile, frozen);
-    // As many replicas as the workers allow and the micro-batches divide into (AutoDP).
-    search(
-        &fp,
-        frozen,
-        true,
+    let shape = Shape {
         workers,
-        kind,
-        cluster,
-        memory_budget,
-        |d| {
-            (1..=workers / d)
-                .rev()
-                .find(|r| total_mbs.is_multiple_of(*r))
-                .map(|r| (r, total_mbs))
-        },
-    )
+        use_all: false,
+        batch: GlobalBatch::Keep(total_mbs),
+    };
+    elastic_layout(profile, frozen, shape, kind, cluster, memory_budget)
 }
 
-/// [`elastic_plan`] restricted to layouts that use every one of the `workers` (worker
-/// processes that all stay in the job: the freed ones join as replicas).
-pub fn elastic_plan_on_all(
+/// What happens to the global batch when freed workers become replicas.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GlobalBatch {
+    /// This many micro-batches per iteration, split over the replicas.
+    Keep(usize),
+    /// Every replica runs this many micro-batches: the batch grows with the replicas (the
+    /// caller scales the learning rate).
+    Scale(usize),
+}
+
+/// The workers a layout may use and its global batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    pub workers: usize,
+    /// Use every worker (processes that all stay in the job: the freed ones join as replicas).
+    pub use_all: bool,
+    pub batch: GlobalBatch,
+}
+
+/// [`elastic_plan`] for any [`Shape`]: as many replicas as the workers allow (all of them
+/// with `use_all`) and the micro-batches divide into.
+pub fn elastic_layout(
     profile: &Profile,
     frozen: usize,
-    workers: usize,
-    total_mbs: usize,
+    shape: Shape,
     kind: ScheduleKind,
     cluster: &Cluster,
     memory_budget: u64,
 ) -> Result<ElasticChoice> {
     let fp = frozen_profile(profile, frozen);
-    search(
-        &fp,
-        frozen,
-        true,
-        workers,
-        kind,
-        cluster,
-        memory_budget,
-        |d| {
-            Some(workers / d)
-                .filter(|r| r * d == workers && total_mbs.is_multiple_of(*r))
-                .map(|r| (r, total_mbs))
-        },
-    )
-}
-
-/// [`elastic_plan`] with the global batch scaled instead of kept: every replica runs
-/// `per_replica` micro-batches, so freed workers add to the batch (the caller scales the
-/// learning rate). With `all`, only layouts that use every worker.
-#[allow(clippy::too_many_arguments)]
-pub fn elastic_plan_scaled(
-    profile: &Profile,
-    frozen: usize,
-    workers: usize,
-    per_replica: usize,
-    all: bool,
-    kind: ScheduleKind,
-    cluster: &Cluster,
-    memory_budget: u64,
-) -> Result<ElasticChoice> {
-    let fp = frozen_profile(profile, frozen);
-    search(
-        &fp,
-        frozen,
-        true,
-        workers,
-        kind,
-        cluster,
-        memory_budget,
-        |d| {
-            let r = workers / d;
-            (!all || r * d == workers).then(|| (r, r * per_replica))
-        },
-    )
+    let w = shape.workers;
+    search(&fp, frozen, true, w, kind, cluster, memory_budget, |d| {
+        let r = match shape.batch {
+            GlobalBatch::Keep(total) => (1..=w / d).rev().find(|r| total.is_multiple_of(*r)),
+            GlobalBatch::Scale(_) => Some(w / d),
+        }
+        .filter(|r| !shape.use_all || r * d == w)?;
+        Some(match shape.batch {
+            GlobalBatch::Keep(total) => (r, total),
+            GlobalBatch::Scale(m) => (r, r * m),
+        })
+    })
 }
 
 /// Like [`elastic_plan`] on an already frozen (and maybe cached) `profile`, each depth taking

@@ -161,19 +161,28 @@ pub fn micro_batch(
 ) -> MicroBatch {
     let mut r =
         Rng::new(seed ^ step.wrapping_mul(0x1000_0000_01B3) ^ index.wrapping_mul(0x9E37_79B9));
-    let mut tokens = Vec::with_capacity(rows * seq_len);
-    let mut targets = Vec::with_capacity(rows * seq_len);
-    for _ in 0..rows {
-        let o = r.below(text.len() - seq_len - 1);
-        tokens.extend(text[o..o + seq_len].iter().map(|&b| b as i64));
-        targets.extend(text[o + 1..o + seq_len + 1].iter().map(|&b| b as i64));
-    }
-    MicroBatch {
-        rows,
-        seq_len,
-        tokens,
-        targets,
-        samples: Vec::new(),
+    let offsets: Vec<usize> = (0..rows)
+        .map(|_| r.below(text.len() - seq_len - 1))
+        .collect();
+    MicroBatch::at(text, seq_len, &offsets, Vec::new())
+}
+
+impl MicroBatch {
+    /// The windows of `seq_len` inputs (and their next bytes) at `offsets` of `text`.
+    fn at(text: &[u8], seq_len: usize, offsets: &[usize], samples: Vec<u64>) -> Self {
+        let mut tokens = Vec::with_capacity(offsets.len() * seq_len);
+        let mut targets = Vec::with_capacity(offsets.len() * seq_len);
+        for &o in offsets {
+            tokens.extend(text[o..o + seq_len].iter().map(|&b| b as i64));
+            targets.extend(text[o + 1..o + seq_len + 1].iter().map(|&b| b as i64));
+        }
+        MicroBatch {
+            rows: offsets.len(),
+            seq_len,
+            tokens,
+            targets,
+            samples,
+        }
     }
 }
 
@@ -303,20 +312,8 @@ impl Sampler {
         Ok((0..microbatches)
             .map(|i| {
                 let samples = self.order[first + i * rows..first + (i + 1) * rows].to_vec();
-                let mut tokens = Vec::with_capacity(rows * seq_len);
-                let mut targets = Vec::with_capacity(rows * seq_len);
-                for &s in &samples {
-                    let o = s as usize * seq_len;
-                    tokens.extend(text[o..o + seq_len].iter().map(|&b| b as i64));
-                    targets.extend(text[o + 1..o + seq_len + 1].iter().map(|&b| b as i64));
-                }
-                MicroBatch {
-                    rows,
-                    seq_len,
-                    tokens,
-                    targets,
-                    samples,
-                }
+                let offsets: Vec<usize> = samples.iter().map(|&s| s as usize * seq_len).collect();
+                MicroBatch::at(text, seq_len, &offsets, samples)
             })
             .collect())
     }
