@@ -102,11 +102,11 @@ impl FreezeArgs {
             .into());
         }
         let dir = self.cache_dir.clone().unwrap_or_else(std::env::temp_dir);
-        Ok(Some(std::sync::Arc::new(PrefixCache::new(
-            budget,
-            self.cache_f16,
-            &dir,
-        ))))
+        let cache = PrefixCache::new(budget, self.cache_f16, &dir);
+        cache
+            .check_dir()
+            .map_err(|e| BadInput(format!("--cache-dir: {e}")))?;
+        Ok(Some(std::sync::Arc::new(cache)))
     }
 }
 

@@ -153,6 +153,10 @@ pub struct ProfileArgs {
     /// Output file.
     #[arg(long, default_value = "profile.toml")]
     out: PathBuf,
+    /// Instead of a profile, print where a transformer block's time goes: each op alone,
+    /// forward and forward + backward, beside the whole block.
+    #[arg(long)]
+    ops: bool,
 }
 
 pub fn cmd_profile(a: ProfileArgs) -> Result<()> {
@@ -180,6 +184,42 @@ pub fn cmd_profile(a: ProfileArgs) -> Result<()> {
     }
     .check()
     .map_err(|e| BadInput(format!("--rows {}: {e}", a.rows)))?;
+    if a.ops {
+        let ops = pipewright_runtime::profile::op_breakdown(&model, a.rows, a.repeats);
+        let whole = ops.last().map_or(1.0, |o| o.forward_backward);
+        println!(
+            "one transformer block (d_model {}, {} heads, seq {}), micro-batch of {} sequences; median of {}:",
+            model.d_model, model.heads, model.seq_len, a.rows, a.repeats
+        );
+        println!(
+            "{:<38} {:>5} {:>12} {:>16} {:>9}",
+            "op", "times", "forward ms", "fwd + bwd ms", "of block"
+        );
+        let mut sum = (0.0, 0.0);
+        for o in &ops {
+            if o.name == "whole block" {
+                println!(
+                    "{:<38} {:>5} {:>12.3} {:>16.3} {:>8.1}%",
+                    "sum of the ops alone",
+                    "",
+                    sum.0 * 1e3,
+                    sum.1 * 1e3,
+                    100.0 * sum.1 / whole
+                );
+            } else {
+                sum = (sum.0 + o.forward, sum.1 + o.forward_backward);
+            }
+            println!(
+                "{:<38} {:>5} {:>12.3} {:>16.3} {:>8.1}%",
+                o.name,
+                o.count,
+                o.forward * 1e3,
+                o.forward_backward * 1e3,
+                100.0 * o.forward_backward / whole
+            );
+        }
+        return Ok(());
+    }
     let prof = pipewright_runtime::profile::profile_model(&model, a.rows, a.repeats, 42);
     write_file(&a.out, &prof.to_toml())?;
     let (f, b): (f64, f64) = prof

@@ -1166,6 +1166,20 @@ fn cached_elastic_training_resumes_frozen_and_elastic_sim() {
         "needs --sampling epochs",
     );
     bad(
+        &t(
+            &[
+                "--freeze",
+                "schedule",
+                "--cache-budget",
+                "1M",
+                "--cache-dir",
+                "/proc/nope",
+            ],
+            &model,
+        ),
+        "--cache-dir: frozen-prefix cache in /proc/nope",
+    );
+    bad(
         &t(&["--freeze", "schedule", "--cache-budget", "12Q"], &model),
         "expected bytes",
     );

@@ -84,6 +84,15 @@ impl PrefixCache {
         }
     }
 
+    /// Make sure the spill file can be created (before training, not at the first spill).
+    pub fn check_dir(&self) -> Result<(), CacheError> {
+        std::fs::create_dir_all(&self.dir)
+            .map_err(|e| self.err(format!("cannot create the directory: {e}")))?;
+        tempfile::tempfile_in(&self.dir)
+            .map(drop)
+            .map_err(|e| self.err(format!("cannot create a spill file there: {e}")))
+    }
+
     pub fn stats(&self) -> CacheStats {
         self.lock().stats
     }

@@ -104,3 +104,144 @@ pub fn profile_model(cfg: &GptConfig, rows: usize, repeats: usize, seed: u64) ->
         layers: out,
     }
 }
+
+/// One op of a transformer block at the model's shapes, timed alone (median of repeats).
+#[derive(Debug, Clone)]
+pub struct OpTime {
+    pub name: &'static str,
+    /// Times the op runs per block (its time below counts all of them).
+    pub count: usize,
+    pub forward: f64,
+    /// Forward and backward of the op (input and weight gradients).
+    pub forward_backward: f64,
+}
+
+/// Where a transformer block's time goes: each op of [`crate::model::Block`]'s forward at
+/// the shapes of `cfg` with micro-batches of `rows` sequences, timed alone forward and
+/// forward + backward, then the whole block the same way (the difference is what the ops
+/// cost together beyond alone: graph bookkeeping, allocation, cache effects).
+pub fn op_breakdown(cfg: &GptConfig, rows: usize, repeats: usize) -> Vec<OpTime> {
+    use burn::nn::{LayerNormConfig, LinearConfig};
+    use burn::tensor::activation::{gelu, softmax};
+    use burn::tensor::Bool;
+    let dev = train_device();
+    let (b, t, d, h) = (rows, cfg.seq_len, cfg.d_model, cfg.heads);
+    let dh = d / h;
+    let rand = |dims: [usize; 4]| {
+        Tensor::<4>::random(dims, Distribution::Normal(0.0, 1.0), &dev).require_grad()
+    };
+    let x3 = |w: usize| {
+        Tensor::<3>::random([b, t, w], Distribution::Normal(0.0, 1.0), &dev).require_grad()
+    };
+    // Time `f` (building its input with `input`) forward, then forward + backward.
+    fn time<I>(repeats: usize, input: impl Fn() -> I, f: impl Fn(I) -> Tensor<3>) -> (f64, f64) {
+        let (mut fw, mut fb) = (Vec::new(), Vec::new());
+        for _ in 0..repeats.max(1) + 1 {
+            let x = input();
+            let t0 = Instant::now();
+            let _ = f(x).to_data();
+            fw.push(t0.elapsed().as_secs_f64());
+            let x = input();
+            let t0 = Instant::now();
+            let _ = f(x).sum().backward();
+            fb.push(t0.elapsed().as_secs_f64());
+        }
+        fw.remove(0);
+        fb.remove(0);
+        (median(fw), median(fb))
+    }
+    let ln = LayerNormConfig::new(d).init(&dev);
+    let qkv = LinearConfig::new(d, d).init(&dev);
+    let up = LinearConfig::new(d, 4 * d).init(&dev);
+    let down = LinearConfig::new(4 * d, d).init(&dev);
+    let mut out = Vec::new();
+    let mut push = |name, count, (f, fb): (f64, f64)| {
+        out.push(OpTime {
+            name,
+            count,
+            forward: f * count as f64,
+            forward_backward: fb * count as f64,
+        })
+    };
+    push("layer norm", 2, time(repeats, || x3(d), |x| ln.forward(x)));
+    push(
+        "q, k, v, o projections (d x d)",
+        4,
+        time(repeats, || x3(d), |x| qkv.forward(x)),
+    );
+    push(
+        "head split and merge (reshape, swap)",
+        4,
+        time(
+            repeats,
+            || x3(d),
+            |x| {
+                x.reshape([b, t, h, dh])
+                    .swap_dims(1, 2)
+                    .swap_dims(1, 2)
+                    .reshape([b, t, d])
+            },
+        ),
+    );
+    push(
+        "scores q k^T / sqrt(dh)",
+        1,
+        time(
+            repeats,
+            || (rand([b, h, t, dh]), rand([b, h, t, dh])),
+            |(q, k)| {
+                let s = q.matmul(k.swap_dims(2, 3)) / (dh as f64).sqrt();
+                s.reshape([b, h * t, t])
+            },
+        ),
+    );
+    push(
+        "causal mask and softmax",
+        1,
+        time(
+            repeats,
+            || rand([b, h, t, t]),
+            |s| {
+                let mask = Tensor::<2, Bool>::tril_mask([t, t], 0, &dev);
+                let bias = Tensor::<2>::zeros([t, t], &dev)
+                    .mask_fill(mask, -1e9)
+                    .reshape([1, 1, t, t]);
+                softmax(s + bias, 3).reshape([b, h * t, t])
+            },
+        ),
+    );
+    push(
+        "attention x v",
+        1,
+        time(
+            repeats,
+            || (rand([b, h, t, t]), rand([b, h, t, dh])),
+            |(a, v)| a.matmul(v).reshape([b, h * t, dh]),
+        ),
+    );
+    push(
+        "MLP up (d x 4d)",
+        1,
+        time(repeats, || x3(d), |x| up.forward(x)),
+    );
+    push("GELU", 1, time(repeats, || x3(4 * d), gelu));
+
+    push(
+        "MLP down (4d x d)",
+        1,
+        time(repeats, || x3(4 * d), |x| down.forward(x)),
+    );
+    push(
+        "residual adds",
+        2,
+        time(repeats, || (x3(d), x3(d)), |(x, y)| x + y),
+    );
+    let layers = Layers::new(cfg, 1, &dev);
+    let block = layers.stage(1, 2);
+    push(
+        "whole block",
+        1,
+        time(repeats, || x3(d), |x| block.forward(StageInput::Hidden(x))),
+    );
+    out
+}
