@@ -186,38 +186,37 @@ pub fn cmd_profile(a: ProfileArgs) -> Result<()> {
     .map_err(|e| BadInput(format!("--rows {}: {e}", a.rows)))?;
     if a.ops {
         let ops = pipewright_runtime::profile::op_breakdown(&model, a.rows, a.repeats);
-        let whole = ops.last().map_or(1.0, |o| o.forward_backward);
+        let (parts, whole) = ops.split_at(ops.len() - 1);
+        let sum = parts.iter().fold((0.0, 0.0), |(f, b), o| {
+            (f + o.forward, b + o.forward_backward)
+        });
         println!(
             "one transformer block (d_model {}, {} heads, seq {}), micro-batch of {} sequences; median of {}:",
             model.d_model, model.heads, model.seq_len, a.rows, a.repeats
         );
         println!(
-            "{:<38} {:>5} {:>12} {:>16} {:>9}",
-            "op", "times", "forward ms", "fwd + bwd ms", "of block"
+            "{:<38} {:>5} {:>12} {:>14} {:>7}",
+            "op (timed alone)", "times", "forward ms", "fwd + bwd ms", "share"
         );
-        let mut sum = (0.0, 0.0);
-        for o in &ops {
-            if o.name == "whole block" {
-                println!(
-                    "{:<38} {:>5} {:>12.3} {:>16.3} {:>8.1}%",
-                    "sum of the ops alone",
-                    "",
-                    sum.0 * 1e3,
-                    sum.1 * 1e3,
-                    100.0 * sum.1 / whole
-                );
-            } else {
-                sum = (sum.0 + o.forward, sum.1 + o.forward_backward);
-            }
+        let row = |name: &str, count: String, f: f64, b: f64| {
             println!(
-                "{:<38} {:>5} {:>12.3} {:>16.3} {:>8.1}%",
-                o.name,
-                o.count,
-                o.forward * 1e3,
-                o.forward_backward * 1e3,
-                100.0 * o.forward_backward / whole
-            );
+                "{name:<38} {count:>5} {:>12.3} {:>14.3} {:>6.1}%",
+                f * 1e3,
+                b * 1e3,
+                100.0 * b / sum.1
+            )
+        };
+        for o in parts {
+            row(o.name, o.count.to_string(), o.forward, o.forward_backward);
         }
+        row("sum of the ops", String::new(), sum.0, sum.1);
+        let w = &whole[0];
+        row(
+            "whole block, run as one",
+            String::new(),
+            w.forward,
+            w.forward_backward,
+        );
         return Ok(());
     }
     let prof = pipewright_runtime::profile::profile_model(&model, a.rows, a.repeats, 42);
