@@ -599,6 +599,29 @@ fn whole_job_plan_workflow() {
         &prof,
     ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // Where a block's time goes: every op, their sum, the whole block.
+    let o = pw(&[
+        "profile",
+        "--ops",
+        "--model",
+        &model,
+        "--rows",
+        "2",
+        "--repeats",
+        "1",
+    ]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{out}");
+    for op in [
+        "GELU",
+        "MLP up",
+        "causal mask and softmax",
+        "sum of the ops",
+        "whole block",
+    ] {
+        assert!(out.contains(op), "{out}");
+    }
+    assert!(out.contains("100.0%"), "{out}");
     let o = pw(&[
         "plan",
         "--profile",
