@@ -30,6 +30,10 @@ pub struct Layer {
     /// The weight-gradient part (W) of the backward; default backward / 2.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weight_grad: Option<f64>,
+    /// The input-gradient backward (B) of a split backward, when measured: splitting may cost
+    /// more than `backward - weight_grad` (pipewright's own profiler measures it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input_grad: Option<f64>,
     /// Bytes of weights.
     #[serde(default)]
     pub params: u64,
@@ -47,7 +51,8 @@ impl Layer {
     }
     /// Input-gradient part (B) of the backward.
     pub fn input_grad(&self) -> f64 {
-        self.backward() - self.weight_grad()
+        self.input_grad
+            .unwrap_or(self.backward() - self.weight_grad())
     }
 }
 
@@ -65,6 +70,10 @@ pub struct StageCost {
     pub activation_kept: u64,
     /// Bytes of the stage's output (what is sent to the next stage).
     pub activation_out: u64,
+    /// The fused backward (BW), when it is not `backward_input + backward_weight` (a split
+    /// backward measured to cost more than the fused one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backward: Option<f64>,
 }
 
 impl StageCost {
@@ -78,7 +87,8 @@ impl StageCost {
         }
     }
     pub fn full_backward(&self) -> f64 {
-        self.backward_input + self.backward_weight
+        self.backward
+            .unwrap_or(self.backward_input + self.backward_weight)
     }
 }
 
@@ -108,6 +118,7 @@ impl Profile {
                 ("forward", Some(l.forward)),
                 ("backward", l.backward),
                 ("weight_grad", l.weight_grad),
+                ("input_grad", l.input_grad),
             ] {
                 if let Some(v) = v {
                     if !v.is_finite() || v < 0.0 {
@@ -164,6 +175,11 @@ impl Profile {
             forward: ls.iter().map(|l| l.forward).sum(),
             backward_input: ls.iter().map(|l| l.input_grad()).sum(),
             backward_weight: ls.iter().map(|l| l.weight_grad()).sum(),
+            // The fused backward, where a measured split does not add up to it.
+            backward: ls
+                .iter()
+                .any(|l| l.input_grad.is_some())
+                .then(|| ls.iter().map(|l| l.backward()).sum()),
             params: ls.iter().map(|l| l.params).sum(),
             activation_kept: ls.iter().map(|l| l.activation).sum(),
             activation_out: ls.last().map_or(0, |l| l.activation),
@@ -216,6 +232,28 @@ activation = 8
             (3.0, 3.0, 2.0)
         );
         assert_eq!((c.params, c.activation_kept, c.activation_out), (10, 12, 8));
+    }
+
+    #[test]
+    fn a_measured_split_backward_prices_b_and_keeps_the_fused_one() {
+        let p = Profile::parse(
+            "p.toml",
+            &SMALL.replace("weight_grad = 1.0", "weight_grad = 1.0\ninput_grad = 2.5"),
+        )
+        .unwrap();
+        assert_eq!(p.layers[1].input_grad(), 2.5);
+        let c = p.stage_cost(0, 2);
+        // B is the measured split part; BW stays the fused backward (2 + 3), not B + W.
+        assert_eq!((c.backward_input, c.backward_weight), (3.5, 2.0));
+        assert_eq!(c.full_backward(), 5.0);
+        // Without it, nothing changes (and plans carry no extra field).
+        let q = Profile::parse("p.toml", SMALL).unwrap().stage_cost(0, 2);
+        assert_eq!((q.backward, q.full_backward()), (None, 5.0));
+        assert!(Profile::parse(
+            "p.toml",
+            &SMALL.replace("weight_grad = 1.0", "weight_grad = 1.0\ninput_grad = -1")
+        )
+        .is_err());
     }
 
     #[test]

@@ -240,7 +240,7 @@ impl Problem<'_> {
                 let t = if op == Op::F {
                     c.forward
                 } else {
-                    c.backward_input + c.backward_weight
+                    c.full_backward()
                 };
                 t / cl.devices[w].speed
             },

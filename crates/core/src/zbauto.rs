@@ -60,7 +60,7 @@ pub fn zb_auto(
         Op::F => costs[s].forward,
         Op::B => costs[s].backward_input,
         Op::W => costs[s].backward_weight,
-        Op::BW => costs[s].backward_input + costs[s].backward_weight,
+        Op::BW => costs[s].full_backward(),
     };
     let mut best: Option<(Plan, f64)> = None;
     let mut consider = |mut plan: Plan| {

@@ -97,6 +97,7 @@ impl GptConfig {
                 forward: flops * 1e-9,
                 backward: None,
                 weight_grad: None,
+                input_grad: None,
                 params: 4 * params as u64,
                 activation: 4 * tokens * width as u64,
             }

@@ -14,8 +14,9 @@ fn median(mut xs: Vec<f64>) -> f64 {
 }
 
 /// Time every layer block of `cfg` on micro-batches of `rows` sequences, `repeats` times each
-/// (median): forward, the full (fused) backward, and the weight-gradient part that a split
-/// backward's W step computes (the deferred Linear weight matmuls).
+/// (median): forward, the full (fused) backward, and a split backward's two parts as this
+/// runtime runs them: B (input gradients, Linear weight gradients deferred) and W (the
+/// deferred weight matmuls).
 pub fn profile_model(cfg: &GptConfig, rows: usize, repeats: usize, seed: u64) -> Profile {
     let dev = train_device();
     let layers = Layers::new(cfg, seed, &dev);
@@ -24,7 +25,8 @@ pub fn profile_model(cfg: &GptConfig, rows: usize, repeats: usize, seed: u64) ->
     let mut out = Vec::with_capacity(blocks);
     for i in 0..blocks {
         let stage: Stage = layers.stage(i, i + 1);
-        let (mut fwd, mut bwd, mut wgt) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut fwd, mut bwd, mut wgt, mut bsplit) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         // Tokens for the embedding block, random hidden states for the others.
         let make_input = || {
             if i == 0 {
@@ -69,8 +71,10 @@ pub fn profile_model(cfg: &GptConfig, rows: usize, repeats: usize, seed: u64) ->
                 .forward_split(input, &mut d)
                 .expect("one layer block, right input");
             let dy = Tensor::<3>::random(y.dims(), Distribution::Normal(0.0, 1.0), &dev);
+            let t1 = Instant::now();
             let g = (y * dy).sum().backward();
             d.take_output_grads(&g);
+            bsplit.push(t1.elapsed().as_secs_f64());
             let t2 = Instant::now();
             let _ = d.weight_grads();
             wgt.push(t2.elapsed().as_secs_f64());
@@ -79,6 +83,7 @@ pub fn profile_model(cfg: &GptConfig, rows: usize, repeats: usize, seed: u64) ->
         fwd.remove(0);
         bwd.remove(0);
         wgt.remove(0);
+        bsplit.remove(0);
         let name = match i {
             0 => "embed".to_string(),
             x if x == blocks - 1 => "head".to_string(),
@@ -91,6 +96,7 @@ pub fn profile_model(cfg: &GptConfig, rows: usize, repeats: usize, seed: u64) ->
             forward: median(fwd),
             backward: Some(backward),
             weight_grad: Some(median(wgt).min(backward)),
+            input_grad: Some(median(bsplit)),
             params: 4 * stage.num_params() as u64,
             activation: 4 * (rows * t * out_width) as u64,
         });
