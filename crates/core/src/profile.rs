@@ -34,6 +34,9 @@ pub struct Layer {
     /// more than `backward - weight_grad` (pipewright's own profiler measures it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub input_grad: Option<f64>,
+    /// Seconds of one optimizer step over this layer's parameters (default 0: not modelled).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optimizer: Option<f64>,
     /// Bytes of weights.
     #[serde(default)]
     pub params: u64,
@@ -74,6 +77,13 @@ pub struct StageCost {
     /// backward measured to cost more than the fused one).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub backward: Option<f64>,
+    /// One optimizer step over the stage's parameters, after its gradients are reduced.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub update: f64,
+}
+
+fn is_zero(x: &f64) -> bool {
+    *x == 0.0
 }
 
 impl StageCost {
@@ -119,6 +129,7 @@ impl Profile {
                 ("backward", l.backward),
                 ("weight_grad", l.weight_grad),
                 ("input_grad", l.input_grad),
+                ("optimizer", l.optimizer),
             ] {
                 if let Some(v) = v {
                     if !v.is_finite() || v < 0.0 {
@@ -180,6 +191,7 @@ impl Profile {
                 .iter()
                 .any(|l| l.input_grad.is_some())
                 .then(|| ls.iter().map(|l| l.backward()).sum()),
+            update: ls.iter().filter_map(|l| l.optimizer).sum(),
             params: ls.iter().map(|l| l.params).sum(),
             activation_kept: ls.iter().map(|l| l.activation).sum(),
             activation_out: ls.last().map_or(0, |l| l.activation),

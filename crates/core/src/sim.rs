@@ -422,8 +422,17 @@ pub fn simulate(setup: &SimSetup) -> Result<SimResult> {
     let allreduce: Vec<f64> = (0..s)
         .map(|st| ring_allreduce_time(cluster, &topo.groups[st], stages[st].params))
         .collect();
-    let iteration_time = (0..s)
-        .map(|st| done[st] + allreduce[st])
+    // Then each worker steps the optimizer over the stages it holds.
+    let iteration_time = (0..p)
+        .map(|w| {
+            let held = &topo.held[w];
+            let ready = held
+                .iter()
+                .map(|&st| done[st] + allreduce[st])
+                .fold(0.0, f64::max);
+            let update: f64 = held.iter().map(|&st| stages[st].update).sum();
+            ready + update / cluster.devices[w].speed
+        })
         .fold(makespan, f64::max);
     let work: f64 = busy.iter().sum();
     let bubble_fraction = if makespan > 0.0 {
@@ -597,6 +606,31 @@ mod tests {
             cluster: &Cluster::uniform(p),
         })
         .unwrap()
+    }
+
+    #[test]
+    fn each_worker_steps_the_optimizer_after_its_stages_are_done() {
+        // 1F1B P=2 M=2, F 1 and BW 2: worker 1 ends its last backward at 7, worker 0 at 9.
+        let plan = generate(ScheduleKind::OneFOneB, 2, 2, 1).unwrap();
+        let run = |u0: f64, u1: f64, speed1: f64| {
+            let mut stages = vec![StageCost::uniform(1.0, 1.0, 1.0); 2];
+            (stages[0].update, stages[1].update) = (u0, u1);
+            let mut cluster = Cluster::uniform(2);
+            cluster.devices[1].speed = speed1;
+            let r = simulate(&SimSetup {
+                plan: &plan,
+                stages: &stages,
+                cluster: &cluster,
+            })
+            .unwrap();
+            (r.makespan, r.iteration_time)
+        };
+        assert_eq!(run(0.0, 0.0, 1.0), (9.0, 9.0));
+        assert_eq!(run(0.5, 2.0, 1.0), (9.0, 9.5));
+        assert_eq!(run(0.5, 3.0, 1.0), (9.0, 10.0));
+        // A faster device steps faster.
+        assert_eq!(run(0.5, 6.0, 1.0).1, 13.0);
+        assert!(run(0.5, 6.0, 2.0).1 < 13.0);
     }
 
     #[test]

@@ -98,6 +98,7 @@ impl GptConfig {
                 backward: None,
                 weight_grad: None,
                 input_grad: None,
+                optimizer: None,
                 params: 4 * params as u64,
                 activation: 4 * tokens * width as u64,
             }

@@ -2,6 +2,7 @@
 //! parameter bytes and output bytes, as a profile `simulate`, `partition` and `plan` accept.
 
 use crate::backend::train_device;
+use crate::grads::{add_grads, grads_params, sum_squares, GradSource};
 use crate::model::{loss, Deferred, GptConfig, Layers, Stage, StageInput};
 use burn::module::Module;
 use burn::tensor::{Distribution, Int, Tensor, TensorData};
@@ -25,8 +26,11 @@ pub fn profile_model(cfg: &GptConfig, rows: usize, repeats: usize, seed: u64) ->
     let mut out = Vec::with_capacity(blocks);
     for i in 0..blocks {
         let stage: Stage = layers.stage(i, i + 1);
-        let (mut fwd, mut bwd, mut wgt, mut bsplit) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut fwd, mut bwd, mut wgt, mut bsplit, mut opt) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut adamw = burn::optim::AdamWConfig::new()
+            .with_weight_decay(0.01)
+            .init();
         // Tokens for the embedding block, random hidden states for the others.
         let make_input = || {
             if i == 0 {
@@ -60,10 +64,21 @@ pub fn profile_model(cfg: &GptConfig, rows: usize, repeats: usize, seed: u64) ->
                 let dy = Tensor::<3>::random(y.dims(), Distribution::Normal(0.0, 1.0), &dev);
                 (y * dy).sum().backward()
             };
+            // As a BW action does: accumulate the layer's weight gradients (flattened).
+            let mut flat = Vec::new();
+            add_grads(&stage.layers[0], &GradSource::Autodiff(&grads), &mut flat);
             drop(grads);
             let b = t1.elapsed().as_secs_f64();
             fwd.push(f);
             bwd.push(b);
+            // The optimizer step the trainer takes over the layer: its share of the global
+            // norm, the gradients back as parameters, AdamW.
+            let t3 = Instant::now();
+            let _ = sum_squares(std::iter::once(&flat));
+            let layer = stage.layers[0].clone();
+            let gp = grads_params(&layer, &flat, 1.0);
+            let _ = adamw.step(1e-3, layer, gp);
+            opt.push(t3.elapsed().as_secs_f64());
             // The weight-gradient part: what W computes after a split backward.
             let mut d = Deferred::default();
             let input = make_input();
@@ -74,9 +89,13 @@ pub fn profile_model(cfg: &GptConfig, rows: usize, repeats: usize, seed: u64) ->
             let t1 = Instant::now();
             let g = (y * dy).sum().backward();
             d.take_output_grads(&g);
+            // B accumulates the weight gradients that were not deferred, W the deferred ones.
+            let mut flat = Vec::new();
+            add_grads(&stage.layers[0], &GradSource::Autodiff(&g), &mut flat);
             bsplit.push(t1.elapsed().as_secs_f64());
             let t2 = Instant::now();
-            let _ = d.weight_grads();
+            let w = d.weight_grads();
+            add_grads(&stage.layers[0], &GradSource::Deferred(&w), &mut flat);
             wgt.push(t2.elapsed().as_secs_f64());
         }
         // The first run warms caches and allocators; leave it out.
@@ -84,6 +103,7 @@ pub fn profile_model(cfg: &GptConfig, rows: usize, repeats: usize, seed: u64) ->
         bwd.remove(0);
         wgt.remove(0);
         bsplit.remove(0);
+        opt.remove(0);
         let name = match i {
             0 => "embed".to_string(),
             x if x == blocks - 1 => "head".to_string(),
@@ -97,6 +117,7 @@ pub fn profile_model(cfg: &GptConfig, rows: usize, repeats: usize, seed: u64) ->
             backward: Some(backward),
             weight_grad: Some(median(wgt).min(backward)),
             input_grad: Some(median(bsplit)),
+            optimizer: Some(median(opt)),
             params: 4 * stage.num_params() as u64,
             activation: 4 * (rows * t * out_width) as u64,
         });
