@@ -186,7 +186,7 @@ pub fn cmd_profile(a: ProfileArgs) -> Result<()> {
     .map_err(|e| BadInput(format!("--rows {}: {e}", a.rows)))?;
     if a.ops {
         let ops = pipewright_runtime::profile::op_breakdown(&model, a.rows, a.repeats);
-        let (parts, whole) = ops.split_at(ops.len() - 1);
+        let parts = &ops.ops;
         let sum = parts.iter().fold((0.0, 0.0), |(f, b), o| {
             (f + o.forward, b + o.forward_backward)
         });
@@ -210,13 +210,47 @@ pub fn cmd_profile(a: ProfileArgs) -> Result<()> {
             row(o.name, o.count.to_string(), o.forward, o.forward_backward);
         }
         row("sum of the ops", String::new(), sum.0, sum.1);
-        let w = &whole[0];
+        let w = &ops.whole;
         row(
             "whole block, run as one",
             String::new(),
             w.forward,
             w.forward_backward,
         );
+        println!("alternatives (measured, not used), beside the fwd + bwd time of what they would replace:");
+        for alt in &ops.alternatives {
+            let replaced: f64 = alt
+                .replaces
+                .iter()
+                .filter_map(|(name, part)| {
+                    parts
+                        .iter()
+                        .find(|o| o.name == *name)
+                        .map(|o| o.forward_backward * part)
+                })
+                .sum();
+            let what: Vec<String> = alt
+                .replaces
+                .iter()
+                .map(|(name, part)| {
+                    if *part < 1.0 {
+                        format!("{part} of {name}")
+                    } else {
+                        name.to_string()
+                    }
+                })
+                .collect();
+            println!(
+                "{:<38} {:>5} {:>12.3} {:>14.3}  vs {:.3} ms ({}): {:.2}x",
+                alt.op.name,
+                "",
+                alt.op.forward * 1e3,
+                alt.op.forward_backward * 1e3,
+                replaced * 1e3,
+                what.join(" + "),
+                alt.op.forward_backward / replaced
+            );
+        }
         return Ok(());
     }
     let prof = pipewright_runtime::profile::profile_model(&model, a.rows, a.repeats, 42);

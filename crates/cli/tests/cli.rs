@@ -618,6 +618,9 @@ fn whole_job_plan_workflow() {
         "causal mask and softmax",
         "sum of the ops",
         "whole block",
+        "q, k, v as one d x 3d projection",
+        "burn's attention op (causal)",
+        "GELU, tanh approximation",
     ] {
         assert!(out.contains(op), "{out}");
     }

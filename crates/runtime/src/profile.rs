@@ -143,13 +143,32 @@ pub struct OpTime {
     pub forward_backward: f64,
 }
 
+/// A transformer block's ops timed alone, the whole block, and alternatives the model could use
+/// instead of some of its ops (measured so that the choice stays a measured one).
+#[derive(Debug, Clone)]
+pub struct OpBreakdown {
+    pub ops: Vec<OpTime>,
+    pub whole: OpTime,
+    pub alternatives: Vec<Alternative>,
+}
+
+/// Another way to compute part of the block: its time, and the ops (by name, with the fraction
+/// of each op's row) it would replace.
+#[derive(Debug, Clone)]
+pub struct Alternative {
+    pub op: OpTime,
+    pub replaces: Vec<(&'static str, f64)>,
+}
+
 /// Where a transformer block's time goes: each op of [`crate::model::Block`]'s forward at
 /// the shapes of `cfg` with micro-batches of `rows` sequences, timed alone forward and
 /// forward + backward, then the whole block the same way (the difference is what the ops
 /// cost together beyond alone: graph bookkeeping, allocation, cache effects).
-pub fn op_breakdown(cfg: &GptConfig, rows: usize, repeats: usize) -> Vec<OpTime> {
+pub fn op_breakdown(cfg: &GptConfig, rows: usize, repeats: usize) -> OpBreakdown {
     use burn::nn::{LayerNormConfig, LinearConfig};
-    use burn::tensor::activation::{gelu, softmax};
+    use burn::tensor::activation::{gelu, gelu_approximate, softmax};
+    use burn::tensor::module::attention;
+    use burn::tensor::ops::AttentionModuleOptions;
     use burn::tensor::Bool;
     let dev = train_device();
     let (b, t, d, h) = (rows, cfg.seq_len, cfg.d_model, cfg.heads);
@@ -270,5 +289,66 @@ pub fn op_breakdown(cfg: &GptConfig, rows: usize, repeats: usize) -> Vec<OpTime>
         1,
         time(repeats, || x3(d), |x| block.forward(StageInput::Hidden(x))),
     );
-    out
+    let whole = out.pop().expect("the whole block was pushed last");
+    let qkv3 = LinearConfig::new(d, 3 * d).init(&dev);
+    let alt = |name, (forward, forward_backward): (f64, f64), replaces| Alternative {
+        op: OpTime {
+            name,
+            count: 1,
+            forward,
+            forward_backward,
+        },
+        replaces,
+    };
+    let alternatives = vec![
+        // One d x 3d product, then q, k, v as slices of it (the adds stand for their three uses).
+        alt(
+            "q, k, v as one d x 3d projection",
+            time(
+                repeats,
+                || x3(d),
+                |x| {
+                    let p = qkv3.forward(x).chunk(3, 2);
+                    p[0].clone() + p[1].clone() + p[2].clone()
+                },
+            ),
+            vec![("q, k, v, o projections (d x d)", 0.75)],
+        ),
+        alt(
+            "burn's attention op (causal)",
+            time(
+                repeats,
+                || {
+                    (
+                        rand([b, h, t, dh]),
+                        rand([b, h, t, dh]),
+                        rand([b, h, t, dh]),
+                    )
+                },
+                |(q, k, v)| {
+                    let options = AttentionModuleOptions {
+                        scale: None,
+                        softcap: None,
+                        is_causal: true,
+                    };
+                    attention(q, k, v, None, None, options).reshape([b, h * t, dh])
+                },
+            ),
+            vec![
+                ("scores q k^T / sqrt(dh)", 1.0),
+                ("causal mask and softmax", 1.0),
+                ("attention x v", 1.0),
+            ],
+        ),
+        alt(
+            "GELU, tanh approximation",
+            time(repeats, || x3(4 * d), gelu_approximate),
+            vec![("GELU", 1.0)],
+        ),
+    ];
+    OpBreakdown {
+        ops: out,
+        whole,
+        alternatives,
+    }
 }
