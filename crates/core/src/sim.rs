@@ -175,6 +175,27 @@ struct State<'a> {
     events: BinaryHeap<Reverse<(Time, usize)>>,
     /// Workers whose next action waits on (stage, mb)'s results.
     waiting: Vec<Vec<usize>>,
+    /// With shared compute: its busy intervals, sorted by start.
+    shared: Option<Vec<(f64, f64)>>,
+}
+
+/// The earliest start at or after `ready` of an interval of length `d` that overlaps none of
+/// `slots` (sorted, disjoint); records it there.
+fn claim(slots: &mut Vec<(f64, f64)>, ready: f64, d: f64) -> f64 {
+    let mut start = ready;
+    let mut at = slots.len();
+    for (i, &(s, e)) in slots.iter().enumerate() {
+        if e <= start {
+            continue;
+        }
+        if start + d <= s {
+            at = i;
+            break;
+        }
+        start = start.max(e);
+    }
+    slots.insert(at, (start, start + d));
+    start
 }
 
 impl<'a> State<'a> {
@@ -210,6 +231,7 @@ impl<'a> State<'a> {
             },
             events: BinaryHeap::new(),
             waiting: vec![Vec::new(); s * m],
+            shared: None,
         }
     }
 
@@ -239,8 +261,12 @@ impl<'a> State<'a> {
             self.waiting[k].push(w);
             return;
         }
-        let start = ready.max(self.free_at[w]);
-        let end = start + self.duration(w, &a);
+        let d = self.duration(w, &a);
+        let start = match &mut self.shared {
+            None => ready.max(self.free_at[w]),
+            Some(slots) => claim(slots, ready.max(self.free_at[w]), d),
+        };
+        let end = start + d;
         self.busy[w] += end - start;
         self.free_at[w] = end;
         self.timeline.actions.push(TimedAction {
@@ -339,7 +365,22 @@ impl<'a> State<'a> {
 }
 
 /// Simulate; the plan should have been validated (a stuck plan is still reported, not hung).
+/// How the workers' compute is arranged beyond the cluster's devices.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SimOptions {
+    /// All workers share one compute resource that runs one action (and one optimizer step) at
+    /// a time: what in-process worker threads are while burn's autodiff is serialised
+    /// (crates/runtime/src/backend.rs). Each action takes the earliest free slot at or after
+    /// the time it could start; messages and waits stay concurrent.
+    pub shared_compute: bool,
+}
+
 pub fn simulate(setup: &SimSetup) -> Result<SimResult> {
+    simulate_with(setup, SimOptions::default())
+}
+
+/// [`simulate`] under `options`.
+pub fn simulate_with(setup: &SimSetup, options: SimOptions) -> Result<SimResult> {
     let SimSetup {
         plan,
         stages,
@@ -377,6 +418,9 @@ pub fn simulate(setup: &SimSetup) -> Result<SimResult> {
         )));
     }
     let mut st = State::new(plan, stages, cluster);
+    if options.shared_compute {
+        st.shared = Some(Vec::new());
+    }
     for w in 0..p {
         st.try_start(w);
     }
@@ -391,6 +435,7 @@ pub fn simulate(setup: &SimSetup) -> Result<SimResult> {
         link_bytes,
         link_busy,
         timeline,
+        shared,
         ..
     } = st;
     let total: usize = plan.workers.iter().map(Vec::len).sum();
@@ -422,8 +467,9 @@ pub fn simulate(setup: &SimSetup) -> Result<SimResult> {
     let allreduce: Vec<f64> = (0..s)
         .map(|st| ring_allreduce_time(cluster, &topo.groups[st], stages[st].params))
         .collect();
-    // Then each worker steps the optimizer over the stages it holds.
-    let iteration_time = (0..p)
+    // Then each worker steps the optimizer over the stages it holds (one after another, in
+    // the order they become ready, when the compute is shared).
+    let mut steps: Vec<(f64, f64)> = (0..p)
         .map(|w| {
             let held = &topo.held[w];
             let ready = held
@@ -431,9 +477,22 @@ pub fn simulate(setup: &SimSetup) -> Result<SimResult> {
                 .map(|&st| done[st] + allreduce[st])
                 .fold(0.0, f64::max);
             let update: f64 = held.iter().map(|&st| stages[st].update).sum();
-            ready + update / cluster.devices[w].speed
+            (ready, update / cluster.devices[w].speed)
         })
-        .fold(makespan, f64::max);
+        .collect();
+    let iteration_time = match shared {
+        None => steps.iter().map(|(r, u)| r + u).fold(makespan, f64::max),
+        Some(mut slots) => {
+            steps.sort_by(|a, b| a.0.total_cmp(&b.0));
+            steps
+                .iter()
+                .map(|&(ready, update)| {
+                    let start = claim(&mut slots, ready, update);
+                    start + update
+                })
+                .fold(makespan, f64::max)
+        }
+    };
     let work: f64 = busy.iter().sum();
     let bubble_fraction = if makespan > 0.0 {
         1.0 - work / (p as f64 * makespan)
@@ -631,6 +690,75 @@ mod tests {
         // A faster device steps faster.
         assert_eq!(run(0.5, 6.0, 1.0).1, 13.0);
         assert!(run(0.5, 6.0, 2.0).1 < 13.0);
+    }
+
+    #[test]
+    fn shared_compute_runs_one_action_at_a_time() {
+        let kinds = [
+            (ScheduleKind::GPipe, 1),
+            (ScheduleKind::OneFOneB, 1),
+            (ScheduleKind::ZbH1, 1),
+            (ScheduleKind::Interleaved, 2),
+            (ScheduleKind::ZbV, 2),
+        ];
+        for (kind, v) in kinds {
+            for p in 1..=4 {
+                for m in 1..=6 {
+                    let Ok(plan) = generate(kind, p, m, v) else {
+                        continue;
+                    };
+                    let mut stages = vec![StageCost::uniform(1.0, 1.5, 0.7); plan.num_stages()];
+                    stages.iter_mut().for_each(|c| c.update = 0.3);
+                    let setup = SimSetup {
+                        plan: &plan,
+                        stages: &stages,
+                        cluster: &Cluster::uniform(p),
+                    };
+                    let own = simulate(&setup).unwrap();
+                    let shared = simulate_with(
+                        &setup,
+                        SimOptions {
+                            shared_compute: true,
+                        },
+                    )
+                    .unwrap();
+                    let mut spans: Vec<(f64, f64)> = shared
+                        .timeline
+                        .actions
+                        .iter()
+                        .map(|a| (a.start, a.end))
+                        .collect();
+                    spans.sort_by(|a, b| a.0.total_cmp(&b.0));
+                    for w in spans.windows(2) {
+                        assert!(w[0].1 <= w[1].0 + 1e-9, "{kind:?} P{p} M{m}: {w:?} overlap");
+                    }
+                    let work: f64 = shared.busy.iter().sum();
+                    assert!((work - own.busy.iter().sum::<f64>()).abs() < 1e-9);
+                    // All the work plus every worker's optimizer step, one at a time.
+                    assert!(shared.iteration_time >= work + 0.3 * p as f64 - 1e-9);
+                    if p == 1 {
+                        assert_eq!(shared.iteration_time, own.iteration_time);
+                    }
+                }
+            }
+        }
+        // GPipe P=2 M=2, F 1 and BW 2: the one resource is never idle, 12 units of work.
+        let plan = generate(ScheduleKind::GPipe, 2, 2, 1).unwrap();
+        let stages = vec![StageCost::uniform(1.0, 1.0, 1.0); 2];
+        let setup = SimSetup {
+            plan: &plan,
+            stages: &stages,
+            cluster: &Cluster::uniform(2),
+        };
+        let r = simulate_with(
+            &setup,
+            SimOptions {
+                shared_compute: true,
+            },
+        )
+        .unwrap();
+        assert_eq!(r.makespan, 12.0);
+        assert_eq!(simulate(&setup).unwrap().makespan, 9.0);
     }
 
     #[test]
