@@ -1348,3 +1348,39 @@ fn elastic_batch_scale_grows_batch_and_learning_rate() {
         "--elastic",
     );
 }
+
+#[test]
+fn compare_sim_models_serialised_threads() {
+    // In-process workers: the simulation shares one compute resource, and says so beside the
+    // one-device-per-worker figure; one worker needs no such line.
+    let run = |stages: &str| {
+        let o = pw(&[
+            &[
+                "train",
+                "--stages",
+                stages,
+                "--microbatches",
+                "2",
+                "--steps",
+                "4",
+                "--no-checkpoint",
+                "--compare-sim",
+            ][..],
+            &TINY,
+        ]
+        .concat());
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout).to_string()
+    };
+    let two = run("2");
+    assert!(two.contains("measured/simulated"), "{two}");
+    assert!(two.contains("compute serialised"), "{two}");
+    assert!(two.contains("with a device each"), "{two}");
+    let one = run("1");
+    assert!(one.contains("measured/simulated"), "{one}");
+    assert!(!one.contains("compute serialised"), "{one}");
+    bad(
+        &[&["train", "--steps", "2", "--compare-sim"][..], &TINY].concat(),
+        "--compare-sim needs at least 3 steps",
+    );
+}
