@@ -8,7 +8,7 @@ use pipewright_core::ir::Plan;
 use pipewright_core::partition::{assign_layers, min_max_split};
 use pipewright_core::profile::{Profile, StageCost};
 use pipewright_core::schedule::{check_request, generate, ScheduleKind};
-use pipewright_core::sim::{check_memory, simulate, SimSetup};
+use pipewright_core::sim::{check_memory, simulate_with, SimOptions, SimSetup};
 use pipewright_core::validate::validate;
 use pipewright_core::zbauto::zb_auto;
 use serde_json::json;
@@ -100,6 +100,11 @@ pub struct SimulateArgs {
     /// own stage costs are used unless --profile or --cost-* say otherwise.
     #[arg(long, conflicts_with_all = ["kind", "stages", "microbatches", "chunks", "replicas", "layers"])]
     plan: Option<PathBuf>,
+    /// All workers share one compute resource, one action at a time: how `pipewright train`
+    /// runs in-process worker threads (burn's autodiff is serialised); messages stay concurrent.
+    /// Without it each worker has its own device, as with `--transport mpi`.
+    #[arg(long)]
+    shared_compute: bool,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -197,16 +202,26 @@ pub fn cmd_simulate(a: SimulateArgs) -> Result<()> {
         plan.set_layers(&layers);
     }
     check_memory(&plan, &stages, &cluster)?;
-    let r = simulate(&SimSetup {
-        plan: &plan,
-        stages: &stages,
-        cluster: &cluster,
-    })?;
+    let r = simulate_with(
+        &SimSetup {
+            plan: &plan,
+            stages: &stages,
+            cluster: &cluster,
+        },
+        SimOptions {
+            shared_compute: a.shared_compute,
+        },
+    )?;
     let allreduce = r.iteration_time > r.makespan;
     let title = format!(
-        "{} | workers={} M={} stages={} | makespan {:.4}{} | bubble {:.1}%",
+        "{} | workers={}{} M={} stages={} | makespan {:.4}{} | bubble {:.1}%",
         plan.kind,
         p,
+        if a.shared_compute {
+            " (one shared compute)"
+        } else {
+            ""
+        },
         plan.num_microbatches,
         plan.num_stages(),
         r.makespan,

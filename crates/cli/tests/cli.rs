@@ -1383,4 +1383,19 @@ fn compare_sim_models_serialised_threads() {
         &[&["train", "--steps", "2", "--compare-sim"][..], &TINY].concat(),
         "--compare-sim needs at least 3 steps",
     );
+    // The same model in `simulate`: GPipe P=2 M=2 at unit costs takes 9 with a device per
+    // worker and 12, all of its work one unit after another, with one shared compute.
+    let gpipe = [
+        "simulate",
+        "--kind",
+        "gpipe",
+        "--stages",
+        "2",
+        "--microbatches",
+        "2",
+    ];
+    let own = json(&pw(&[&gpipe[..], &["--json"]].concat()));
+    let shared = json(&pw(&[&gpipe[..], &["--json", "--shared-compute"]].concat()));
+    assert_eq!(own["makespan"], 9.0);
+    assert_eq!(shared["makespan"], 12.0);
 }
