@@ -180,21 +180,33 @@ struct State<'a> {
 }
 
 /// The earliest start at or after `ready` of an interval of length `d` that overlaps none of
-/// `slots` (sorted, disjoint); records it there.
+/// `slots` (sorted, disjoint busy intervals); records it there. Touching intervals are merged,
+/// so a resource that is rarely idle keeps few of them and a claim near the end is cheap.
 fn claim(slots: &mut Vec<(f64, f64)>, ready: f64, d: f64) -> f64 {
+    let mut i = slots.partition_point(|&(_, e)| e <= ready);
     let mut start = ready;
-    let mut at = slots.len();
-    for (i, &(s, e)) in slots.iter().enumerate() {
-        if e <= start {
-            continue;
-        }
+    while let Some(&(s, e)) = slots.get(i) {
         if start + d <= s {
-            at = i;
             break;
         }
         start = start.max(e);
+        i += 1;
     }
-    slots.insert(at, (start, start + d));
+    if d <= 0.0 {
+        return start;
+    }
+    let end = start + d;
+    let joins_prev = i > 0 && slots[i - 1].1 >= start;
+    let joins_next = i < slots.len() && slots[i].0 <= end;
+    match (joins_prev, joins_next) {
+        (true, true) => {
+            slots[i - 1].1 = slots[i].1;
+            slots.remove(i);
+        }
+        (true, false) => slots[i - 1].1 = end,
+        (false, true) => slots[i].0 = start,
+        (false, false) => slots.insert(i, (start, end)),
+    }
     start
 }
 
@@ -690,6 +702,23 @@ mod tests {
         // A faster device steps faster.
         assert_eq!(run(0.5, 6.0, 1.0).1, 13.0);
         assert!(run(0.5, 6.0, 2.0).1 < 13.0);
+    }
+
+    #[test]
+    fn claim_takes_the_first_gap_that_fits() {
+        let mut slots = Vec::new();
+        assert_eq!(claim(&mut slots, 0.0, 2.0), 0.0);
+        assert_eq!(claim(&mut slots, 5.0, 1.0), 5.0);
+        assert_eq!(slots, vec![(0.0, 2.0), (5.0, 6.0)]);
+        // Too long for the gap [2, 5): after the last interval.
+        assert_eq!(claim(&mut slots, 1.0, 4.0), 6.0);
+        assert_eq!(slots, vec![(0.0, 2.0), (5.0, 10.0)]);
+        // Fits the gap exactly: the three become one.
+        assert_eq!(claim(&mut slots, 0.0, 3.0), 2.0);
+        assert_eq!(slots, vec![(0.0, 10.0)]);
+        // Zero length takes no room.
+        assert_eq!(claim(&mut slots, 4.0, 0.0), 10.0);
+        assert_eq!(slots, vec![(0.0, 10.0)]);
     }
 
     #[test]
