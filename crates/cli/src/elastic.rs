@@ -108,9 +108,24 @@ pub fn cmd_elastic_sim(a: ElasticSimArgs) -> Result<()> {
         ))
         .into());
     }
-    if a.rows == Some(0) {
-        return Err(BadInput("--rows must be at least 1".into()).into());
-    }
+    // Samples per iteration: every pipeline's micro-batches of rows each (must fit a usize).
+    let per_iter = a
+        .pipelines
+        .checked_mul(a.microbatches)
+        .and_then(|x| x.checked_mul(a.rows.unwrap_or(1)));
+    let per_iter = match (a.rows, per_iter) {
+        (Some(0), _) => return Err(BadInput("--rows must be at least 1".into()).into()),
+        (_, None) => {
+            return Err(BadInput(format!(
+                "--pipelines {} x --microbatches {} x --rows {} samples per iteration is too many to count",
+                a.pipelines,
+                a.microbatches,
+                a.rows.unwrap_or(1)
+            ))
+            .into())
+        }
+        (_, Some(n)) => n as f64,
+    };
     let trajectory = match &a.trajectory {
         Some(t) if t.is_empty() => return Err(BadInput("--trajectory is empty".into()).into()),
         Some(t) => t.clone(),
@@ -162,7 +177,6 @@ pub fn cmd_elastic_sim(a: ElasticSimArgs) -> Result<()> {
         r.iter().map(|e| e.iteration_time).sum()
     };
     let base = total(&runs[0].1);
-    let per_iter = (a.pipelines * a.microbatches * a.rows.unwrap_or(1)) as f64;
     let unit = if a.rows.is_some() {
         "samples/s"
     } else {

@@ -298,8 +298,15 @@ pub struct AblationEpoch {
 /// simulated iteration time. With AutoCache, the layers frozen before an epoch are read from
 /// the cache in it, and the layers newly frozen run forward once per sample (filling it).
 pub fn ablation(setup: &AblationSetup, which: Ablation) -> Result<Vec<AblationEpoch>> {
-    let workers = setup.pipelines * setup.depth;
-    let total_mbs = setup.pipelines * setup.microbatches;
+    let (Some(workers), Some(total_mbs)) = (
+        setup.pipelines.checked_mul(setup.depth),
+        setup.pipelines.checked_mul(setup.microbatches),
+    ) else {
+        return Err(Error::Invalid(format!(
+            "{} pipelines of {} stages and {} micro-batches each are too many to count",
+            setup.pipelines, setup.depth, setup.microbatches
+        )));
+    };
     let n = setup.profile.layers.len();
     if setup.trajectory.windows(2).any(|w| w[1] < w[0]) {
         return Err(Error::Invalid(format!(

@@ -418,11 +418,12 @@ pub fn simulate_with(setup: &SimSetup, options: SimOptions) -> Result<SimResult>
         .take(p)
         .map(|d| d.speed)
         .fold(f64::INFINITY, f64::min);
-    let work: f64 = stages
+    let work: f64 = (stages
         .iter()
         .map(|c| c.forward + c.backward_input + c.backward_weight)
         .sum::<f64>()
         * plan.num_microbatches as f64
+        + stages.iter().map(|c| c.update).sum::<f64>())
         / slowest;
     if !work.is_finite() {
         return Err(Error::Invalid(format!(
