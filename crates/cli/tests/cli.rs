@@ -1,7 +1,7 @@
 //! The command-line contract: figures, files and bad-input handling.
 
 mod common;
-use common::{fresh_dir, TINY, TINY_L4};
+use common::{fresh_dir, FREEZE_EVERY_3, TINY, TINY_L4};
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
@@ -963,26 +963,24 @@ fn freeze_and_elastic_training() {
     let model = TINY_L4;
     // The default model (6 layer blocks), as the E-elastic acceptance script runs it.
     let o = pw(&[
-        "train",
-        "--stages",
-        "4",
-        "--microbatches",
-        "8",
-        "--steps",
-        "9",
-        "--freeze",
-        "schedule",
-        "--freeze-alpha",
-        "0.5",
-        "--freeze-every",
-        "3",
-        "--elastic",
-        "--no-checkpoint",
-        "--metrics",
-        m.to_str().unwrap(),
-        "--trace",
-        dir.join("t.json").to_str().unwrap(),
-    ]);
+        &[
+            "train",
+            "--stages",
+            "4",
+            "--microbatches",
+            "8",
+            "--steps",
+            "9",
+            "--elastic",
+            "--no-checkpoint",
+            "--metrics",
+            m.to_str().unwrap(),
+            "--trace",
+            dir.join("t.json").to_str().unwrap(),
+        ][..],
+        &FREEZE_EVERY_3,
+    ]
+    .concat());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{err}");
     assert!(err.contains("froze layer blocks 0..2"), "{err}");
@@ -1234,57 +1232,29 @@ fn cached_elastic_training_resumes_frozen_and_elastic_sim() {
     // PipeTransformer's ablations on its own setting.
     let vit = shared("examples/vit_b16_rtx5000.toml");
     let c = shared("examples/pipetransformer_2x8.toml");
-    let j = json(&pw(&[
-        "elastic-sim",
-        "--profile",
-        &vit,
-        "--cluster",
-        &c,
-        "--epochs",
-        "4",
-        "--json",
-    ]));
+    let sim = |extra: &[&str]| -> Vec<String> {
+        ["elastic-sim", "--profile", &vit, "--cluster", &c]
+            .iter()
+            .chain(extra)
+            .map(|s| s.to_string())
+            .collect()
+    };
+    let args = sim(&["--epochs", "4", "--json"]);
+    let j = json(&pw(&args.iter().map(String::as_str).collect::<Vec<_>>()));
     let speedup = |i: usize| j["ablations"][i]["speedup"].as_f64().unwrap();
     assert_eq!(j["trajectory"], serde_json::json!([0, 13, 19, 20]));
     assert_eq!(speedup(0), 1.0);
     assert!(speedup(3) > 1.0 && speedup(4) >= speedup(3), "{j}");
     assert!(speedup(4) >= speedup(2), "{j}");
-    bad(
-        &[
-            "elastic-sim",
-            "--profile",
-            &vit,
-            "--cluster",
-            &c,
-            "--trajectory",
-            "0,5,3",
-        ],
-        "must not decrease",
-    );
-    bad(
-        &[
-            "elastic-sim",
-            "--profile",
-            &vit,
-            "--cluster",
-            &c,
-            "--pipelines",
-            "3",
-        ],
-        "need 24 devices",
-    );
-    bad(
-        &[
-            "elastic-sim",
-            "--profile",
-            &vit,
-            "--cluster",
-            &c,
-            "--trajectory",
-            "0,27",
-        ],
-        "always trains",
-    );
+    for (extra, want) in [
+        (["--trajectory", "0,5,3"], "must not decrease"),
+        (["--pipelines", "3"], "need 24 devices"),
+        (["--trajectory", "0,27"], "always trains"),
+        (["--rows", "18446744073709551615"], "too many to count"),
+    ] {
+        let args = sim(&extra);
+        bad(&args.iter().map(String::as_str).collect::<Vec<_>>(), want);
+    }
 }
 
 /// `--elastic-batch scale`: freed workers add replicas that keep their micro-batches, so the

@@ -5,7 +5,7 @@
 #![cfg(feature = "mpi")]
 
 mod common;
-use common::{TINY, TINY_L4};
+use common::{FREEZE_EVERY_3, TINY, TINY_L4};
 use pipewright_core::ir::Plan;
 use pipewright_runtime::data::Corpus;
 use pipewright_runtime::train::{PlainTrainer, TrainConfig, Trainer};
@@ -328,14 +328,7 @@ fn elastic_freezing_under_mpi_turns_freed_ranks_into_replicas() {
             "8",
         ])
         .args(["--steps", steps, "--eval-every", "3", "--eval-batches", "2"])
-        .args([
-            "--freeze",
-            "schedule",
-            "--freeze-alpha",
-            "0.5",
-            "--freeze-every",
-            "3",
-        ])
+        .args(FREEZE_EVERY_3)
         .args(["--elastic", "--cache-budget", "1M"])
         .args(TINY_L4)
         .arg("--metrics")

@@ -86,10 +86,14 @@ impl PrefixCache {
 
     /// Make sure the spill file can be created (before training, not at the first spill).
     pub fn check_dir(&self) -> Result<(), CacheError> {
+        self.spill_file().map(drop)
+    }
+
+    /// A new unnamed spill file in the cache's directory (made if missing).
+    fn spill_file(&self) -> Result<File, CacheError> {
         std::fs::create_dir_all(&self.dir)
             .map_err(|e| self.err(format!("cannot create the directory: {e}")))?;
         tempfile::tempfile_in(&self.dir)
-            .map(drop)
             .map_err(|e| self.err(format!("cannot create a spill file there: {e}")))
     }
 
@@ -139,23 +143,26 @@ impl PrefixCache {
         let Some(e) = inner.entries.get(&sample) else {
             return Ok(None);
         };
-        let bytes = match &e.place {
-            Place::Memory(b) => b.clone(),
+        let values = match &e.place {
+            Place::Memory(b) => self.decode(b),
             Place::Disk(at) => {
                 let mut b = vec![0u8; e.bytes];
                 let f = inner.spill.as_ref().expect("a spilled entry has a file");
                 f.read_exact_at(&mut b, *at)
                     .map_err(|e| self.err(format!("cannot read a spilled entry back: {e}")))?;
-                b
+                self.decode(&b)
             }
         };
-        Ok(Some((e.depth, self.decode(&bytes))))
+        Ok(Some((e.depth, values)))
     }
 
     /// Keep `values`, the output of layer blocks `0..depth` for `sample` (replacing an
     /// entry of a lower depth): in memory while the budget allows, else in the spill file.
     pub fn put(&self, sample: u64, depth: usize, values: &[f32]) -> Result<(), CacheError> {
-        let bytes = self.encode(values);
+        self.put_encoded(sample, depth, self.encode(values))
+    }
+
+    fn put_encoded(&self, sample: u64, depth: usize, bytes: Vec<u8>) -> Result<(), CacheError> {
         let n = bytes.len() as u64;
         let mut guard = self.lock();
         let inner = &mut *guard;
@@ -177,12 +184,7 @@ impl PrefixCache {
             Place::Memory(bytes)
         } else {
             if inner.spill.is_none() {
-                std::fs::create_dir_all(&self.dir)
-                    .map_err(|e| self.err(format!("cannot create the directory: {e}")))?;
-                inner.spill = Some(
-                    tempfile::tempfile_in(&self.dir)
-                        .map_err(|e| self.err(format!("cannot create a spill file: {e}")))?,
-                );
+                inner.spill = Some(self.spill_file()?);
             }
             let at = inner.spill_len;
             let f = inner.spill.as_mut().expect("made above");
@@ -273,13 +275,14 @@ impl PrefixCache {
                 .map_err(|e| self.err(format!("prefix output is not f32: {e:?}")))?;
             for (i, (r, _)) in group.into_iter().enumerate() {
                 let row = &vals[i * seq * w..(i + 1) * seq * w];
-                self.put(mb.samples[r], k, row)?;
+                let bytes = self.encode(row);
                 // Train on what later epochs will read back (f16-rounded when so stored).
                 out[r] = Some(if self.f16 {
-                    self.decode(&self.encode(row))
+                    self.decode(&bytes)
                 } else {
                     row.to_vec()
                 });
+                self.put_encoded(mb.samples[r], k, bytes)?;
             }
         }
         let w = width.expect("at least one row");

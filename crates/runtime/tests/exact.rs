@@ -73,6 +73,13 @@ fn same_as_plain(cfg: &TrainConfig, plan: Plan, what: &str) -> Trainer {
     pipe
 }
 
+/// One step of each; their losses agree.
+fn step_both(pipe: &mut Trainer, plain: &mut PlainTrainer, corpus: &Corpus, what: &str) {
+    let a = pipe.train_step(corpus).unwrap().loss;
+    let b = plain.train_step(corpus);
+    assert!((a - b).abs() < 1e-5, "{what}: loss {a} vs {b}");
+}
+
 fn assert_close(x: &[f32], y: &[f32], what: &str) {
     assert_eq!(x.len(), y.len(), "{what}: parameter counts");
     let diff = x
@@ -405,9 +412,7 @@ fn frozen_prefix_and_elastic_replan_stay_exact() {
     let mut plain = PlainTrainer::new(cfg.clone(), &plan);
     let mut pipe = Trainer::new(cfg.clone(), plan).unwrap();
     let step = |pipe: &mut Trainer, plain: &mut PlainTrainer, what: &str| {
-        let a = pipe.train_step(&corpus).unwrap().loss;
-        let b = plain.train_step(&corpus);
-        assert!((a - b).abs() < 1e-5, "{what}: loss {a} vs {b}");
+        step_both(pipe, plain, &corpus, what)
     };
     step(&mut pipe, &mut plain, "before freezing");
     pipe.set_frozen(2).unwrap();
@@ -494,9 +499,7 @@ fn cached_frozen_prefix_stays_exact() {
     let cache = Arc::new(PrefixCache::new(600, false, &dir));
     pipe.set_cache(Some(cache.clone())).unwrap();
     let step = |pipe: &mut Trainer, plain: &mut PlainTrainer, what: &str| {
-        let a = pipe.train_step(&corpus).unwrap().loss;
-        let b = plain.train_step(&corpus);
-        assert!((a - b).abs() < 1e-5, "{what}: loss {a} vs {b}");
+        step_both(pipe, plain, &corpus, what)
     };
     step(&mut pipe, &mut plain, "before freezing");
     pipe.set_frozen(1).unwrap();

@@ -25,6 +25,18 @@ pub const TINY_L4: [&str; 8] = [
     "16",
 ];
 
+/// The released PipeTransformer freezing rule, deciding every 3 steps: the first blocks
+/// freeze within a few steps of a tiny run.
+#[allow(dead_code)]
+pub const FREEZE_EVERY_3: [&str; 6] = [
+    "--freeze",
+    "schedule",
+    "--freeze-alpha",
+    "0.5",
+    "--freeze-every",
+    "3",
+];
+
 /// An empty scratch directory for one test of this process.
 #[allow(dead_code)]
 pub fn fresh_dir(tag: &str) -> std::path::PathBuf {
