@@ -224,7 +224,7 @@ impl Deferred {
             let o = dy.dims()[2];
             let x2 = x.reshape([n * t, i]);
             let dy2 = dy.reshape([n * t, o]);
-            let dw = x2.transpose().matmul(dy2.clone());
+            let dw = crate::kernels::matmul(x2.transpose(), dy2.clone());
             out.insert(w, dw.into_data().try_into_vec::<f32>().expect("f32"));
             if let Some(b) = b {
                 out.insert(
@@ -244,11 +244,11 @@ impl Deferred {
 /// skips their gradient matmuls) and a zero probe on its output captures `dy` for later.
 fn linear(l: &Linear, x: Tensor<3>, cap: &mut Option<&mut Deferred>) -> Tensor<3> {
     match cap {
-        None => l.forward(x),
+        None => affine(x, l.weight.val(), l.bias.as_ref().map(|b| b.val())),
         Some(d) => {
             let w = l.weight.val().detach();
             let b = l.bias.as_ref().map(|b| b.val().detach());
-            let y = burn::tensor::module::linear(x.clone(), w, b);
+            let y = affine(x.clone(), w, b);
             let probe = Tensor::<3>::zeros(y.dims(), &y.device()).require_grad();
             d.entries.push((
                 l.weight.id,
@@ -259,6 +259,18 @@ fn linear(l: &Linear, x: Tensor<3>, cap: &mut Option<&mut Deferred>) -> Tensor<3
             y + probe
         }
     }
+}
+
+/// `x W + b` over all rows at once: one [batch * seq, in] x [in, out] GEMM.
+fn affine(x: Tensor<3>, w: Tensor<2>, b: Option<Tensor<1>>) -> Tensor<3> {
+    let [n, t, i] = x.dims();
+    let o = w.dims()[1];
+    let y = crate::kernels::matmul(x.reshape([n * t, i]), w);
+    let y = match b {
+        Some(b) => y + b.unsqueeze_dim(0),
+        None => y,
+    };
+    y.reshape([n, t, o])
 }
 
 /// Mean cross-entropy of next-byte prediction.
