@@ -4,8 +4,9 @@
 
 use burn::module::{Module, ParamId};
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
-use burn::tensor::activation::{gelu, log_softmax, softmax};
-use burn::tensor::{Bool, Device, Int, Tensor};
+use crate::kernels::{causal_softmax, gelu, layer_norm, LN_EPS};
+use burn::tensor::activation::log_softmax;
+use burn::tensor::{Device, Int, Tensor};
 use serde::{Deserialize, Serialize};
 
 /// Model size. Vocabulary 256: bytes.
@@ -153,24 +154,20 @@ impl Block {
     fn forward_with(&self, x: Tensor<3>, cap: &mut Option<&mut Deferred>) -> Tensor<3> {
         let [b, t, d] = x.dims();
         let (h, dh) = (self.heads, d / self.heads);
-        let a = self.ln1.forward(x.clone());
+        let a = layer_norm(&self.ln1, x.clone());
         let split = |y: Tensor<3>| y.reshape([b, t, h, dh]).swap_dims(1, 2);
         let (q, k, v) = (
             split(linear(&self.q, a.clone(), cap)),
             split(linear(&self.k, a.clone(), cap)),
             split(linear(&self.v, a, cap)),
         );
-        let scores = q.matmul(k.swap_dims(2, 3)) / (dh as f64).sqrt();
-        let mask = Tensor::<2, Bool>::tril_mask([t, t], 0, &x.device());
-        let bias = Tensor::<2>::zeros([t, t], &x.device())
-            .mask_fill(mask, -1e9)
-            .reshape([1, 1, t, t]);
-        let att = softmax(scores + bias, 3)
+        let weights = causal_softmax(q.matmul(k.swap_dims(2, 3)), 1.0 / (dh as f32).sqrt());
+        let att = weights
             .matmul(v)
             .swap_dims(1, 2)
             .reshape([b, t, d]);
         let x = x + linear(&self.o, att, cap);
-        let hidden = gelu(linear(&self.fc, self.ln2.forward(x.clone()), cap));
+        let hidden = gelu(linear(&self.fc, layer_norm(&self.ln2, x.clone()), cap));
         x + linear(&self.proj, hidden, cap)
     }
 }
@@ -187,7 +184,7 @@ impl Head {
     }
 
     fn forward_with(&self, x: Tensor<3>, cap: &mut Option<&mut Deferred>) -> Tensor<3> {
-        linear(&self.out, self.ln.forward(x), cap)
+        linear(&self.out, layer_norm(&self.ln, x), cap)
     }
 }
 
@@ -299,19 +296,19 @@ impl Layers {
         };
         let blocks = (0..cfg.layers)
             .map(|_| Block {
-                ln1: LayerNormConfig::new(d).init(device),
+                ln1: LayerNormConfig::new(d).with_epsilon(LN_EPS as f64).init(device),
                 q: lin(d, d),
                 k: lin(d, d),
                 v: lin(d, d),
                 o: lin(d, d),
-                ln2: LayerNormConfig::new(d).init(device),
+                ln2: LayerNormConfig::new(d).with_epsilon(LN_EPS as f64).init(device),
                 fc: lin(d, 4 * d),
                 proj: lin(4 * d, d),
                 heads: cfg.heads,
             })
             .collect();
         let head = Head {
-            ln: LayerNormConfig::new(d).init(device),
+            ln: LayerNormConfig::new(d).with_epsilon(LN_EPS as f64).init(device),
             out: lin(d, cfg.vocab),
         };
         let layers = Layers {
