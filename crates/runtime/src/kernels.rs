@@ -18,8 +18,11 @@ use burn::tensor::{DType, Tensor, TensorData};
 
 #[backend_extension(Flex, Autodiff)]
 pub trait Kernels: Backend {
-    /// `a [m, k] · b [k, n]`; either operand may be a transposed view.
-    fn matmul2d(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self>;
+    /// `a [.., m, k] · b [.., k, n]` with the same leading (batch) dimensions; either operand
+    /// may be a strided view (a transpose, heads split off a wider row) without a copy.
+    fn matmul(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self>;
+    /// `x [r, i] · w [i, o] + b [o]`: a Linear layer as one GEMM (the bias is its initial value).
+    fn linear(x: FloatTensor<Self>, w: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self>;
     /// Exact GELU, `x Phi(x)`.
     fn gelu(x: FloatTensor<Self>) -> FloatTensor<Self>;
     /// Softmax over the last dimension of `scale * x` for `[.., t, t]` scores, keys after the
@@ -34,58 +37,130 @@ pub trait Kernels: Backend {
     ) -> FloatTensor<Self>;
 }
 
-/// A 2-D operand as BLAS takes it: row-major as stored, or the transpose of a stored matrix.
-fn blas_operand(t: FlexTensor) -> (FlexTensor, cblas_sys::CBLAS_TRANSPOSE, usize) {
-    let l = t.layout();
-    let (r, c) = (l.shape()[0], l.shape()[1]);
-    let s = l.strides();
-    if l.is_contiguous() {
-        (t, cblas_sys::CblasNoTrans, c.max(1))
-    } else if s[0] == 1 && s[1] == r as isize && r > 0 {
-        (t, cblas_sys::CblasTrans, r)
+/// How BLAS reads a `rows x cols` matrix stored with strides `(sr, sc)`: as stored or as the
+/// transpose of a stored matrix, with its leading dimension; `None` if it needs a copy first.
+fn blas_view(rows: usize, cols: usize, sr: isize, sc: isize) -> Option<(cblas_sys::CBLAS_TRANSPOSE, usize)> {
+    let (r, c) = (rows.max(1), cols.max(1));
+    if sc == 1 && (rows == 1 || sr >= c as isize) {
+        Some((cblas_sys::CblasNoTrans, if rows == 1 { c } else { sr as usize }))
+    } else if sr == 1 && (cols == 1 || sc >= r as isize) {
+        Some((cblas_sys::CblasTrans, if cols == 1 { r } else { sc as usize }))
     } else {
-        let t = t.to_contiguous();
-        (t, cblas_sys::CblasNoTrans, c.max(1))
+        None
+    }
+}
+
+/// One operand of a (batched) product: its storage, how BLAS reads each matrix, and where
+/// each batch's matrix starts.
+struct Operand {
+    t: FlexTensor,
+    trans: cblas_sys::CBLAS_TRANSPOSE,
+    ld: usize,
+    starts: Vec<usize>,
+}
+
+impl Operand {
+    fn new(t: FlexTensor) -> Self {
+        let view = |t: &FlexTensor| {
+            let (l, n) = (t.layout(), t.layout().num_dims());
+            let s = l.strides();
+            if s.iter().any(|&s| s < 0) {
+                return None;
+            }
+            blas_view(l.shape()[n - 2], l.shape()[n - 1], s[n - 2], s[n - 1])
+        };
+        let t = if view(&t).is_some() { t } else { t.to_contiguous() };
+        let (trans, ld) = view(&t).expect("a contiguous matrix is a BLAS view");
+        let l = t.layout();
+        let n = l.num_dims();
+        let mut starts = vec![l.start_offset()];
+        for d in 0..n - 2 {
+            let stride = l.strides()[d] as usize;
+            starts = starts
+                .iter()
+                .flat_map(|&s| (0..l.shape()[d]).map(move |i| s + i * stride))
+                .collect();
+        }
+        Operand { t, trans, ld, starts }
+    }
+
+    /// The storage from batch `i`'s matrix on, checked to hold a `rows x cols` matrix.
+    fn matrix(&self, i: usize, rows: usize, cols: usize) -> &[f32] {
+        let data = &self.t.storage::<f32>()[self.starts[i]..];
+        let (major, minor) = if matches!(self.trans, cblas_sys::CblasNoTrans) { (rows, cols) } else { (cols, rows) };
+        if major > 0 && minor > 0 {
+            assert!((major - 1) * self.ld + minor <= data.len(), "matrix beyond its storage");
+        }
+        data
+    }
+}
+
+/// `out = a · b + beta * out` for one `m x k` by `k x n` matrix pair through OpenBLAS.
+#[allow(clippy::too_many_arguments)]
+fn sgemm(a: &Operand, ia: usize, b: &Operand, ib: usize, (m, k, n): (usize, usize, usize), beta: f32, out: &mut [f32]) {
+    if m == 0 || n == 0 || k == 0 {
+        return;
+    }
+    let (pa, pb) = (a.matrix(ia, m, k), b.matrix(ib, k, n));
+    assert!(out.len() >= m * n, "output smaller than m x n");
+    let dim = |x: usize| i32::try_from(x).expect("matrix dimension fits BLAS's int");
+    // SAFETY: `matrix` checked that each slice holds its matrix at its leading dimension, and
+    // `out` holds m x n row-major.
+    unsafe {
+        cblas_sys::cblas_sgemm(
+            cblas_sys::CblasRowMajor,
+            a.trans,
+            b.trans,
+            dim(m),
+            dim(n),
+            dim(k),
+            1.0,
+            pa.as_ptr(),
+            dim(a.ld),
+            pb.as_ptr(),
+            dim(b.ld),
+            beta,
+            out.as_mut_ptr(),
+            dim(n),
+        );
     }
 }
 
 impl Kernels for Flex {
-    fn matmul2d(a: FlexTensor, b: FlexTensor) -> FlexTensor {
-        if a.dtype() != DType::F32 || b.dtype() != DType::F32 {
+    fn matmul(a: FlexTensor, b: FlexTensor) -> FlexTensor {
+        let (sa, sb) = (a.layout().shape().to_vec(), b.layout().shape().to_vec());
+        let n = sa.len();
+        if a.dtype() != DType::F32 || b.dtype() != DType::F32 || n < 2 || sb.len() != n || sa[..n - 2] != sb[..n - 2] {
+            // Broadcast batches and other dtypes: burn's own product.
             return Flex::float_matmul(a, b);
         }
-        let (m, k) = (a.layout().shape()[0], a.layout().shape()[1]);
-        let (k2, n) = (b.layout().shape()[0], b.layout().shape()[1]);
-        assert_eq!(k, k2, "matmul2d: inner dimensions {k} and {k2} differ");
-        let mut out = vec![0f32; m * n];
-        if m > 0 && n > 0 && k > 0 {
-            let (a, ta, lda) = blas_operand(a);
-            let (b, tb, ldb) = blas_operand(b);
-            let pa = &a.storage::<f32>()[a.layout().start_offset()..];
-            let pb = &b.storage::<f32>()[b.layout().start_offset()..];
-            let dim = |x: usize| i32::try_from(x).expect("matrix dimension fits BLAS's int");
-            // SAFETY: the slices hold the m x k and k x n matrices at the given leading
-            // dimensions (checked by blas_operand), and `out` holds m x n.
-            unsafe {
-                cblas_sys::cblas_sgemm(
-                    cblas_sys::CblasRowMajor,
-                    ta,
-                    tb,
-                    dim(m),
-                    dim(n),
-                    dim(k),
-                    1.0,
-                    pa.as_ptr(),
-                    dim(lda),
-                    pb.as_ptr(),
-                    dim(ldb),
-                    0.0,
-                    out.as_mut_ptr(),
-                    dim(n),
-                );
+        let (m, k, k2, cols) = (sa[n - 2], sa[n - 1], sb[n - 2], sb[n - 1]);
+        assert_eq!(k, k2, "matmul: inner dimensions {k} and {k2} differ");
+        let batches: usize = sa[..n - 2].iter().product();
+        let mut out = vec![0f32; batches * m * cols];
+        let (a, b) = (Operand::new(a), Operand::new(b));
+        if m * cols > 0 {
+            for (i, out) in out.chunks_mut(m * cols).enumerate() {
+                sgemm(&a, i, &b, i, (m, k, cols), 0.0, out);
             }
         }
-        FlexTensor::from_data(TensorData::new(out, [m, n]))
+        let mut shape = sa[..n - 2].to_vec();
+        shape.extend([m, cols]);
+        FlexTensor::from_data(TensorData::new(out, shape))
+    }
+
+    fn linear(x: FlexTensor, w: FlexTensor, b: FlexTensor) -> FlexTensor {
+        let (r, o) = (x.layout().shape()[0], w.layout().shape()[1]);
+        let bias = values(&b);
+        assert_eq!(bias.len(), o, "linear: {o} outputs, {} bias values", bias.len());
+        let mut out: Vec<f32> = Vec::with_capacity(r * o);
+        for _ in 0..r {
+            out.extend_from_slice(&bias);
+        }
+        let (k, k2) = (x.layout().shape()[1], w.layout().shape()[0]);
+        assert_eq!(k, k2, "linear: input width {k}, weight rows {k2}");
+        sgemm(&Operand::new(x), 0, &Operand::new(w), 0, (r, k, o), 1.0, &mut out);
+        FlexTensor::from_data(TensorData::new(out, [r, o]))
     }
 
     fn gelu(x: FlexTensor) -> FlexTensor {
@@ -170,6 +245,17 @@ fn gelu_forward(x: FlexTensor, slope: bool) -> (FlexTensor, Option<FlexTensor>) 
     }
     let d = slope.then(|| tensor(d, &x));
     (tensor(y, &x), d)
+}
+
+/// Sums over the rows of a 2-D tensor (a bias gradient), in row order: deterministic.
+fn column_sums(t: &FlexTensor) -> FlexTensor {
+    let cols = t.layout().shape()[1];
+    let v = values(t);
+    let mut out = vec![0f32; cols];
+    for row in v.chunks(cols.max(1)) {
+        out.iter_mut().zip(row).for_each(|(o, v)| *o += v);
+    }
+    FlexTensor::from_data(TensorData::new(out, [cols]))
 }
 
 /// Element-wise product (the GELU backward: slope times output gradient).
@@ -311,7 +397,7 @@ fn layer_norm_backward(
 }
 
 impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
-    fn matmul2d(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+    fn matmul(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
         #[derive(Debug)]
         struct MatMul;
 
@@ -324,8 +410,8 @@ impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
                     ops.parents,
                     ops.node,
                     grads,
-                    |g| Flex::matmul2d(g, Flex::float_transpose(b.expect("kept for da"))),
-                    |g| Flex::matmul2d(Flex::float_transpose(a.expect("kept for db")), g),
+                    |g| Flex::matmul(g, Flex::float_transpose(b.expect("kept for da"))),
+                    |g| Flex::matmul(Flex::float_transpose(a.expect("kept for db")), g),
                 );
             }
         }
@@ -342,11 +428,59 @@ impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
                     b_tracked.then(|| a.primitive().clone()),
                     a_tracked.then(|| b.primitive().clone()),
                 );
-                prep.finish(state, Flex::matmul2d(a.into_primitive(), b.into_primitive()))
+                prep.finish(state, Flex::matmul(a.into_primitive(), b.into_primitive()))
             }
             OpsKind::UnTracked(prep) => {
-                prep.finish(Flex::matmul2d(a.into_primitive(), b.into_primitive()))
+                prep.finish(Flex::matmul(a.into_primitive(), b.into_primitive()))
             }
+        }
+    }
+
+    fn linear(x: FloatTensor<Self>, w: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        #[derive(Debug)]
+        struct Linear;
+
+        impl Backward<Flex, 3> for Linear {
+            /// The input (for dw) and the weight (for dx), each kept only if needed.
+            type State = (Option<FlexTensor>, Option<FlexTensor>);
+
+            fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+                let (x, w) = ops.state;
+                let dy = grads.consume::<Flex>(&ops.node);
+                let [px, pw, pb] = ops.parents;
+                if let Some(node) = px {
+                    let w = Flex::float_transpose(w.expect("kept for dx"));
+                    grads.register::<Flex>(node.id, Flex::matmul(dy.clone(), w));
+                }
+                if let Some(node) = pw {
+                    let x = Flex::float_transpose(x.expect("kept for dw"));
+                    grads.register::<Flex>(node.id, Flex::matmul(x, dy.clone()));
+                }
+                if let Some(node) = pb {
+                    grads.register::<Flex>(node.id, column_sums(&dy));
+                }
+            }
+        }
+
+        let (x_tracked, w_tracked) = (x.is_tracked(), w.is_tracked());
+        match Linear
+            .prepare::<C>([x.node(), w.node(), b.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let state = (
+                    w_tracked.then(|| x.primitive().clone()),
+                    x_tracked.then(|| w.primitive().clone()),
+                );
+                let y = Flex::linear(x.into_primitive(), w.into_primitive(), b.into_primitive());
+                prep.finish(state, y)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(Flex::linear(
+                x.into_primitive(),
+                w.into_primitive(),
+                b.into_primitive(),
+            )),
         }
     }
 
@@ -440,12 +574,31 @@ impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
     }
 }
 
-/// `a · b` for 2-D tensors, on either device (with or without autodiff).
-pub fn matmul(a: Tensor<2>, b: Tensor<2>) -> Tensor<2> {
-    Tensor::from_dispatch(<Dispatch as Kernels>::matmul2d(
+/// `a · b` with the same batch dimensions, on either device (with or without autodiff).
+pub fn matmul<const D: usize>(a: Tensor<D>, b: Tensor<D>) -> Tensor<D> {
+    Tensor::from_dispatch(<Dispatch as Kernels>::matmul(
         a.into_dispatch(),
         b.into_dispatch(),
     ))
+}
+
+/// `x W + b` over all rows of `x [.., i]` as one GEMM.
+pub fn linear<const D: usize>(x: Tensor<D>, w: Tensor<2>, b: Option<Tensor<1>>) -> Tensor<D> {
+    let mut dims = x.dims();
+    let i = dims[D - 1];
+    let o = w.dims()[1];
+    let rows = x.shape().num_elements() / i.max(1);
+    let x = x.reshape([rows, i]);
+    let y: Tensor<2> = match b {
+        Some(b) => Tensor::from_dispatch(<Dispatch as Kernels>::linear(
+            x.into_dispatch(),
+            w.into_dispatch(),
+            b.into_dispatch(),
+        )),
+        None => matmul(x, w),
+    };
+    dims[D - 1] = o;
+    y.reshape(dims)
 }
 
 /// Exact GELU (see [`Kernels::gelu`]).
@@ -532,6 +685,35 @@ mod tests {
             |[a, b]| a.clone().transpose().matmul(b.clone()),
             "a^T b",
         );
+    }
+
+    #[test]
+    fn batched_matmul_reads_split_heads_in_place() {
+        // q [b, t, h, dh] seen as [b, h, t, dh]: rows strided by h * dh, as attention does.
+        let heads = |x: &Tensor<4>| x.clone().swap_dims(1, 2);
+        same(
+            [input([2, 5, 3, 4], 1.0), input([2, 5, 3, 4], 1.0)],
+            |[q, k]| matmul(heads(q), heads(k).swap_dims(2, 3)),
+            |[q, k]| heads(q).matmul(heads(k).swap_dims(2, 3)),
+            "q k^T",
+        );
+    }
+
+    #[test]
+    fn linear_matches_burn_linear() {
+        let dev = train_device();
+        let w = input([6, 4], 1.0);
+        let b = input([4], 1.0);
+        let x = input([2, 3, 6], 1.0);
+        let ours = linear(x.clone(), w.clone(), Some(b.clone()));
+        let theirs = burn::tensor::module::linear(x.clone(), w.clone(), Some(b.clone()));
+        close(ours.clone(), theirs.clone(), "linear");
+        let up = Tensor::<3>::random([2, 3, 4], Distribution::Default, &dev);
+        let ga = (ours * up.clone()).sum().backward();
+        let gb = (theirs * up).sum().backward();
+        close(x.grad(&ga).unwrap(), x.grad(&gb).unwrap(), "dx");
+        close(w.grad(&ga).unwrap(), w.grad(&gb).unwrap(), "dw");
+        close(b.grad(&ga).unwrap(), b.grad(&gb).unwrap(), "db");
     }
 
     #[test]

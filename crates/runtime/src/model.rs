@@ -4,7 +4,7 @@
 
 use burn::module::{Module, ParamId};
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
-use crate::kernels::{causal_softmax, gelu, layer_norm, LN_EPS};
+use crate::kernels::{causal_softmax, gelu, layer_norm, matmul, LN_EPS};
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Int, Tensor};
 use serde::{Deserialize, Serialize};
@@ -161,9 +161,8 @@ impl Block {
             split(linear(&self.k, a.clone(), cap)),
             split(linear(&self.v, a, cap)),
         );
-        let weights = causal_softmax(q.matmul(k.swap_dims(2, 3)), 1.0 / (dh as f32).sqrt());
-        let att = weights
-            .matmul(v)
+        let weights = causal_softmax(matmul(q, k.swap_dims(2, 3)), 1.0 / (dh as f32).sqrt());
+        let att = matmul(weights, v)
             .swap_dims(1, 2)
             .reshape([b, t, d]);
         let x = x + linear(&self.o, att, cap);
@@ -241,11 +240,11 @@ impl Deferred {
 /// skips their gradient matmuls) and a zero probe on its output captures `dy` for later.
 fn linear(l: &Linear, x: Tensor<3>, cap: &mut Option<&mut Deferred>) -> Tensor<3> {
     match cap {
-        None => affine(x, l.weight.val(), l.bias.as_ref().map(|b| b.val())),
+        None => crate::kernels::linear(x, l.weight.val(), l.bias.as_ref().map(|b| b.val())),
         Some(d) => {
             let w = l.weight.val().detach();
             let b = l.bias.as_ref().map(|b| b.val().detach());
-            let y = affine(x.clone(), w, b);
+            let y = crate::kernels::linear(x.clone(), w, b);
             let probe = Tensor::<3>::zeros(y.dims(), &y.device()).require_grad();
             d.entries.push((
                 l.weight.id,
@@ -256,18 +255,6 @@ fn linear(l: &Linear, x: Tensor<3>, cap: &mut Option<&mut Deferred>) -> Tensor<3
             y + probe
         }
     }
-}
-
-/// `x W + b` over all rows at once: one [batch * seq, in] x [in, out] GEMM.
-fn affine(x: Tensor<3>, w: Tensor<2>, b: Option<Tensor<1>>) -> Tensor<3> {
-    let [n, t, i] = x.dims();
-    let o = w.dims()[1];
-    let y = crate::kernels::matmul(x.reshape([n * t, i]), w);
-    let y = match b {
-        Some(b) => y + b.unsqueeze_dim(0),
-        None => y,
-    };
-    y.reshape([n, t, o])
 }
 
 /// Mean cross-entropy of next-byte prediction.
