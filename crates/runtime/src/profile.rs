@@ -168,6 +168,7 @@ pub fn op_breakdown(cfg: &GptConfig, rows: usize, repeats: usize) -> OpBreakdown
     use burn::tensor::module::attention;
     use burn::tensor::ops::AttentionModuleOptions;
     use burn::tensor::Bool;
+    use crate::kernels as k;
     let dev = train_device();
     let (b, t, d, h) = (rows, cfg.seq_len, cfg.d_model, cfg.heads);
     let dh = d / h;
@@ -194,10 +195,16 @@ pub fn op_breakdown(cfg: &GptConfig, rows: usize, repeats: usize) -> OpBreakdown
         fb.remove(0);
         (median(fw), median(fb))
     }
-    let ln = LayerNormConfig::new(d).init(&dev);
+    let ln = LayerNormConfig::new(d)
+        .with_epsilon(crate::kernels::LN_EPS as f64)
+        .init(&dev);
     let qkv = LinearConfig::new(d, d).init(&dev);
     let up = LinearConfig::new(d, 4 * d).init(&dev);
     let down = LinearConfig::new(4 * d, d).init(&dev);
+    let lin = |l: &burn::nn::Linear, x: Tensor<3>| {
+        k::linear(x, l.weight.val(), l.bias.as_ref().map(|b| b.val()))
+    };
+    let scale = 1.0 / (dh as f32).sqrt();
     let mut out = Vec::new();
     let mut push = |name, count, (f, fb): (f64, f64)| {
         out.push(OpTime {
@@ -207,11 +214,15 @@ pub fn op_breakdown(cfg: &GptConfig, rows: usize, repeats: usize) -> OpBreakdown
             forward_backward: fb * count as f64,
         })
     };
-    push("layer norm", 2, time(repeats, || x3(d), |x| ln.forward(x)));
+    push(
+        "layer norm",
+        2,
+        time(repeats, || x3(d), |x| k::layer_norm(&ln, x)),
+    );
     push(
         "q, k, v, o projections (d x d)",
         4,
-        time(repeats, || x3(d), |x| qkv.forward(x)),
+        time(repeats, || x3(d), |x| lin(&qkv, x)),
     );
     push(
         "head split and merge (reshape, swap)",
@@ -228,30 +239,21 @@ pub fn op_breakdown(cfg: &GptConfig, rows: usize, repeats: usize) -> OpBreakdown
         ),
     );
     push(
-        "scores q k^T / sqrt(dh)",
+        "scores q k^T",
         1,
         time(
             repeats,
             || (rand([b, h, t, dh]), rand([b, h, t, dh])),
-            |(q, k)| {
-                let s = q.matmul(k.swap_dims(2, 3)) / (dh as f64).sqrt();
-                s.reshape([b, h * t, t])
-            },
+            |(q, kk)| k::matmul(q, kk.swap_dims(2, 3)).reshape([b, h * t, t]),
         ),
     );
     push(
-        "causal mask and softmax",
+        "causal softmax (scaled, masked)",
         1,
         time(
             repeats,
             || rand([b, h, t, t]),
-            |s| {
-                let mask = Tensor::<2, Bool>::tril_mask([t, t], 0, &dev);
-                let bias = Tensor::<2>::zeros([t, t], &dev)
-                    .mask_fill(mask, -1e9)
-                    .reshape([1, 1, t, t]);
-                softmax(s + bias, 3).reshape([b, h * t, t])
-            },
+            |s| k::causal_softmax(s, scale).reshape([b, h * t, t]),
         ),
     );
     push(
@@ -260,20 +262,19 @@ pub fn op_breakdown(cfg: &GptConfig, rows: usize, repeats: usize) -> OpBreakdown
         time(
             repeats,
             || (rand([b, h, t, t]), rand([b, h, t, dh])),
-            |(a, v)| a.matmul(v).reshape([b, h * t, dh]),
+            |(a, v)| k::matmul(a, v).reshape([b, h * t, dh]),
         ),
     );
     push(
         "MLP up (d x 4d)",
         1,
-        time(repeats, || x3(d), |x| up.forward(x)),
+        time(repeats, || x3(d), |x| lin(&up, x)),
     );
-    push("GELU", 1, time(repeats, || x3(4 * d), gelu));
-
+    push("GELU", 1, time(repeats, || x3(4 * d), k::gelu));
     push(
         "MLP down (4d x d)",
         1,
-        time(repeats, || x3(4 * d), |x| down.forward(x)),
+        time(repeats, || x3(4 * d), |x| lin(&down, x)),
     );
     push(
         "residual adds",
@@ -298,7 +299,57 @@ pub fn op_breakdown(cfg: &GptConfig, rows: usize, repeats: usize) -> OpBreakdown
         },
         replaces,
     };
+    let causal_bias = || {
+        let mask = Tensor::<2, Bool>::tril_mask([t, t], 0, &dev);
+        Tensor::<2>::zeros([t, t], &dev)
+            .mask_fill(mask, -1e9)
+            .reshape([1, 1, t, t])
+    };
+    // burn's own ops for the same maths: what the kernels replaced, measured in the same run.
     let alternatives = vec![
+        alt(
+            "burn LayerNorm",
+            time(repeats, || x3(d), |x| ln.forward(x)),
+            vec![("layer norm", 0.5)],
+        ),
+        alt(
+            "burn Linear (flex GEMM), d x d",
+            time(repeats, || x3(d), |x| qkv.forward(x)),
+            vec![("q, k, v, o projections (d x d)", 0.25)],
+        ),
+        alt(
+            "burn Linear (flex GEMM), d x 4d",
+            time(repeats, || x3(d), |x| up.forward(x)),
+            vec![("MLP up (d x 4d)", 1.0)],
+        ),
+        alt(
+            "burn matmul q k^T (flex GEMM)",
+            time(
+                repeats,
+                || (rand([b, h, t, dh]), rand([b, h, t, dh])),
+                |(q, kk)| q.matmul(kk.swap_dims(2, 3)).reshape([b, h * t, t]),
+            ),
+            vec![("scores q k^T", 1.0)],
+        ),
+        alt(
+            "burn scale, mask and softmax",
+            time(
+                repeats,
+                || rand([b, h, t, t]),
+                |s| softmax(s * scale + causal_bias(), 3).reshape([b, h * t, t]),
+            ),
+            vec![("causal softmax (scaled, masked)", 1.0)],
+        ),
+        alt(
+            "burn GELU (exact)",
+            time(repeats, || x3(4 * d), gelu),
+            vec![("GELU", 1.0)],
+        ),
+        alt(
+            "burn GELU, tanh approximation",
+            time(repeats, || x3(4 * d), gelu_approximate),
+            vec![("GELU", 1.0)],
+        ),
         // One d x 3d product, then q, k, v as slices of it (the adds stand for their three uses).
         alt(
             "q, k, v as one d x 3d projection",
@@ -306,7 +357,7 @@ pub fn op_breakdown(cfg: &GptConfig, rows: usize, repeats: usize) -> OpBreakdown
                 repeats,
                 || x3(d),
                 |x| {
-                    let p = qkv3.forward(x).chunk(3, 2);
+                    let p = lin(&qkv3, x).chunk(3, 2);
                     p[0].clone() + p[1].clone() + p[2].clone()
                 },
             ),
@@ -323,25 +374,20 @@ pub fn op_breakdown(cfg: &GptConfig, rows: usize, repeats: usize) -> OpBreakdown
                         rand([b, h, t, dh]),
                     )
                 },
-                |(q, k, v)| {
+                |(q, kk, v)| {
                     let options = AttentionModuleOptions {
                         scale: None,
                         softcap: None,
                         is_causal: true,
                     };
-                    attention(q, k, v, None, None, options).reshape([b, h * t, dh])
+                    attention(q, kk, v, None, None, options).reshape([b, h * t, dh])
                 },
             ),
             vec![
-                ("scores q k^T / sqrt(dh)", 1.0),
-                ("causal mask and softmax", 1.0),
+                ("scores q k^T", 1.0),
+                ("causal softmax (scaled, masked)", 1.0),
                 ("attention x v", 1.0),
             ],
-        ),
-        alt(
-            "GELU, tanh approximation",
-            time(repeats, || x3(4 * d), gelu_approximate),
-            vec![("GELU", 1.0)],
         ),
     ];
     OpBreakdown {
