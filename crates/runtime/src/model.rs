@@ -2,9 +2,9 @@
 //! layer 0 = token + position embedding, layers 1..=L = pre-LayerNorm transformer blocks
 //! (causal multi-head attention, GELU MLP), layer L+1 = final norm + LM head.
 
+use crate::kernels::{causal_softmax, gelu, layer_norm, matmul, LN_EPS};
 use burn::module::{Module, ParamId};
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
-use crate::kernels::{causal_softmax, gelu, layer_norm, matmul, LN_EPS};
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Int, Tensor};
 use serde::{Deserialize, Serialize};
@@ -162,9 +162,7 @@ impl Block {
             split(linear(&self.v, a, cap)),
         );
         let weights = causal_softmax(matmul(q, k.swap_dims(2, 3)), 1.0 / (dh as f32).sqrt());
-        let att = matmul(weights, v)
-            .swap_dims(1, 2)
-            .reshape([b, t, d]);
+        let att = matmul(weights, v).swap_dims(1, 2).reshape([b, t, d]);
         let x = x + linear(&self.o, att, cap);
         let hidden = gelu(linear(&self.fc, layer_norm(&self.ln2, x.clone()), cap));
         x + linear(&self.proj, hidden, cap)
@@ -283,19 +281,25 @@ impl Layers {
         };
         let blocks = (0..cfg.layers)
             .map(|_| Block {
-                ln1: LayerNormConfig::new(d).with_epsilon(LN_EPS as f64).init(device),
+                ln1: LayerNormConfig::new(d)
+                    .with_epsilon(LN_EPS as f64)
+                    .init(device),
                 q: lin(d, d),
                 k: lin(d, d),
                 v: lin(d, d),
                 o: lin(d, d),
-                ln2: LayerNormConfig::new(d).with_epsilon(LN_EPS as f64).init(device),
+                ln2: LayerNormConfig::new(d)
+                    .with_epsilon(LN_EPS as f64)
+                    .init(device),
                 fc: lin(d, 4 * d),
                 proj: lin(4 * d, d),
                 heads: cfg.heads,
             })
             .collect();
         let head = Head {
-            ln: LayerNormConfig::new(d).with_epsilon(LN_EPS as f64).init(device),
+            ln: LayerNormConfig::new(d)
+                .with_epsilon(LN_EPS as f64)
+                .init(device),
             out: lin(d, cfg.vocab),
         };
         let layers = Layers {

@@ -163,12 +163,12 @@ pub struct Alternative {
 /// forward + backward, then the whole block the same way (the difference is what the ops
 /// cost together beyond alone: graph bookkeeping, allocation, cache effects).
 pub fn op_breakdown(cfg: &GptConfig, rows: usize, repeats: usize) -> OpBreakdown {
+    use crate::kernels as k;
     use burn::nn::{LayerNormConfig, LinearConfig};
     use burn::tensor::activation::{gelu, gelu_approximate, softmax};
     use burn::tensor::module::attention;
     use burn::tensor::ops::AttentionModuleOptions;
     use burn::tensor::Bool;
-    use crate::kernels as k;
     let dev = train_device();
     let (b, t, d, h) = (rows, cfg.seq_len, cfg.d_model, cfg.heads);
     let dh = d / h;

@@ -1,0 +1,195 @@
+//! Matrix products through OpenBLAS's `cblas_sgemm` on flex tensors, reading strided views
+//! (transposes, heads split off a wider row) in place.
+
+use burn::backend::flex::FlexTensor;
+use burn::backend::ops::FloatTensorOps;
+use burn::backend::Flex;
+use burn::tensor::{DType, TensorData};
+
+/// How BLAS reads a `rows x cols` matrix stored with strides `(sr, sc)`: as stored or as the
+/// transpose of a stored matrix, with its leading dimension; `None` if it needs a copy first.
+fn blas_view(
+    rows: usize,
+    cols: usize,
+    sr: isize,
+    sc: isize,
+) -> Option<(cblas_sys::CBLAS_TRANSPOSE, usize)> {
+    let (r, c) = (rows.max(1), cols.max(1));
+    if sc == 1 && (rows == 1 || sr >= c as isize) {
+        Some((
+            cblas_sys::CblasNoTrans,
+            if rows == 1 { c } else { sr as usize },
+        ))
+    } else if sr == 1 && (cols == 1 || sc >= r as isize) {
+        Some((
+            cblas_sys::CblasTrans,
+            if cols == 1 { r } else { sc as usize },
+        ))
+    } else {
+        None
+    }
+}
+
+/// One operand of a (batched) product: its storage, how BLAS reads each matrix, and where
+/// each batch's matrix starts.
+struct Operand {
+    t: FlexTensor,
+    trans: cblas_sys::CBLAS_TRANSPOSE,
+    ld: usize,
+    starts: Vec<usize>,
+}
+
+impl Operand {
+    fn new(t: FlexTensor) -> Self {
+        let view = |t: &FlexTensor| {
+            let (l, n) = (t.layout(), t.layout().num_dims());
+            let s = l.strides();
+            if s.iter().any(|&s| s < 0) {
+                return None;
+            }
+            blas_view(l.shape()[n - 2], l.shape()[n - 1], s[n - 2], s[n - 1])
+        };
+        let t = if view(&t).is_some() {
+            t
+        } else {
+            t.to_contiguous()
+        };
+        let (trans, ld) = view(&t).expect("a contiguous matrix is a BLAS view");
+        let l = t.layout();
+        let n = l.num_dims();
+        let mut starts = vec![l.start_offset()];
+        for d in 0..n - 2 {
+            let stride = l.strides()[d] as usize;
+            starts = starts
+                .iter()
+                .flat_map(|&s| (0..l.shape()[d]).map(move |i| s + i * stride))
+                .collect();
+        }
+        Operand {
+            t,
+            trans,
+            ld,
+            starts,
+        }
+    }
+
+    /// The storage from row `row` of batch `i`'s matrix on, checked to hold the `rows x cols`
+    /// block that starts there.
+    fn matrix(&self, i: usize, row: usize, rows: usize, cols: usize) -> &[f32] {
+        let no_trans = matches!(self.trans, cblas_sys::CblasNoTrans);
+        let start = self.starts[i] + if no_trans { row * self.ld } else { row };
+        let data = &self.t.storage::<f32>()[start..];
+        let (major, minor) = if no_trans { (rows, cols) } else { (cols, rows) };
+        if major > 0 && minor > 0 {
+            assert!(
+                (major - 1) * self.ld + minor <= data.len(),
+                "matrix beyond its storage"
+            );
+        }
+        data
+    }
+}
+
+/// `out = a · b + beta * out` for rows `row..row + m` of batch `ia`'s `k`-wide matrix `a` and
+/// batch `ib`'s `k x n` matrix `b`, through OpenBLAS.
+fn sgemm(
+    (a, ia, row): (&Operand, usize, usize),
+    (b, ib): (&Operand, usize),
+    (m, k, n): (usize, usize, usize),
+    beta: f32,
+    out: &mut [f32],
+) {
+    if m == 0 || n == 0 || k == 0 {
+        return;
+    }
+    let (pa, pb) = (a.matrix(ia, row, m, k), b.matrix(ib, 0, k, n));
+    assert!(out.len() >= m * n, "output smaller than m x n");
+    let dim = |x: usize| i32::try_from(x).expect("matrix dimension fits BLAS's int");
+    // SAFETY: `matrix` checked that each slice holds its block at its leading dimension, and
+    // `out` holds m x n row-major.
+    unsafe {
+        cblas_sys::cblas_sgemm(
+            cblas_sys::CblasRowMajor,
+            a.trans,
+            b.trans,
+            dim(m),
+            dim(n),
+            dim(k),
+            1.0,
+            pa.as_ptr(),
+            dim(a.ld),
+            pb.as_ptr(),
+            dim(b.ld),
+            beta,
+            out.as_mut_ptr(),
+            dim(n),
+        );
+    }
+}
+
+/// All the products of a batch into `out` (`m x n` each), one after the other; OpenBLAS
+/// spreads each over its threads. (Splitting them over rayon's threads with OpenBLAS
+/// single-threaded instead was measured no faster.)
+fn gemm_batches(
+    a: &Operand,
+    b: &Operand,
+    (m, k, n): (usize, usize, usize),
+    beta: f32,
+    out: &mut [f32],
+) {
+    if m * n == 0 {
+        return;
+    }
+    for (i, o) in out.chunks_mut(m * n).enumerate() {
+        sgemm((a, i, 0), (b, i), (m, k, n), beta, o);
+    }
+}
+
+/// `a [.., m, k] · b [.., k, n]` (see [`super::Kernels::matmul`]).
+pub fn matmul(a: FlexTensor, b: FlexTensor) -> FlexTensor {
+    let (sa, sb) = (a.layout().shape().to_vec(), b.layout().shape().to_vec());
+    let n = sa.len();
+    if a.dtype() != DType::F32
+        || b.dtype() != DType::F32
+        || n < 2
+        || sb.len() != n
+        || sa[..n - 2] != sb[..n - 2]
+    {
+        // Broadcast batches and other dtypes: burn's own product.
+        return Flex::float_matmul(a, b);
+    }
+    let (m, k, k2, cols) = (sa[n - 2], sa[n - 1], sb[n - 2], sb[n - 1]);
+    assert_eq!(k, k2, "matmul: inner dimensions {k} and {k2} differ");
+    let batches: usize = sa[..n - 2].iter().product();
+    let mut out = vec![0f32; batches * m * cols];
+    gemm_batches(
+        &Operand::new(a),
+        &Operand::new(b),
+        (m, k, cols),
+        0.0,
+        &mut out,
+    );
+    let mut shape = sa[..n - 2].to_vec();
+    shape.extend([m, cols]);
+    FlexTensor::from_data(TensorData::new(out, shape))
+}
+
+/// `x [r, i] · w [i, o] + b [o]` (see [`super::Kernels::linear`]).
+pub fn linear(x: FlexTensor, w: FlexTensor, b: FlexTensor) -> FlexTensor {
+    let (r, o) = (x.layout().shape()[0], w.layout().shape()[1]);
+    let bias = super::values(&b);
+    assert_eq!(
+        bias.len(),
+        o,
+        "linear: {o} outputs, {} bias values",
+        bias.len()
+    );
+    let mut out: Vec<f32> = Vec::with_capacity(r * o);
+    for _ in 0..r {
+        out.extend_from_slice(&bias);
+    }
+    let (k, k2) = (x.layout().shape()[1], w.layout().shape()[0]);
+    assert_eq!(k, k2, "linear: input width {k}, weight rows {k2}");
+    gemm_batches(&Operand::new(x), &Operand::new(w), (r, k, o), 1.0, &mut out);
+    FlexTensor::from_data(TensorData::new(out, [r, o]))
+}
