@@ -615,12 +615,14 @@ fn whole_job_plan_workflow() {
     for op in [
         "GELU",
         "MLP up",
-        "causal mask and softmax",
+        "causal softmax (scaled, masked)",
         "sum of the ops",
         "whole block",
         "q, k, v as one d x 3d projection",
         "burn's attention op (causal)",
-        "GELU, tanh approximation",
+        "burn GELU (exact)",
+        "burn Linear (flex GEMM), d x 4d",
+        "burn GELU, tanh approximation",
     ] {
         assert!(out.contains(op), "{out}");
     }
