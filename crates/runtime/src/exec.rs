@@ -295,8 +295,7 @@ impl Worker {
                         add_grads(layer, &src, out);
                     }
                     match (a.op, s.deferred) {
-                        (Op::B, Some(mut d)) => {
-                            d.take_output_grads(&g);
+                        (Op::B, Some(d)) => {
                             waiting_w.insert((a.stage, a.mb), d);
                         }
                         (Op::B, None) => {

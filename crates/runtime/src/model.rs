@@ -2,7 +2,7 @@
 //! layer 0 = token + position embedding, layers 1..=L = pre-LayerNorm transformer blocks
 //! (causal multi-head attention, GELU MLP), layer L+1 = final norm + LM head.
 
-use crate::kernels::{causal_softmax, gelu, layer_norm, matmul, LN_EPS};
+use crate::kernels::{causal_softmax, gelu, layer_norm, matmul, GradSlot, LN_EPS};
 use burn::module::{Module, ParamId};
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::activation::log_softmax;
@@ -186,44 +186,31 @@ impl Head {
 }
 
 /// Weight gradients of Linear layers held back from the input-gradient backward (B) so that a
-/// later W step computes them: for each Linear, its input and (after B) its output gradient.
-/// `dW = x^T dy`, `db = sum(dy)` are exactly the matmuls a fused backward would have done.
+/// later W step computes them: for each Linear, its input and the slot its output gradient
+/// is left in by B. `dW = x^T dy`, `db = sum(dy)` are exactly the products a fused backward
+/// would have done.
 #[derive(Default)]
 pub struct Deferred {
-    /// (weight id, bias id, layer input without autodiff, zero probe whose gradient is dy).
-    entries: Vec<(ParamId, Option<ParamId>, Tensor<3>, Tensor<3>)>,
-    /// Output gradients read off the probes after B.
-    grads: Vec<Tensor<3>>,
+    /// (weight id, bias id, layer input [rows, in] without autodiff, output-gradient slot).
+    entries: Vec<(ParamId, Option<ParamId>, Tensor<2>, GradSlot)>,
 }
 
 impl Deferred {
-    /// After B: keep each Linear's output gradient (the probes' gradients).
-    pub fn take_output_grads(&mut self, grads: &burn::tensor::Gradients) {
-        self.grads = self
-            .entries
-            .iter()
-            .map(|(_, _, x, probe)| {
-                probe
-                    .grad(grads)
-                    .unwrap_or_else(|| Tensor::zeros(probe.dims(), &x.device()))
-            })
-            .collect();
-    }
-
-    /// The W step: the Linear layers' weight and bias gradients, by parameter id.
+    /// The W step: the Linear layers' weight and bias gradients, by parameter id. A layer
+    /// whose output gradient never came (its output did not reach the loss) gets zeros.
     pub fn weight_grads(self) -> std::collections::HashMap<ParamId, Vec<f32>> {
         let mut out = std::collections::HashMap::new();
-        for ((w, b, x, _), dy) in self.entries.into_iter().zip(self.grads) {
-            let [n, t, i] = x.dims();
-            let o = dy.dims()[2];
-            let x2 = x.reshape([n * t, i]);
-            let dy2 = dy.reshape([n * t, o]);
-            let dw = crate::kernels::matmul(x2.transpose(), dy2.clone());
+        for (w, b, x, slot) in self.entries {
+            let dy = match slot.take() {
+                Some(d) => Tensor::<2>::from_data(d, &crate::backend::plain_device()),
+                None => continue,
+            };
+            let dw = crate::kernels::matmul(x.transpose(), dy.clone());
             out.insert(w, dw.into_data().try_into_vec::<f32>().expect("f32"));
             if let Some(b) = b {
                 out.insert(
                     b,
-                    dy2.sum_dim(0)
+                    dy.sum_dim(0)
                         .into_data()
                         .try_into_vec::<f32>()
                         .expect("f32"),
@@ -235,22 +222,19 @@ impl Deferred {
 }
 
 /// A Linear layer; with a `Deferred`, its weights take no part in autodiff (so the backward
-/// skips their gradient matmuls) and a zero probe on its output captures `dy` for later.
+/// skips their gradient products) and its output gradient is kept for the W step.
 fn linear(l: &Linear, x: Tensor<3>, cap: &mut Option<&mut Deferred>) -> Tensor<3> {
+    let (w, b) = (l.weight.val(), l.bias.as_ref().map(|b| b.val()));
     match cap {
-        None => crate::kernels::linear(x, l.weight.val(), l.bias.as_ref().map(|b| b.val())),
+        None => crate::kernels::linear(x, w, b),
         Some(d) => {
-            let w = l.weight.val().detach();
-            let b = l.bias.as_ref().map(|b| b.val().detach());
-            let y = crate::kernels::linear(x.clone(), w, b);
-            let probe = Tensor::<3>::zeros(y.dims(), &y.device()).require_grad();
-            d.entries.push((
-                l.weight.id,
-                l.bias.as_ref().map(|b| b.id),
-                x.detach(),
-                probe.clone(),
-            ));
-            y + probe
+            let [n, t, i] = x.dims();
+            let x = x.reshape([n * t, i]);
+            let o = w.dims()[1];
+            let (y, slot) = crate::kernels::linear_deferred(x.clone(), w, b);
+            d.entries
+                .push((l.weight.id, l.bias.as_ref().map(|b| b.id), x.detach(), slot));
+            y.reshape([n, t, o])
         }
     }
 }

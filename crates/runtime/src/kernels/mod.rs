@@ -30,6 +30,17 @@ pub trait Kernels: Backend {
         w: FloatTensor<Self>,
         b: FloatTensor<Self>,
     ) -> FloatTensor<Self>;
+    /// [`Kernels::linear`] whose backward computes only the input gradient and leaves the
+    /// output gradient in `slot` for a later weight-gradient (W) step. `w` and `b` take no part
+    /// in autodiff; the one-value `anchor`, which requires a gradient, keeps the op in the
+    /// graph when `x` does not (it receives none).
+    fn linear_deferred(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        anchor: FloatTensor<Self>,
+        slot: GradSlot,
+    ) -> FloatTensor<Self>;
     /// Exact GELU, `x Phi(x)`.
     fn gelu(x: FloatTensor<Self>) -> FloatTensor<Self>;
     /// Softmax over the last dimension of `scale * x` for `[.., t, t]` scores, keys after the
@@ -50,6 +61,16 @@ impl Kernels for Flex {
     }
 
     fn linear(x: FlexTensor, w: FlexTensor, b: FlexTensor) -> FlexTensor {
+        blas::linear(x, w, b)
+    }
+
+    fn linear_deferred(
+        x: FlexTensor,
+        w: FlexTensor,
+        b: FlexTensor,
+        _: FlexTensor,
+        _: GradSlot,
+    ) -> FlexTensor {
         blas::linear(x, w, b)
     }
 
@@ -244,6 +265,52 @@ impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
         }
     }
 
+    fn linear_deferred(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        anchor: FloatTensor<Self>,
+        slot: GradSlot,
+    ) -> FloatTensor<Self> {
+        #[derive(Debug)]
+        struct DeferredLinear;
+
+        impl Backward<Flex, 4> for DeferredLinear {
+            /// The weight (for dx) and where dy goes.
+            type State = (FlexTensor, GradSlot);
+
+            fn backward(
+                self,
+                ops: Ops<Self::State, 4>,
+                grads: &mut Gradients,
+                _: &mut Checkpointer,
+            ) {
+                let (w, slot) = ops.state;
+                let dy = grads.consume::<Flex>(&ops.node);
+                let [px, ..] = ops.parents;
+                if let Some(node) = px {
+                    let dx = Flex::matmul(dy.clone(), Flex::float_transpose(w));
+                    grads.register::<Flex>(node.id, dx);
+                }
+                slot.put(dy.into_data());
+            }
+        }
+
+        let nodes = [x.node(), w.node(), b.node(), anchor.node()];
+        let (w, b) = (w.into_primitive(), b.into_primitive());
+        match DeferredLinear
+            .prepare::<C>(nodes)
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let y = Flex::linear(x.into_primitive(), w.clone(), b);
+                prep.finish((w, slot), y)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(Flex::linear(x.into_primitive(), w, b)),
+        }
+    }
+
     fn gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
         #[derive(Debug)]
         struct Gelu;
@@ -376,6 +443,38 @@ pub fn linear<const D: usize>(x: Tensor<D>, w: Tensor<2>, b: Option<Tensor<1>>) 
     };
     dims[D - 1] = o;
     y.reshape(dims)
+}
+
+/// Where a deferred Linear's backward leaves its output gradient for the W step.
+#[derive(Clone, Debug, Default)]
+pub struct GradSlot(std::sync::Arc<std::sync::Mutex<Option<TensorData>>>);
+
+impl GradSlot {
+    fn put(&self, dy: TensorData) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(dy);
+    }
+
+    /// The output gradient the backward left, if it ran.
+    pub fn take(&self) -> Option<TensorData> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+}
+
+/// `x W + b` over all rows of `x [rows, i]`, with weight gradients deferred (see
+/// [`Kernels::linear_deferred`]): the output and the slot its gradient will be left in.
+pub fn linear_deferred(x: Tensor<2>, w: Tensor<2>, b: Option<Tensor<1>>) -> (Tensor<2>, GradSlot) {
+    let dev = x.device();
+    let b = b.unwrap_or_else(|| Tensor::zeros([w.dims()[1]], &dev));
+    let anchor = Tensor::<1>::zeros([1], &dev).require_grad();
+    let slot = GradSlot::default();
+    let y = Tensor::from_dispatch(<Dispatch as Kernels>::linear_deferred(
+        x.into_dispatch(),
+        w.detach().into_dispatch(),
+        b.detach().into_dispatch(),
+        anchor.into_dispatch(),
+        slot.clone(),
+    ));
+    (y, slot)
 }
 
 /// Exact GELU (see [`Kernels::gelu`]).
