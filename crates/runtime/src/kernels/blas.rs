@@ -5,6 +5,7 @@ use burn::backend::flex::FlexTensor;
 use burn::backend::ops::FloatTensorOps;
 use burn::backend::Flex;
 use burn::tensor::{DType, TensorData};
+use std::mem::MaybeUninit;
 
 /// How BLAS reads a `rows x cols` matrix stored with strides `(sr, sc)`: as stored or as the
 /// transpose of a stored matrix, with its leading dimension; `None` if it needs a copy first.
@@ -97,7 +98,7 @@ fn sgemm(
     (b, ib): (&Operand, usize),
     (m, k, n): (usize, usize, usize),
     beta: f32,
-    out: &mut [f32],
+    out: &mut [MaybeUninit<f32>],
 ) {
     if m == 0 || n == 0 || k == 0 {
         return;
@@ -121,7 +122,7 @@ fn sgemm(
             pb.as_ptr(),
             dim(b.ld),
             beta,
-            out.as_mut_ptr(),
+            out.as_mut_ptr().cast::<f32>(),
             dim(n),
         );
     }
@@ -135,7 +136,7 @@ fn gemm_batches(
     b: &Operand,
     (m, k, n): (usize, usize, usize),
     beta: f32,
-    out: &mut [f32],
+    out: &mut [MaybeUninit<f32>],
 ) {
     if m * n == 0 {
         return;
@@ -161,17 +162,30 @@ pub fn matmul(a: FlexTensor, b: FlexTensor) -> FlexTensor {
     let (m, k, k2, cols) = (sa[n - 2], sa[n - 1], sb[n - 2], sb[n - 1]);
     assert_eq!(k, k2, "matmul: inner dimensions {k} and {k2} differ");
     let batches: usize = sa[..n - 2].iter().product();
-    let mut out = vec![0f32; batches * m * cols];
+    let len = batches * m * cols;
+    if k == 0 {
+        return FlexTensor::from_data(TensorData::new(vec![0f32; len], shape_of(&sa, m, cols)));
+    }
+    // No zero fill: with beta = 0 every product writes its whole output.
+    let mut out: Vec<f32> = Vec::with_capacity(len);
     gemm_batches(
         &Operand::new(a),
         &Operand::new(b),
         (m, k, cols),
         0.0,
-        &mut out,
+        &mut out.spare_capacity_mut()[..len],
     );
-    let mut shape = sa[..n - 2].to_vec();
-    shape.extend([m, cols]);
-    FlexTensor::from_data(TensorData::new(out, shape))
+    // SAFETY: k > 0 and beta = 0, so each of the `batches` products wrote all of its m x cols
+    // block of `out` (and with m * cols = 0 there is nothing to write).
+    unsafe { out.set_len(len) };
+    FlexTensor::from_data(TensorData::new(out, shape_of(&sa, m, cols)))
+}
+
+/// The shape of a product's output: `a`'s batch dimensions, then `m x n`.
+fn shape_of(a: &[usize], m: usize, n: usize) -> Vec<usize> {
+    let mut shape = a[..a.len() - 2].to_vec();
+    shape.extend([m, n]);
+    shape
 }
 
 /// `x [r, i] · w [i, o] + b [o]` (see [`super::Kernels::linear`]).
@@ -190,6 +204,10 @@ pub fn linear(x: FlexTensor, w: FlexTensor, b: FlexTensor) -> FlexTensor {
     }
     let (k, k2) = (x.layout().shape()[1], w.layout().shape()[0]);
     assert_eq!(k, k2, "linear: input width {k}, weight rows {k2}");
-    gemm_batches(&Operand::new(x), &Operand::new(w), (r, k, o), 1.0, &mut out);
+    // f32 to MaybeUninit<f32> only forgets that the bias values are initialised.
+    let init: &mut [MaybeUninit<f32>] =
+        // SAFETY: same layout, and every value stays initialised (sgemm writes f32s).
+        unsafe { &mut *(out.as_mut_slice() as *mut [f32] as *mut [MaybeUninit<f32>]) };
+    gemm_batches(&Operand::new(x), &Operand::new(w), (r, k, o), 1.0, init);
     FlexTensor::from_data(TensorData::new(out, [r, o]))
 }

@@ -571,6 +571,17 @@ mod tests {
     }
 
     #[test]
+    fn matmul_with_an_empty_inner_dimension_is_zeros() {
+        let dev = crate::backend::plain_device();
+        let y = matmul(
+            Tensor::<3>::zeros([2, 3, 0], &dev),
+            Tensor::<3>::zeros([2, 0, 4], &dev),
+        );
+        assert_eq!(y.dims(), [2, 3, 4]);
+        assert!(y.into_data().iter::<f32>().all(|v| v == 0.0));
+    }
+
+    #[test]
     fn batched_matmul_reads_split_heads_in_place() {
         // q [b, t, h, dh] seen as [b, h, t, dh]: rows strided by h * dh, as attention does.
         let heads = |x: &Tensor<4>| x.clone().swap_dims(1, 2);
