@@ -208,13 +208,7 @@ impl Deferred {
             let dw = crate::kernels::matmul(x.transpose(), dy.clone());
             out.insert(w, dw.into_data().try_into_vec::<f32>().expect("f32"));
             if let Some(b) = b {
-                out.insert(
-                    b,
-                    dy.sum_dim(0)
-                        .into_data()
-                        .try_into_vec::<f32>()
-                        .expect("f32"),
-                );
+                out.insert(b, crate::kernels::bias_grad(&dy));
             }
         }
         out

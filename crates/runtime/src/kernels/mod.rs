@@ -132,6 +132,24 @@ fn mul(a: &FlexTensor, b: &FlexTensor) -> FlexTensor {
     tensor(cpu::mul(&values(a), &values(b)), a)
 }
 
+/// `g · b^T`: the gradient of a product's left operand (a Linear layer's input gradient).
+fn times_transposed(g: FlexTensor, b: FlexTensor) -> FlexTensor {
+    Flex::matmul(g, Flex::float_transpose(b))
+}
+
+/// `a^T · g`: the gradient of a product's right operand (a Linear layer's weight gradient).
+fn transposed_times(a: FlexTensor, g: FlexTensor) -> FlexTensor {
+    Flex::matmul(Flex::float_transpose(a), g)
+}
+
+/// A bias gradient: the sums over the rows of `dy [rows, out]` (the same sums in the same
+/// order whether the backward is fused or split into B and W).
+pub fn bias_grad(dy: &Tensor<2>) -> Vec<f32> {
+    let cols = dy.dims()[1];
+    let v = dy.to_data().try_into_vec::<f32>().expect("f32 gradients");
+    cpu::column_sums(&v, cols)
+}
+
 fn column_sums(t: &FlexTensor) -> FlexTensor {
     let cols = t.layout().shape()[1];
     FlexTensor::from_data(TensorData::new(cpu::column_sums(&values(t), cols), [cols]))
@@ -183,8 +201,8 @@ impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
                     ops.parents,
                     ops.node,
                     grads,
-                    |g| Flex::matmul(g, Flex::float_transpose(b.expect("kept for da"))),
-                    |g| Flex::matmul(Flex::float_transpose(a.expect("kept for db")), g),
+                    |g| times_transposed(g, b.expect("kept for da")),
+                    |g| transposed_times(a.expect("kept for db"), g),
                 );
             }
         }
@@ -231,12 +249,12 @@ impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
                 let dy = grads.consume::<Flex>(&ops.node);
                 let [px, pw, pb] = ops.parents;
                 if let Some(node) = px {
-                    let w = Flex::float_transpose(w.expect("kept for dx"));
-                    grads.register::<Flex>(node.id, Flex::matmul(dy.clone(), w));
+                    let dx = times_transposed(dy.clone(), w.expect("kept for dx"));
+                    grads.register::<Flex>(node.id, dx);
                 }
                 if let Some(node) = pw {
-                    let x = Flex::float_transpose(x.expect("kept for dw"));
-                    grads.register::<Flex>(node.id, Flex::matmul(x, dy.clone()));
+                    let dw = transposed_times(x.expect("kept for dw"), dy.clone());
+                    grads.register::<Flex>(node.id, dw);
                 }
                 if let Some(node) = pb {
                     grads.register::<Flex>(node.id, column_sums(&dy));
@@ -290,7 +308,7 @@ impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
                 let dy = grads.consume::<Flex>(&ops.node);
                 let [px, ..] = ops.parents;
                 if let Some(node) = px {
-                    let dx = Flex::matmul(dy.clone(), Flex::float_transpose(w));
+                    let dx = times_transposed(dy.clone(), w);
                     grads.register::<Flex>(node.id, dx);
                 }
                 slot.put(dy.into_data());
