@@ -14,6 +14,25 @@ use pipewright_core::ir::Plan;
 use pipewright_core::validate::validate;
 use std::path::{Path, PathBuf};
 
+/// mimalloc, told to keep what is freed (see `keep_freed_memory`): training frees and allocates
+/// the same large activations and gradients every micro-batch, and glibc's allocator handed
+/// them back to the OS and took them again, a page fault and a zeroed page per 4 KiB each time.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// `mi_option_purge_delay`, by its place in mimalloc.h's `mi_option_t` (libmimalloc-sys has no
+/// constant for it).
+const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+
+/// Never return freed memory to the OS (purge delay -1), unless MIMALLOC_PURGE_DELAY says
+/// otherwise. Memory stays at the run's peak, which training reaches every step anyway.
+fn keep_freed_memory() {
+    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
+        // SAFETY: sets one of mimalloc's options; any value is allowed at any time.
+        unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
+    }
+}
+
 #[derive(Parser)]
 #[command(
     name = "pipewright",
@@ -152,6 +171,7 @@ impl std::fmt::Display for BadInput {
 impl std::error::Error for BadInput {}
 
 fn main() {
+    keep_freed_memory();
     // Die quietly on a closed pipe (`pipewright ... | head`) like other command-line tools.
     #[cfg(unix)]
     unsafe {
