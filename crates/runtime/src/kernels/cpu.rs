@@ -259,7 +259,7 @@ pub fn layer_norm(
         return (Vec::new(), Vec::new(), Vec::new());
     }
     assert!(
-        x.len() % d == 0,
+        x.len().is_multiple_of(d),
         "layer_norm: {} values are not rows of {d}",
         x.len()
     );
