@@ -28,17 +28,20 @@ pub fn add_grads<M: Module>(module: &M, src: &GradSource, out: &mut Vec<f32>) {
             if self.out.len() < self.pos + n {
                 self.out.resize(self.pos + n, 0.0);
             }
-            let g = match self.src {
-                GradSource::Autodiff(grads) => t
-                    .grad(grads)
-                    .map(|g| g.into_data().try_into_vec::<f32>().expect("f32 gradients")),
-                GradSource::Deferred(map) => map.get(&p.id).cloned(),
-            };
-            if let Some(g) = g {
-                self.out[self.pos..self.pos + n]
-                    .iter_mut()
-                    .zip(g)
-                    .for_each(|(o, x)| *o += x);
+            let out = &mut self.out[self.pos..self.pos + n];
+            let mut add = |g: &[f32]| out.iter_mut().zip(g).for_each(|(o, x)| *o += x);
+            match self.src {
+                // Read in place: `into_vec` would copy the values once more.
+                GradSource::Autodiff(grads) => {
+                    if let Some(g) = t.grad(grads) {
+                        add(g.into_data().as_slice::<f32>().expect("f32 gradients"))
+                    }
+                }
+                GradSource::Deferred(map) => {
+                    if let Some(g) = map.get(&p.id) {
+                        add(g)
+                    }
+                }
             }
             self.pos += n;
         }
