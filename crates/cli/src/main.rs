@@ -345,3 +345,31 @@ pub fn write_with(
 pub fn write_file(path: &Path, text: &str) -> Result<()> {
     write_with(path, |w| w.write_all(text.as_bytes()))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::MI_OPTION_PURGE_DELAY;
+    use libmimalloc_sys::{mi_option_get, mi_option_set};
+
+    /// The option number is ours (libmimalloc-sys names no constant): it must still be the
+    /// purge delay, whose default in the mimalloc v3 that libmimalloc-sys builds is 1000 ms,
+    /// and setting it must stick.
+    #[test]
+    fn the_purge_delay_option_is_the_one_we_set() {
+        if std::env::var_os("MIMALLOC_PURGE_DELAY").is_some() {
+            return; // the environment set it: the default is not observable
+        }
+        unsafe {
+            assert_eq!(
+                mi_option_get(MI_OPTION_PURGE_DELAY),
+                1000,
+                "not the purge delay"
+            );
+            // Its neighbours: (deprecated) eager_commit_delay (1) and use_numa_nodes (0).
+            assert_eq!(mi_option_get(MI_OPTION_PURGE_DELAY - 1), 1);
+            assert_eq!(mi_option_get(MI_OPTION_PURGE_DELAY + 1), 0);
+            mi_option_set(MI_OPTION_PURGE_DELAY, -1);
+            assert_eq!(mi_option_get(MI_OPTION_PURGE_DELAY), -1);
+        }
+    }
+}
