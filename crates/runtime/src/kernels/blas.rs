@@ -1,6 +1,7 @@
 //! Matrix products through OpenBLAS's `cblas_sgemm` on flex tensors, reading strided views
 //! (transposes, heads split off a wider row) in place.
 
+use super::cpu::{assume_init, uninit};
 use burn::backend::flex::FlexTensor;
 use burn::backend::ops::FloatTensorOps;
 use burn::backend::Flex;
@@ -167,17 +168,17 @@ pub fn matmul(a: FlexTensor, b: FlexTensor) -> FlexTensor {
         return FlexTensor::from_data(TensorData::new(vec![0f32; len], shape_of(&sa, m, cols)));
     }
     // No zero fill: with beta = 0 every product writes its whole output.
-    let mut out: Vec<f32> = Vec::with_capacity(len);
+    let mut out = uninit(len);
     gemm_batches(
         &Operand::new(a),
         &Operand::new(b),
         (m, k, cols),
         0.0,
-        &mut out.spare_capacity_mut()[..len],
+        &mut out,
     );
     // SAFETY: k > 0 and beta = 0, so each of the `batches` products wrote all of its m x cols
     // block of `out` (and with m * cols = 0 there is nothing to write).
-    unsafe { out.set_len(len) };
+    let out = unsafe { assume_init(out) };
     FlexTensor::from_data(TensorData::new(out, shape_of(&sa, m, cols)))
 }
 

@@ -11,8 +11,9 @@ use std::mem::{ManuallyDrop, MaybeUninit};
 const CHUNK: usize = 1 << 14;
 
 /// `n` values to be written, without a zero fill first: outputs that a kernel writes whole
-/// skip the `memset` (3% of an MPI rank's time, with the allocator reusing freed memory).
-fn uninit(n: usize) -> Vec<MaybeUninit<f32>> {
+/// (these loops, and the products in blas.rs) skip the `memset` (3% of an MPI rank's time,
+/// with the allocator reusing freed memory).
+pub(super) fn uninit(n: usize) -> Vec<MaybeUninit<f32>> {
     let mut v = Vec::with_capacity(n);
     // SAFETY: MaybeUninit needs no initialisation.
     unsafe { v.set_len(n) };
@@ -20,7 +21,7 @@ fn uninit(n: usize) -> Vec<MaybeUninit<f32>> {
 }
 
 /// The values once written. Safety: every element of `v` has been written.
-unsafe fn assume_init(v: Vec<MaybeUninit<f32>>) -> Vec<f32> {
+pub(super) unsafe fn assume_init(v: Vec<MaybeUninit<f32>>) -> Vec<f32> {
     let mut v = ManuallyDrop::new(v);
     // SAFETY: same layout, allocation and length; the caller vouches for the contents.
     unsafe { Vec::from_raw_parts(v.as_mut_ptr().cast::<f32>(), v.len(), v.capacity()) }

@@ -146,8 +146,8 @@ fn transposed_times(a: FlexTensor, g: FlexTensor) -> FlexTensor {
 /// order whether the backward is fused or split into B and W).
 pub fn bias_grad(dy: &Tensor<2>) -> Vec<f32> {
     let cols = dy.dims()[1];
-    let v = dy.to_data().try_into_vec::<f32>().expect("f32 gradients");
-    cpu::column_sums(&v, cols)
+    let d = dy.to_data();
+    cpu::column_sums(d.as_slice::<f32>().expect("f32 gradients"), cols)
 }
 
 fn column_sums(t: &FlexTensor) -> FlexTensor {
