@@ -9,7 +9,7 @@ mod skip;
 mod train;
 
 use anyhow::{Context, Result};
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use pipewright_core::ir::Plan;
 use pipewright_core::validate::validate;
 use std::path::{Path, PathBuf};
@@ -177,7 +177,17 @@ fn main() {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
-    let cli = match Cli::try_parse() {
+    // `--version` also says which BLAS library runs the matrix products (see blas_lib).
+    let blas = match pipewright_runtime::kernels::blas_lib::blas() {
+        Ok(b) => b.description.clone(),
+        Err(e) => format!("unusable: {e}"),
+    };
+    let long_version = format!("{}\nBLAS: {blas}", env!("CARGO_PKG_VERSION"));
+    let parsed = Cli::command()
+        .long_version(&*Box::leak(long_version.into_boxed_str()))
+        .try_get_matches()
+        .and_then(|m| Cli::from_arg_matches(&m));
+    let cli = match parsed {
         Ok(c) => c,
         Err(e) => {
             use clap::error::ErrorKind::*;
@@ -231,6 +241,11 @@ fn main() {
 }
 
 fn run(cli: Cli) -> Result<()> {
+    if matches!(cli.cmd, Cmd::Train(_) | Cmd::Profile(_) | Cmd::Eval(_)) {
+        // A PIPEWRIGHT_BLAS that cannot be used stops the commands that multiply matrices
+        // before any work, rather than quietly running on another library.
+        pipewright_runtime::kernels::blas_lib::blas().map_err(|e| BadInput(e.to_string()))?;
+    }
     match cli.cmd {
         Cmd::Schedule { sched, format } => {
             let plan = sched.plan()?;

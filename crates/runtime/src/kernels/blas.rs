@@ -93,7 +93,7 @@ impl Operand {
 }
 
 /// `out = a · b + beta * out` for rows `row..row + m` of batch `ia`'s `k`-wide matrix `a` and
-/// batch `ib`'s `k x n` matrix `b`, through OpenBLAS.
+/// batch `ib`'s `k x n` matrix `b`, through the BLAS library [`super::blas_lib`] chose.
 fn sgemm(
     (a, ia, row): (&Operand, usize, usize),
     (b, ib): (&Operand, usize),
@@ -110,7 +110,7 @@ fn sgemm(
     // SAFETY: `matrix` checked that each slice holds its block at its leading dimension, and
     // `out` holds m x n row-major.
     unsafe {
-        cblas_sys::cblas_sgemm(
+        super::blas_lib::sgemm()(
             cblas_sys::CblasRowMajor,
             a.trans,
             b.trans,

@@ -18,6 +18,7 @@ use burn::backend::{backend_extension, Autodiff, Backend, Dispatch, Flex};
 use burn::tensor::{Tensor, TensorData};
 
 mod blas;
+pub mod blas_lib;
 mod cpu;
 
 #[backend_extension(Flex, Autodiff)]

@@ -1,0 +1,184 @@
+//! Which BLAS library runs the model's matrix products: the one place that decides.
+//!
+//! The system OpenBLAS (Debian's 0.3.21) is linked and used unless `PIPEWRIGHT_BLAS` names
+//! another library, loaded at run time: any that exports `cblas_sgemm` (MKL's `libmkl_rt`, a
+//! newer OpenBLAS, or the OpenBLAS of SciPy's `scipy-openblas32` wheel, whose symbols carry a
+//! `scipy_` prefix). That is how the README's BLAS comparison was measured; a newer OpenBLAS ran
+//! the block's products faster alone but training no faster, so none is the default.
+
+use std::ffi::{c_char, CStr};
+use std::sync::OnceLock;
+
+/// `cblas_sgemm`'s C signature (row/column order, transposes, m, n, k, alpha, a, lda, b, ldb,
+/// beta, c, ldc).
+pub(crate) type Sgemm = unsafe extern "C" fn(
+    cblas_sys::CBLAS_LAYOUT,
+    cblas_sys::CBLAS_TRANSPOSE,
+    cblas_sys::CBLAS_TRANSPOSE,
+    i32,
+    i32,
+    i32,
+    f32,
+    *const f32,
+    i32,
+    *const f32,
+    i32,
+    f32,
+    *mut f32,
+    i32,
+) -> ();
+
+extern "C" {
+    /// The linked system OpenBLAS's build description ("OpenBLAS 0.3.21 ... SkylakeX ...").
+    fn openblas_get_config() -> *const c_char;
+}
+
+/// The library in use.
+pub struct Blas {
+    pub(crate) sgemm: Sgemm,
+    /// What it is and where it came from, for users and benchmark logs.
+    pub description: String,
+}
+
+/// Why a requested library cannot be used.
+#[derive(Debug, thiserror::Error)]
+#[error("PIPEWRIGHT_BLAS={path}: {why} (unset it, or set it to `system` for the linked OpenBLAS)")]
+pub struct BlasError {
+    pub path: String,
+    pub why: String,
+}
+
+fn system() -> Blas {
+    // SAFETY: OpenBLAS returns a static NUL-terminated string.
+    let config = unsafe { CStr::from_ptr(openblas_get_config()) };
+    Blas {
+        sgemm: cblas_sys::cblas_sgemm,
+        description: format!("{} (system library)", config.to_string_lossy()),
+    }
+}
+
+/// Loads the library at `path` and finds its `cblas_sgemm`; if found, it stays loaded for the
+/// process (unloaded again if not).
+fn load(path: &str) -> Result<Blas, String> {
+    // SAFETY: loading runs the library's initialisers; a BLAS's start its thread pool.
+    let lib = unsafe { libloading::Library::new(path) }.map_err(|e| e.to_string())?;
+    let find = |names: &[&str]| {
+        names.iter().find_map(|n| {
+            // SAFETY: the symbol is looked up with the type of the function it names.
+            unsafe { lib.get::<unsafe extern "C" fn()>(n.as_bytes()) }
+                .ok()
+                .map(|s| *s)
+        })
+    };
+    let sgemm = find(&["cblas_sgemm", "scipy_cblas_sgemm"])
+        .ok_or("it exports no cblas_sgemm (nor scipy_cblas_sgemm)")?;
+    let config = find(&["openblas_get_config", "scipy_openblas_get_config"]).map(|f| {
+        // SAFETY: OpenBLAS's `openblas_get_config` takes nothing and returns a static C string.
+        let f: unsafe extern "C" fn() -> *const c_char = unsafe { std::mem::transmute(f) };
+        unsafe { CStr::from_ptr(f()) }.to_string_lossy().into_owned()
+    });
+    // The function pointers stay valid while the library is loaded: for good, from here.
+    std::mem::forget(lib);
+    Ok(Blas {
+        // SAFETY: `cblas_sgemm` has the standard CBLAS signature in every CBLAS library.
+        sgemm: unsafe { std::mem::transmute::<unsafe extern "C" fn(), Sgemm>(sgemm) },
+        description: format!(
+            "{} ({path})",
+            config.unwrap_or_else(|| "CBLAS".to_string())
+        ),
+    })
+}
+
+/// Chooses the library: the one `PIPEWRIGHT_BLAS` names, or the system OpenBLAS when it is
+/// unset, empty or `system`.
+fn choose() -> Result<Blas, BlasError> {
+    match std::env::var("PIPEWRIGHT_BLAS") {
+        Ok(path) if !path.is_empty() && path != "system" => {
+            load(&path).map_err(|why| BlasError { path, why })
+        }
+        _ => Ok(system()),
+    }
+}
+
+static CHOSEN: OnceLock<Result<Blas, BlasError>> = OnceLock::new();
+
+/// The library in use, or why the one `PIPEWRIGHT_BLAS` names cannot be. Commands call this
+/// first, so that a bad setting stops them with a clear message before any work.
+pub fn blas() -> Result<&'static Blas, &'static BlasError> {
+    CHOSEN.get_or_init(choose).as_ref()
+}
+
+/// The `cblas_sgemm` the kernels call: the chosen library's (the system one if the choice
+/// failed, which [`blas`] reports before any product runs).
+pub(crate) fn sgemm() -> Sgemm {
+    static FALLBACK: OnceLock<Blas> = OnceLock::new();
+    match blas() {
+        Ok(b) => b.sgemm,
+        Err(_) => FALLBACK.get_or_init(system).sgemm,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `out = a · b` through a chosen library's `sgemm`, 2 x 3 times 3 x 2.
+    fn product(b: &Blas) -> [f32; 4] {
+        let x = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0];
+        let y = [7.0f32, 8.0, 9.0, 10.0, 11.0, 12.0];
+        let mut out = [0.0f32; 4];
+        // SAFETY: row-major 2 x 3 and 3 x 2 operands, a 2 x 2 output.
+        unsafe {
+            (b.sgemm)(
+                cblas_sys::CblasRowMajor,
+                cblas_sys::CblasNoTrans,
+                cblas_sys::CblasNoTrans,
+                2,
+                2,
+                3,
+                1.0,
+                x.as_ptr(),
+                3,
+                y.as_ptr(),
+                2,
+                0.0,
+                out.as_mut_ptr(),
+                2,
+            )
+        };
+        out
+    }
+
+    #[test]
+    fn system_library_multiplies_and_names_itself() {
+        let b = system();
+        assert_eq!(product(&b), [58.0, 64.0, 139.0, 154.0]);
+        assert!(b.description.contains("OpenBLAS"), "{}", b.description);
+    }
+
+    #[test]
+    fn a_library_loaded_by_path_multiplies() {
+        // The system OpenBLAS again, this time through the loader.
+        let path = ["/usr/lib/x86_64-linux-gnu/libopenblas.so.0", "/usr/lib/libopenblas.so.0"]
+            .into_iter()
+            .find(|p| std::path::Path::new(p).exists());
+        let Some(path) = path else { return };
+        let b = load(path).expect("OpenBLAS loads");
+        assert_eq!(product(&b), [58.0, 64.0, 139.0, 154.0]);
+        assert!(b.description.contains(path), "{}", b.description);
+    }
+
+    #[test]
+    fn unusable_libraries_say_why() {
+        let e = load("/nonexistent/libblas.so").err().expect("no such file");
+        assert!(e.contains("/nonexistent/libblas.so"), "{e}");
+        // A real library without CBLAS: the C maths library.
+        let libm = ["/lib/x86_64-linux-gnu/libm.so.6", "/usr/lib/x86_64-linux-gnu/libm.so.6"]
+            .into_iter()
+            .find(|p| std::path::Path::new(p).exists());
+        if let Some(p) = libm {
+            let e = load(p).err().expect("libm has no sgemm");
+            assert!(e.contains("exports no cblas_sgemm"), "{e}");
+        }
+    }
+}
