@@ -4,6 +4,7 @@ use crate::{check_output, load_valid_plan, write_file, write_with, BadInput};
 use anyhow::{anyhow, Context, Result};
 use clap::Args;
 use pipewright_core::cluster::Cluster;
+use pipewright_core::profile::Profile;
 use pipewright_core::schedule::ScheduleKind;
 use pipewright_core::sim::{devices_for_plan, simulate, simulate_with, SimOptions, SimSetup};
 use pipewright_runtime::data::{Corpus, Sampling};
@@ -556,6 +557,12 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
         workers: trainer.plan.num_workers(),
     });
     let mut step_seconds = Vec::new();
+    // --compare-sim's profile, one pass after each step: a machine's speed drifts with other
+    // load, and a profile taken only after training could see a different machine.
+    let mut profiler = (a.compare_sim && root)
+        .then(|| pipewright_runtime::profile::Profiler::new(&cfg.model, cfg.rows, cfg.seed));
+    // And the measured actions after warm-up, by stage and op, to compare with its costs.
+    let mut action_seconds = ActionSeconds::new();
     let mut last_val = first_val;
     while trainer.step < cfg.steps {
         let r = trainer
@@ -587,6 +594,15 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
             trainer.save_checkpoint(&a.checkpoint_dir)?;
         }
         step_seconds.push(r.seconds);
+        if let Some(p) = profiler.as_mut() {
+            bar.suspend(|| p.sample());
+            if step_seconds.len() > 2 {
+                for t in &r.actions {
+                    let key = (t.action.stage, format!("{:?}", t.action.op));
+                    action_seconds.entry(key).or_default().push(t.end - t.start);
+                }
+            }
+        }
         if let Some(w) = whole.as_mut() {
             w.step(&r);
         }
@@ -665,7 +681,19 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
             ))
             .into());
         }
-        compare_sim(&trainer, links.as_ref(), &step_seconds, procs.is_none())?;
+        let mut profiler = profiler.expect("profiled on the root");
+        // At least 5 passes after the first.
+        while profiler.passes() < 6 {
+            profiler.sample();
+        }
+        compare_sim(
+            &trainer,
+            &profiler.profile(),
+            &action_seconds,
+            links.as_ref(),
+            &step_seconds,
+            procs.is_none(),
+        )?;
     }
     Ok(())
 }
@@ -792,15 +820,18 @@ fn is_rank0(never: &std::convert::Infallible) -> bool {
 
 /// Profile the model, simulate the same plan with the measured costs and print it beside the
 /// measured iteration time.
+/// Measured action durations (seconds) by stage and op (`F`, `B`, `W`, `BW`).
+type ActionSeconds = std::collections::HashMap<(usize, String), Vec<f64>>;
+
 fn compare_sim(
     trainer: &Trainer,
+    profile: &Profile,
+    actions: &ActionSeconds,
     links: Option<&Cluster>,
     step_seconds: &[f64],
     threads: bool,
 ) -> Result<()> {
-    let cfg = &trainer.cfg;
     let plan = &trainer.plan;
-    let profile = pipewright_runtime::profile::profile_model(&cfg.model, cfg.rows, 5, cfg.seed);
     let stages = profile.stage_costs(&plan.layers_per_stage());
     let cl = match links {
         Some(c) => devices_for_plan(plan, c)?,
@@ -826,6 +857,29 @@ fn compare_sim(
         "iteration time: simulated {:.4} s, measured {:.4} s (median of {} steps), measured/simulated {:.2}",
         r.iteration_time, m, measured.len(), m / r.iteration_time
     );
+    // Where the difference comes from: each stage's costs beside its measured actions.
+    let ms = |k: &str, s: usize| {
+        actions
+            .get(&(s, k.to_string()))
+            .map_or("-".to_string(), |v| {
+                let mut v = v.clone();
+                v.sort_by(f64::total_cmp);
+                format!("{:.1}", 1e3 * v[v.len() / 2])
+            })
+    };
+    for (s, c) in stages.iter().enumerate() {
+        println!(
+            "  stage {s}: ms simulated / measured (median action): F {:.1} / {}, BW {:.1} / {}, B {:.1} / {}, W {:.1} / {}",
+            1e3 * c.forward,
+            ms("F", s),
+            1e3 * c.full_backward(),
+            ms("BW", s),
+            1e3 * c.backward_input,
+            ms("B", s),
+            1e3 * c.backward_weight,
+            ms("W", s),
+        );
+    }
     if shared {
         let own = simulate(&setup)?;
         println!(

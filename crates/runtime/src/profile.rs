@@ -19,34 +19,89 @@ fn median(mut xs: Vec<f64>) -> f64 {
 /// runtime runs them: B (input gradients, Linear weight gradients deferred) and W (the
 /// deferred weight matmuls).
 pub fn profile_model(cfg: &GptConfig, rows: usize, repeats: usize, seed: u64) -> Profile {
-    let dev = train_device();
-    let layers = Layers::new(cfg, seed, &dev);
-    let (t, d_model) = (cfg.seq_len, cfg.d_model);
-    let blocks = cfg.num_blocks();
-    let mut out = Vec::with_capacity(blocks);
-    for i in 0..blocks {
-        let stage: Stage = layers.stage(i, i + 1);
-        let (mut fwd, mut bwd, mut wgt, mut bsplit, mut opt) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let mut adamw = burn::optim::AdamWConfig::new()
-            .with_weight_decay(0.01)
-            .init();
-        // Tokens for the embedding block, random hidden states for the others.
-        let make_input = || {
-            if i == 0 {
-                let toks: Vec<i64> = (0..rows * t).map(|k| (k * 7 % cfg.vocab) as i64).collect();
-                StageInput::Tokens(Tensor::<2, Int>::from_data(
-                    TensorData::new(toks, [rows, t]),
-                    &dev,
-                ))
-            } else {
-                StageInput::Hidden(
-                    Tensor::<3>::random([rows, t, d_model], Distribution::Normal(0.0, 1.0), &dev)
+    let mut p = Profiler::new(cfg, rows, seed);
+    for _ in 0..repeats.max(1) + 1 {
+        p.sample();
+    }
+    p.profile()
+}
+
+/// Each timing of one layer block, one entry per [`Profiler::sample`].
+#[derive(Default)]
+struct Samples {
+    fwd: Vec<f64>,
+    bwd: Vec<f64>,
+    wgt: Vec<f64>,
+    bsplit: Vec<f64>,
+    opt: Vec<f64>,
+}
+
+/// A profile measured a pass at a time, so that passes can be spread over a training run
+/// (`train --compare-sim` takes one after each step): on a machine whose speed drifts with
+/// other load, the profile and the steps it is compared with then see the same machine.
+pub struct Profiler {
+    cfg: GptConfig,
+    rows: usize,
+    layers: Layers,
+    optims: Vec<burn::optim::ModuleOptimizer>,
+    samples: Vec<Samples>,
+}
+
+impl Profiler {
+    pub fn new(cfg: &GptConfig, rows: usize, seed: u64) -> Self {
+        let dev = train_device();
+        let blocks = cfg.num_blocks();
+        Profiler {
+            cfg: cfg.clone(),
+            rows,
+            layers: Layers::new(cfg, seed, &dev),
+            optims: (0..blocks)
+                .map(|_| {
+                    burn::optim::AdamWConfig::new()
+                        .with_weight_decay(0.01)
+                        .init()
+                })
+                .collect(),
+            samples: (0..blocks).map(|_| Samples::default()).collect(),
+        }
+    }
+
+    /// Passes taken so far.
+    pub fn passes(&self) -> usize {
+        self.samples.first().map_or(0, |s| s.fwd.len())
+    }
+
+    /// One timing of every layer block: forward, fused backward, optimizer step, and a split
+    /// backward's B and W.
+    pub fn sample(&mut self) {
+        let dev = train_device();
+        let (cfg, rows) = (&self.cfg, self.rows);
+        let (t, d_model) = (cfg.seq_len, cfg.d_model);
+        let blocks = cfg.num_blocks();
+        for i in 0..blocks {
+            let stage: Stage = self.layers.stage(i, i + 1);
+            let adamw = &mut self.optims[i];
+            let s = &mut self.samples[i];
+            // Tokens for the embedding block, random hidden states for the others.
+            let make_input = || {
+                if i == 0 {
+                    let toks: Vec<i64> =
+                        (0..rows * t).map(|k| (k * 7 % cfg.vocab) as i64).collect();
+                    StageInput::Tokens(Tensor::<2, Int>::from_data(
+                        TensorData::new(toks, [rows, t]),
+                        &dev,
+                    ))
+                } else {
+                    StageInput::Hidden(
+                        Tensor::<3>::random(
+                            [rows, t, d_model],
+                            Distribution::Normal(0.0, 1.0),
+                            &dev,
+                        )
                         .require_grad(),
-                )
-            }
-        };
-        for _ in 0..repeats.max(1) + 1 {
+                    )
+                }
+            };
             let input = make_input();
             let t0 = Instant::now();
             let y = stage.forward(input);
@@ -67,8 +122,8 @@ pub fn profile_model(cfg: &GptConfig, rows: usize, repeats: usize, seed: u64) ->
             add_grads(&stage.layers[0], &GradSource::Autodiff(&grads), &mut flat);
             drop(grads);
             let b = t1.elapsed().as_secs_f64();
-            fwd.push(f);
-            bwd.push(b);
+            s.fwd.push(f);
+            s.bwd.push(b);
             // The optimizer step the trainer takes over the layer: its share of the global
             // norm, the gradients back as parameters, AdamW.
             let t3 = Instant::now();
@@ -76,7 +131,7 @@ pub fn profile_model(cfg: &GptConfig, rows: usize, repeats: usize, seed: u64) ->
             let layer = stage.layers[0].clone();
             let gp = grads_params(&layer, &flat, 1.0);
             let _ = adamw.step(1e-3, layer, gp);
-            opt.push(t3.elapsed().as_secs_f64());
+            s.opt.push(t3.elapsed().as_secs_f64());
             // The weight-gradient part: what W computes after a split backward.
             let mut d = Deferred::default();
             let input = make_input();
@@ -89,43 +144,51 @@ pub fn profile_model(cfg: &GptConfig, rows: usize, repeats: usize, seed: u64) ->
             // B accumulates the weight gradients that were not deferred, W the deferred ones.
             let mut flat = Vec::new();
             add_grads(&stage.layers[0], &GradSource::Autodiff(&g), &mut flat);
-            bsplit.push(t1.elapsed().as_secs_f64());
+            s.bsplit.push(t1.elapsed().as_secs_f64());
             let t2 = Instant::now();
             let w = d.weight_grads();
             add_grads(&stage.layers[0], &GradSource::Deferred(&w), &mut flat);
-            wgt.push(t2.elapsed().as_secs_f64());
+            s.wgt.push(t2.elapsed().as_secs_f64());
         }
-        // The first run warms caches and allocators; leave it out.
-        fwd.remove(0);
-        bwd.remove(0);
-        wgt.remove(0);
-        bsplit.remove(0);
-        opt.remove(0);
-        let name = match i {
-            0 => "embed".to_string(),
-            x if x == blocks - 1 => "head".to_string(),
-            x => format!("block{}", x - 1),
-        };
-        let out_width = if i == blocks - 1 { cfg.vocab } else { d_model };
-        let backward = median(bwd);
-        out.push(Layer {
-            name,
-            forward: median(fwd),
-            backward: Some(backward),
-            weight_grad: Some(median(wgt).min(backward)),
-            input_grad: Some(median(bsplit)),
-            optimizer: Some(median(opt)),
-            params: 4 * stage.num_params() as u64,
-            activation: 4 * (rows * t * out_width) as u64,
-        });
     }
-    let name = format!(
-        "gpt d{}-l{}-h{}-s{} rows {rows} (measured)",
-        cfg.d_model, cfg.layers, cfg.heads, cfg.seq_len
-    );
-    Profile {
-        model: ModelInfo { name },
-        layers: out,
+
+    /// The profile: each figure the median over the passes after the first (which warms
+    /// caches and allocators; with a single pass, that one). Panics before any pass.
+    pub fn profile(&self) -> Profile {
+        let cfg = &self.cfg;
+        let (rows, t, d_model) = (self.rows, cfg.seq_len, cfg.d_model);
+        let blocks = cfg.num_blocks();
+        let med = |xs: &[f64]| median(xs[1.min(xs.len() - 1)..].to_vec());
+        let layers = (0..blocks)
+            .map(|i| {
+                let s = &self.samples[i];
+                let name = match i {
+                    0 => "embed".to_string(),
+                    x if x == blocks - 1 => "head".to_string(),
+                    x => format!("block{}", x - 1),
+                };
+                let out_width = if i == blocks - 1 { cfg.vocab } else { d_model };
+                let backward = med(&s.bwd);
+                Layer {
+                    name,
+                    forward: med(&s.fwd),
+                    backward: Some(backward),
+                    weight_grad: Some(med(&s.wgt).min(backward)),
+                    input_grad: Some(med(&s.bsplit)),
+                    optimizer: Some(med(&s.opt)),
+                    params: 4 * self.layers.stage(i, i + 1).num_params() as u64,
+                    activation: 4 * (rows * t * out_width) as u64,
+                }
+            })
+            .collect();
+        let name = format!(
+            "gpt d{}-l{}-h{}-s{} rows {rows} (measured)",
+            cfg.d_model, cfg.layers, cfg.heads, cfg.seq_len
+        );
+        Profile {
+            model: ModelInfo { name },
+            layers,
+        }
     }
 }
 
@@ -393,5 +456,48 @@ pub fn op_breakdown(cfg: &GptConfig, rows: usize, repeats: usize) -> OpBreakdown
         ops: out,
         whole,
         alternatives,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Passes taken one at a time give one figure per field and layer block, the first pass
+    /// left out; every figure is a real (positive) time, and B + W account for a split backward.
+    #[test]
+    fn profiler_passes_make_a_profile() {
+        let cfg = GptConfig {
+            vocab: 32,
+            d_model: 16,
+            heads: 2,
+            layers: 2,
+            seq_len: 8,
+        };
+        let mut p = Profiler::new(&cfg, 2, 7);
+        assert_eq!(p.passes(), 0);
+        for _ in 0..3 {
+            p.sample();
+        }
+        assert_eq!(p.passes(), 3);
+        let prof = p.profile();
+        let names: Vec<&str> = prof.layers.iter().map(|l| l.name.as_str()).collect();
+        assert_eq!(names, ["embed", "block0", "block1", "head"]);
+        for l in &prof.layers {
+            assert!(l.forward > 0.0, "{}: forward {}", l.name, l.forward);
+            let b = l.backward.expect("backward measured");
+            assert!(b > 0.0 && l.input_grad.unwrap() > 0.0 && l.optimizer.unwrap() > 0.0);
+            assert!(
+                l.weight_grad.unwrap() <= b,
+                "{}: W above the whole backward",
+                l.name
+            );
+        }
+        // The block's parameters: 4 d x d projections and the MLP (d x 4d, 4d x d) with biases,
+        // two layer norms; as bytes.
+        let d = 16u64;
+        let block = 4 * (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d) + 2 * 2 * d;
+        assert_eq!(prof.layers[1].params, 4 * block);
+        assert_eq!(prof.layers[1].activation, 4 * 2 * 8 * 16);
     }
 }

@@ -75,17 +75,16 @@ fn load(path: &str) -> Result<Blas, String> {
     let config = find(&["openblas_get_config", "scipy_openblas_get_config"]).map(|f| {
         // SAFETY: OpenBLAS's `openblas_get_config` takes nothing and returns a static C string.
         let f: unsafe extern "C" fn() -> *const c_char = unsafe { std::mem::transmute(f) };
-        unsafe { CStr::from_ptr(f()) }.to_string_lossy().into_owned()
+        unsafe { CStr::from_ptr(f()) }
+            .to_string_lossy()
+            .into_owned()
     });
     // The function pointers stay valid while the library is loaded: for good, from here.
     std::mem::forget(lib);
     Ok(Blas {
         // SAFETY: `cblas_sgemm` has the standard CBLAS signature in every CBLAS library.
         sgemm: unsafe { std::mem::transmute::<unsafe extern "C" fn(), Sgemm>(sgemm) },
-        description: format!(
-            "{} ({path})",
-            config.unwrap_or_else(|| "CBLAS".to_string())
-        ),
+        description: format!("{} ({path})", config.unwrap_or_else(|| "CBLAS".to_string())),
     })
 }
 
@@ -159,9 +158,12 @@ mod tests {
     #[test]
     fn a_library_loaded_by_path_multiplies() {
         // The system OpenBLAS again, this time through the loader.
-        let path = ["/usr/lib/x86_64-linux-gnu/libopenblas.so.0", "/usr/lib/libopenblas.so.0"]
-            .into_iter()
-            .find(|p| std::path::Path::new(p).exists());
+        let path = [
+            "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
+            "/usr/lib/libopenblas.so.0",
+        ]
+        .into_iter()
+        .find(|p| std::path::Path::new(p).exists());
         let Some(path) = path else { return };
         let b = load(path).expect("OpenBLAS loads");
         assert_eq!(product(&b), [58.0, 64.0, 139.0, 154.0]);
@@ -173,9 +175,12 @@ mod tests {
         let e = load("/nonexistent/libblas.so").err().expect("no such file");
         assert!(e.contains("/nonexistent/libblas.so"), "{e}");
         // A real library without CBLAS: the C maths library.
-        let libm = ["/lib/x86_64-linux-gnu/libm.so.6", "/usr/lib/x86_64-linux-gnu/libm.so.6"]
-            .into_iter()
-            .find(|p| std::path::Path::new(p).exists());
+        let libm = [
+            "/lib/x86_64-linux-gnu/libm.so.6",
+            "/usr/lib/x86_64-linux-gnu/libm.so.6",
+        ]
+        .into_iter()
+        .find(|p| std::path::Path::new(p).exists());
         if let Some(p) = libm {
             let e = load(p).err().expect("libm has no sgemm");
             assert!(e.contains("exports no cblas_sgemm"), "{e}");
