@@ -818,11 +818,11 @@ fn is_rank0(never: &std::convert::Infallible) -> bool {
     match *never {}
 }
 
-/// Profile the model, simulate the same plan with the measured costs and print it beside the
-/// measured iteration time.
 /// Measured action durations (seconds) by stage and op (`F`, `B`, `W`, `BW`).
 type ActionSeconds = std::collections::HashMap<(usize, String), Vec<f64>>;
 
+/// Simulate the trained plan on the profile measured during the run and print it beside the
+/// measured iteration time, with each stage's costs beside its measured actions.
 fn compare_sim(
     trainer: &Trainer,
     profile: &Profile,
