@@ -4,11 +4,13 @@ use crate::{check_output, load_valid_plan, write_file, write_with, BadInput};
 use anyhow::{anyhow, Context, Result};
 use clap::Args;
 use pipewright_core::cluster::Cluster;
+use pipewright_core::ir::Op;
 use pipewright_core::profile::Profile;
 use pipewright_core::schedule::ScheduleKind;
 use pipewright_core::sim::{devices_for_plan, simulate, simulate_with, SimOptions, SimSetup};
 use pipewright_runtime::data::{Corpus, Sampling};
 use pipewright_runtime::model::GptConfig;
+use pipewright_runtime::profile::median;
 use pipewright_runtime::train::{TrainConfig, Trainer};
 use serde_json::json;
 use std::path::PathBuf;
@@ -598,8 +600,10 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
             bar.suspend(|| p.sample());
             if step_seconds.len() > 2 {
                 for t in &r.actions {
-                    let key = (t.action.stage, format!("{:?}", t.action.op));
-                    action_seconds.entry(key).or_default().push(t.end - t.start);
+                    action_seconds
+                        .entry((t.action.stage, t.action.op))
+                        .or_default()
+                        .push(t.end - t.start);
                 }
             }
         }
@@ -818,8 +822,8 @@ fn is_rank0(never: &std::convert::Infallible) -> bool {
     match *never {}
 }
 
-/// Measured action durations (seconds) by stage and op (`F`, `B`, `W`, `BW`).
-type ActionSeconds = std::collections::HashMap<(usize, String), Vec<f64>>;
+/// Measured action durations (seconds) by stage and op.
+type ActionSeconds = std::collections::HashMap<(usize, Op), Vec<f64>>;
 
 /// Simulate the trained plan on the profile measured during the run and print it beside the
 /// measured iteration time, with each stage's costs beside its measured actions.
@@ -850,34 +854,29 @@ fn compare_sim(
             shared_compute: shared,
         },
     )?;
-    let mut measured: Vec<f64> = step_seconds[2..].to_vec();
-    measured.sort_by(f64::total_cmp);
-    let m = measured[measured.len() / 2];
+    let measured = &step_seconds[2..];
+    let m = median(measured.to_vec());
     println!(
         "iteration time: simulated {:.4} s, measured {:.4} s (median of {} steps), measured/simulated {:.2}",
         r.iteration_time, m, measured.len(), m / r.iteration_time
     );
     // Where the difference comes from: each stage's costs beside its measured actions.
-    let ms = |k: &str, s: usize| {
-        actions
-            .get(&(s, k.to_string()))
-            .map_or("-".to_string(), |v| {
-                let mut v = v.clone();
-                v.sort_by(f64::total_cmp);
-                format!("{:.1}", 1e3 * v[v.len() / 2])
-            })
+    let ms = |op: Op, s: usize| {
+        actions.get(&(s, op)).map_or("-".to_string(), |v| {
+            format!("{:.1}", 1e3 * median(v.clone()))
+        })
     };
     for (s, c) in stages.iter().enumerate() {
         println!(
             "  stage {s}: ms simulated / measured (median action): F {:.1} / {}, BW {:.1} / {}, B {:.1} / {}, W {:.1} / {}",
             1e3 * c.forward,
-            ms("F", s),
+            ms(Op::F, s),
             1e3 * c.full_backward(),
-            ms("BW", s),
+            ms(Op::BW, s),
             1e3 * c.backward_input,
-            ms("B", s),
+            ms(Op::B, s),
             1e3 * c.backward_weight,
-            ms("W", s),
+            ms(Op::W, s),
         );
     }
     if shared {

@@ -9,7 +9,8 @@ use burn::tensor::{Distribution, Int, Tensor, TensorData};
 use pipewright_core::profile::{Layer, ModelInfo, Profile};
 use std::time::Instant;
 
-fn median(mut xs: Vec<f64>) -> f64 {
+/// The middle value (the upper one of an even count), as every timing here reports.
+pub fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(f64::total_cmp);
     xs[xs.len() / 2]
 }

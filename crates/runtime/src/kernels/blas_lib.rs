@@ -1,9 +1,9 @@
 //! Which BLAS library runs the model's matrix products: the one place that decides.
 //!
 //! The system OpenBLAS (Debian's 0.3.21) is linked and used unless `PIPEWRIGHT_BLAS` names
-//! another library, loaded at run time: any that exports `cblas_sgemm` (MKL's `libmkl_rt`, a
-//! newer OpenBLAS, or the OpenBLAS of SciPy's `scipy-openblas32` wheel, whose symbols carry a
-//! `scipy_` prefix). That is how the README's BLAS comparison was measured; a newer OpenBLAS ran
+//! another library, loaded at run time: any that exports `cblas_sgemm` with 32-bit integers
+//! (an LP64 build: MKL's `libmkl_rt`, a newer OpenBLAS, or the OpenBLAS of SciPy's
+//! `scipy-openblas32` wheel, whose symbols carry a `scipy_` prefix). That is how the README's BLAS comparison was measured; a newer OpenBLAS ran
 //! the block's products faster alone but training no faster, so none is the default.
 
 use std::ffi::{c_char, CStr};
@@ -91,11 +91,19 @@ fn load(path: &str) -> Result<Blas, String> {
 /// Chooses the library: the one `PIPEWRIGHT_BLAS` names, or the system OpenBLAS when it is
 /// unset, empty or `system`.
 fn choose() -> Result<Blas, BlasError> {
-    match std::env::var("PIPEWRIGHT_BLAS") {
-        Ok(path) if !path.is_empty() && path != "system" => {
-            load(&path).map_err(|why| BlasError { path, why })
-        }
-        _ => Ok(system()),
+    let Some(v) = std::env::var_os("PIPEWRIGHT_BLAS") else {
+        return Ok(system());
+    };
+    let path = v.to_string_lossy().into_owned();
+    if path.is_empty() || path == "system" {
+        return Ok(system());
+    }
+    match v.to_str() {
+        Some(p) => load(p).map_err(|why| BlasError { path, why }),
+        None => Err(BlasError {
+            path,
+            why: "not a UTF-8 path".to_string(),
+        }),
     }
 }
 
