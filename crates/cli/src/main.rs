@@ -231,13 +231,20 @@ fn main() {
         match RANK.get() {
             // Every rank sees the same bad input; one message is enough.
             Some(&r) if bad && r > 0 => {}
-            Some(&r) if text.contains(&format!("rank {r}:")) => eprintln!("error: {text}"),
-            Some(&r) => eprintln!("error: rank {r}: {text}"),
-            None => eprintln!("error: {text}"),
+            Some(&r) if text.contains(&format!("rank {r}:")) => say_error(&text),
+            Some(&r) => say_error(&format!("rank {r}: {text}")),
+            None => say_error(&text),
         }
         // Over MPI, exit without finalising: a peer may be dead.
         std::process::exit(if bad { 2 } else { 1 });
     }
+}
+
+/// `error: MESSAGE` on stderr in one write: `eprintln!` writes its pieces separately, and under
+/// mpirun the launcher's own abort notice could land between them, splitting the line.
+fn say_error(text: &str) {
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(format!("error: {text}\n").as_bytes());
 }
 
 fn run(cli: Cli) -> Result<()> {
