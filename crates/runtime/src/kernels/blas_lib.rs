@@ -31,11 +31,22 @@ pub(crate) type Sgemm = unsafe extern "C" fn(
 extern "C" {
     /// The linked system OpenBLAS's build description ("OpenBLAS 0.3.21 ... SkylakeX ...").
     fn openblas_get_config() -> *const c_char;
+    fn openblas_get_num_threads() -> i32;
+    fn openblas_set_num_threads(n: i32);
+}
+
+/// A library's thread-count getter and setter (OpenBLAS's `openblas_{get,set}_num_threads`).
+#[derive(Clone, Copy)]
+pub(crate) struct Threads {
+    get: unsafe extern "C" fn() -> i32,
+    set: unsafe extern "C" fn(i32),
 }
 
 /// The library in use.
 pub struct Blas {
     pub(crate) sgemm: Sgemm,
+    /// How to make it single-threaded for a while, if it says ([`single_threaded`]).
+    threads: Option<Threads>,
     /// What it is and where it came from, for users and benchmark logs.
     pub description: String,
 }
@@ -53,6 +64,10 @@ fn system() -> Blas {
     let config = unsafe { CStr::from_ptr(openblas_get_config()) };
     Blas {
         sgemm: cblas_sys::cblas_sgemm,
+        threads: Some(Threads {
+            get: openblas_get_num_threads,
+            set: openblas_set_num_threads,
+        }),
         description: format!("{} (system library)", config.to_string_lossy()),
     }
 }
@@ -79,11 +94,27 @@ fn load(path: &str) -> Result<Blas, String> {
             .to_string_lossy()
             .into_owned()
     });
+    let threads = find(&["openblas_get_num_threads", "scipy_openblas_get_num_threads"])
+        .zip(find(&[
+            "openblas_set_num_threads",
+            "scipy_openblas_set_num_threads",
+        ]))
+        .map(|(get, set)| Threads {
+            // SAFETY: OpenBLAS's `int openblas_get_num_threads(void)` and
+            // `void openblas_set_num_threads(int)`.
+            get: unsafe {
+                std::mem::transmute::<unsafe extern "C" fn(), unsafe extern "C" fn() -> i32>(get)
+            },
+            set: unsafe {
+                std::mem::transmute::<unsafe extern "C" fn(), unsafe extern "C" fn(i32)>(set)
+            },
+        });
     // The function pointers stay valid while the library is loaded: for good, from here.
     std::mem::forget(lib);
     Ok(Blas {
         // SAFETY: `cblas_sgemm` has the standard CBLAS signature in every CBLAS library.
         sgemm: unsafe { std::mem::transmute::<unsafe extern "C" fn(), Sgemm>(sgemm) },
+        threads,
         description: format!("{} ({path})", config.unwrap_or_else(|| "CBLAS".to_string())),
     })
 }
@@ -122,6 +153,52 @@ pub(crate) fn sgemm() -> Sgemm {
     match blas() {
         Ok(b) => b.sgemm,
         Err(_) => FALLBACK.get_or_init(system).sgemm,
+    }
+}
+
+/// How many pieces the kernels split products into, run over rayon's threads with the library
+/// single-threaded: rayon's thread count, or 1 (the library threads each product itself) when
+/// rayon has one thread or the library cannot be made single-threaded.
+///
+/// Why: OpenBLAS spreads each product over its own threads, which then spin (yielding) while
+/// rayon's threads run the element-wise kernels, and it splits small products poorly: a
+/// batch of 16 attention products (128 x 64 x 128) ran at 53 GFLOP/s on 2 threads, where 2
+/// single-threaded calls at once run it at 176; the block's Linear shapes at 105-135 against
+/// 150-178 as two halves. One thread pool then runs all of a step's work.
+/// How many callers are inside [`single_threaded`], and the library's thread count to restore
+/// when the last one leaves.
+static SINGLE: std::sync::Mutex<(usize, i32)> = std::sync::Mutex::new((0, 0));
+
+/// While the guard lives, the library runs each product single-threaded in its calling
+/// thread, so that the caller can run many small products at once on rayon's threads.
+/// OpenBLAS splits small products poorly: a batch of 16 attention products (128 x 64 x 128,
+/// one per sequence and head) ran at 53 GFLOP/s on its 2 threads, and at 176 as 2
+/// single-threaded calls at once. The count is the library's global setting, so other
+/// threads' products meanwhile run single-threaded too (correct, only slower). `None` if the
+/// library has no such setting.
+pub(crate) fn single_threaded() -> Option<SingleThreaded> {
+    let threads = blas().ok()?.threads?;
+    let mut s = SINGLE.lock().unwrap_or_else(|e| e.into_inner());
+    if s.0 == 0 {
+        // SAFETY: OpenBLAS's thread-count calls take and return plain ints.
+        s.1 = unsafe { (threads.get)() };
+        unsafe { (threads.set)(1) };
+    }
+    s.0 += 1;
+    Some(SingleThreaded(threads))
+}
+
+/// See [`single_threaded`]; the last one dropped restores the library's thread count.
+pub(crate) struct SingleThreaded(Threads);
+
+impl Drop for SingleThreaded {
+    fn drop(&mut self) {
+        let mut s = SINGLE.lock().unwrap_or_else(|e| e.into_inner());
+        s.0 -= 1;
+        if s.0 == 0 {
+            // SAFETY: as in `single_threaded`.
+            unsafe { (self.0.set)(s.1) };
+        }
     }
 }
 
@@ -176,6 +253,26 @@ mod tests {
         let b = load(path).expect("OpenBLAS loads");
         assert_eq!(product(&b), [58.0, 64.0, 139.0, 154.0]);
         assert!(b.description.contains(path), "{}", b.description);
+    }
+
+    #[test]
+    fn single_threaded_nests_and_restores_the_thread_count() {
+        let get = || system().threads.map(|t| unsafe { (t.get)() });
+        let Some(_) = get() else { return };
+        {
+            let _outer = single_threaded().expect("OpenBLAS has a thread-count setting");
+            {
+                let _inner = single_threaded().expect("nests");
+                assert_eq!(get(), Some(1));
+            }
+            assert_eq!(get(), Some(1), "the outer guard still holds");
+        }
+        // Whenever no guard is held (other tests may hold one now), the count is the saved one.
+        let s = SINGLE.lock().unwrap();
+        if s.0 == 0 {
+            assert_eq!(get(), Some(s.1));
+            assert!(s.1 >= 1);
+        }
     }
 
     #[test]
