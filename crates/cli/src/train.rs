@@ -560,8 +560,13 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
     });
     let mut step_seconds = Vec::new();
     // --compare-sim's profile, one pass after each step: a machine's speed drifts with other
-    // load, and a profile taken only after training could see a different machine.
-    let mut profiler = (a.compare_sim && root)
+    // load, and a profile taken only after training could see a different machine. Every rank
+    // takes it (the root's is used): a rank left idle while the root profiled ran its first
+    // actions of the next step 20-30% slower (F 58 and BW 110 ms against 43 and 85 later, from
+    // `--trace`, 2 MPI processes), which made the measured steps slower than training without
+    // --compare-sim.
+    let mut profiler = a
+        .compare_sim
         .then(|| pipewright_runtime::profile::Profiler::new(&cfg.model, cfg.rows, cfg.seed));
     // And the measured actions after warm-up, by stage and op, to compare with its costs.
     let mut action_seconds = ActionSeconds::new();
