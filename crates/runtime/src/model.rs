@@ -2,7 +2,7 @@
 //! layer 0 = token + position embedding, layers 1..=L = pre-LayerNorm transformer blocks
 //! (causal multi-head attention, GELU MLP), layer L+1 = final norm + LM head.
 
-use crate::kernels::{causal_softmax, gelu, layer_norm, matmul, GradSlot, LN_EPS};
+use crate::kernels::{causal_attention, gelu, layer_norm, GradSlot, LN_EPS};
 use burn::module::{Module, ParamId};
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::activation::log_softmax;
@@ -161,8 +161,10 @@ impl Block {
             split(linear(&self.k, a.clone(), cap)),
             split(linear(&self.v, a, cap)),
         );
-        let weights = causal_softmax(matmul(q, k.swap_dims(2, 3)), 1.0 / (dh as f32).sqrt());
-        let att = matmul(weights, v).swap_dims(1, 2).reshape([b, t, d]);
+        let scale = 1.0 / (dh as f32).sqrt();
+        let att = causal_attention(q, k, v, scale)
+            .swap_dims(1, 2)
+            .reshape([b, t, d]);
         let x = x + linear(&self.o, att, cap);
         let hidden = gelu(linear(&self.fc, layer_norm(&self.ln2, x.clone()), cap));
         x + linear(&self.proj, hidden, cap)

@@ -228,10 +228,9 @@ pub struct Alternative {
 pub fn op_breakdown(cfg: &GptConfig, rows: usize, repeats: usize) -> OpBreakdown {
     use crate::kernels as k;
     use burn::nn::{LayerNormConfig, LinearConfig};
-    use burn::tensor::activation::{gelu, gelu_approximate, softmax};
+    use burn::tensor::activation::{gelu, gelu_approximate};
     use burn::tensor::module::attention;
     use burn::tensor::ops::AttentionModuleOptions;
-    use burn::tensor::Bool;
     let dev = train_device();
     let (b, t, d, h) = (rows, cfg.seq_len, cfg.d_model, cfg.heads);
     let dh = d / h;
@@ -301,32 +300,19 @@ pub fn op_breakdown(cfg: &GptConfig, rows: usize, repeats: usize) -> OpBreakdown
             },
         ),
     );
+    let qkv_heads = || {
+        (
+            rand([b, h, t, dh]),
+            rand([b, h, t, dh]),
+            rand([b, h, t, dh]),
+        )
+    };
     push(
-        "scores q k^T",
+        "causal attention (fused)",
         1,
-        time(
-            repeats,
-            || (rand([b, h, t, dh]), rand([b, h, t, dh])),
-            |(q, kk)| k::matmul(q, kk.swap_dims(2, 3)).reshape([b, h * t, t]),
-        ),
-    );
-    push(
-        "causal softmax (scaled, masked)",
-        1,
-        time(
-            repeats,
-            || rand([b, h, t, t]),
-            |s| k::causal_softmax(s, scale).reshape([b, h * t, t]),
-        ),
-    );
-    push(
-        "attention x v",
-        1,
-        time(
-            repeats,
-            || (rand([b, h, t, t]), rand([b, h, t, dh])),
-            |(a, v)| k::matmul(a, v).reshape([b, h * t, dh]),
-        ),
+        time(repeats, qkv_heads, |(q, kk, v)| {
+            k::causal_attention(q, kk, v, scale).reshape([b, h * t, dh])
+        }),
     );
     push(
         "MLP up (d x 4d)",
@@ -362,12 +348,6 @@ pub fn op_breakdown(cfg: &GptConfig, rows: usize, repeats: usize) -> OpBreakdown
         },
         replaces,
     };
-    let causal_bias = || {
-        let mask = Tensor::<2, Bool>::tril_mask([t, t], 0, &dev);
-        Tensor::<2>::zeros([t, t], &dev)
-            .mask_fill(mask, -1e9)
-            .reshape([1, 1, t, t])
-    };
     // burn's own ops for the same maths: what the kernels replaced, measured in the same run.
     let alternatives = vec![
         alt(
@@ -384,24 +364,6 @@ pub fn op_breakdown(cfg: &GptConfig, rows: usize, repeats: usize) -> OpBreakdown
             "burn Linear (flex GEMM), d x 4d",
             time(repeats, || x3(d), |x| up.forward(x)),
             vec![("MLP up (d x 4d)", 1.0)],
-        ),
-        alt(
-            "burn matmul q k^T (flex GEMM)",
-            time(
-                repeats,
-                || (rand([b, h, t, dh]), rand([b, h, t, dh])),
-                |(q, kk)| q.matmul(kk.swap_dims(2, 3)).reshape([b, h * t, t]),
-            ),
-            vec![("scores q k^T", 1.0)],
-        ),
-        alt(
-            "burn scale, mask and softmax",
-            time(
-                repeats,
-                || rand([b, h, t, t]),
-                |s| softmax(s * scale + causal_bias(), 3).reshape([b, h * t, t]),
-            ),
-            vec![("causal softmax (scaled, masked)", 1.0)],
         ),
         alt(
             "burn GELU (exact)",
@@ -427,30 +389,24 @@ pub fn op_breakdown(cfg: &GptConfig, rows: usize, repeats: usize) -> OpBreakdown
             vec![("q, k, v, o projections (d x d)", 0.75)],
         ),
         alt(
+            "scores, causal softmax, x v as 3 ops",
+            time(repeats, qkv_heads, |(q, kk, v)| {
+                let w = k::causal_softmax(k::matmul(q, kk.swap_dims(2, 3)), scale);
+                k::matmul(w, v).reshape([b, h * t, dh])
+            }),
+            vec![("causal attention (fused)", 1.0)],
+        ),
+        alt(
             "burn's attention op (causal)",
-            time(
-                repeats,
-                || {
-                    (
-                        rand([b, h, t, dh]),
-                        rand([b, h, t, dh]),
-                        rand([b, h, t, dh]),
-                    )
-                },
-                |(q, kk, v)| {
-                    let options = AttentionModuleOptions {
-                        scale: None,
-                        softcap: None,
-                        is_causal: true,
-                    };
-                    attention(q, kk, v, None, None, options).reshape([b, h * t, dh])
-                },
-            ),
-            vec![
-                ("scores q k^T", 1.0),
-                ("causal softmax (scaled, masked)", 1.0),
-                ("attention x v", 1.0),
-            ],
+            time(repeats, qkv_heads, |(q, kk, v)| {
+                let options = AttentionModuleOptions {
+                    scale: None,
+                    softcap: None,
+                    is_causal: true,
+                };
+                attention(q, kk, v, None, None, options).reshape([b, h * t, dh])
+            }),
+            vec![("causal attention (fused)", 1.0)],
         ),
     ];
     OpBreakdown {

@@ -34,7 +34,7 @@ fn blas_view(
 
 /// One operand of a (batched) product: its storage, how BLAS reads each matrix, and where
 /// each batch's matrix starts.
-struct Operand {
+pub(super) struct Operand {
     t: FlexTensor,
     trans: cblas_sys::CBLAS_TRANSPOSE,
     ld: usize,
@@ -42,7 +42,16 @@ struct Operand {
 }
 
 impl Operand {
-    fn new(t: FlexTensor) -> Self {
+    /// Batch `i`'s matrix.
+    pub(super) fn view(&self, i: usize) -> View<'_> {
+        View {
+            data: &self.t.storage::<f32>()[self.starts[i]..],
+            trans: !matches!(self.trans, cblas_sys::CblasNoTrans),
+            ld: self.ld,
+        }
+    }
+
+    pub(super) fn new(t: FlexTensor) -> Self {
         let view = |t: &FlexTensor| {
             let (l, n) = (t.layout(), t.layout().num_dims());
             let s = l.strides();
@@ -89,6 +98,117 @@ impl Operand {
             );
         }
         data
+    }
+}
+
+/// A matrix as BLAS reads it: its storage from its first element on, whether that storage
+/// holds its transpose, and the leading dimension.
+#[derive(Clone, Copy)]
+pub(super) struct View<'a> {
+    data: &'a [f32],
+    trans: bool,
+    ld: usize,
+}
+
+impl<'a> View<'a> {
+    /// A row-major matrix with rows `ld` apart.
+    pub(super) fn rows(data: &'a [f32], ld: usize) -> Self {
+        View {
+            data,
+            trans: false,
+            ld,
+        }
+    }
+
+    /// The matrix from its element `(row, col)` on.
+    pub(super) fn at(self, row: usize, col: usize) -> Self {
+        let off = if self.trans {
+            col * self.ld + row
+        } else {
+            row * self.ld + col
+        };
+        View {
+            data: &self.data[off..],
+            ..self
+        }
+    }
+
+    /// The transpose.
+    pub(super) fn t(self) -> Self {
+        View {
+            trans: !self.trans,
+            ..self
+        }
+    }
+
+    /// The storage checked to hold a `rows x cols` matrix at this view's leading dimension.
+    fn checked(&self, rows: usize, cols: usize) -> *const f32 {
+        let (major, minor) = if self.trans {
+            (cols, rows)
+        } else {
+            (rows, cols)
+        };
+        assert!(
+            major == 0
+                || minor == 0
+                || ((major - 1) * self.ld + minor <= self.data.len() && minor <= self.ld),
+            "matrix beyond its storage"
+        );
+        self.data.as_ptr()
+    }
+}
+
+/// `out = a · b + beta * out` for an `m x k` view `a` and a `k x n` view `b`, `out` row-major
+/// with rows `ldc` apart.
+pub(super) fn gemm(
+    a: View,
+    b: View,
+    (m, k, n): (usize, usize, usize),
+    beta: f32,
+    out: &mut [f32],
+    ldc: usize,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    let (pa, pb) = (a.checked(m, k), b.checked(k, n));
+    assert!(
+        (m - 1) * ldc + n <= out.len() && n <= ldc,
+        "output smaller than m x n"
+    );
+    if k == 0 {
+        out.chunks_mut(ldc)
+            .take(m)
+            .for_each(|r| r[..n].iter_mut().for_each(|x| *x *= beta));
+        return;
+    }
+    let dim = |x: usize| i32::try_from(x).expect("matrix dimension fits BLAS's int");
+    let tr = |t: bool| {
+        if t {
+            cblas_sys::CblasTrans
+        } else {
+            cblas_sys::CblasNoTrans
+        }
+    };
+    // SAFETY: `checked` checked that each view holds its matrix at its leading dimension, and
+    // `out` holds m rows of n at ldc.
+    unsafe {
+        super::blas_lib::sgemm()(
+            cblas_sys::CblasRowMajor,
+            tr(a.trans),
+            tr(b.trans),
+            dim(m),
+            dim(n),
+            dim(k),
+            1.0,
+            pa,
+            dim(a.ld),
+            pb,
+            dim(b.ld),
+            beta,
+            out.as_mut_ptr(),
+            dim(ldc),
+        );
     }
 }
 

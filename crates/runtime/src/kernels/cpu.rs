@@ -174,7 +174,7 @@ pub fn mul(a: &[f32], b: &[f32]) -> Vec<f32> {
 }
 
 #[multiversion(targets = "simd")]
-fn softmax_row(x: &[f32], y: &mut [f32], scale: f32) {
+pub(super) fn softmax_row(x: &[f32], y: &mut [f32], scale: f32) {
     let m = max(x) * scale;
     for (y, &x) in y.iter_mut().zip(x) {
         *y = exp(x * scale - m);
@@ -200,7 +200,7 @@ pub fn causal_softmax(x: &[f32], t: usize, scale: f32) -> Vec<f32> {
 }
 
 #[multiversion(targets = "simd")]
-fn softmax_backward_row(y: &[f32], g: &[f32], dx: &mut [f32], scale: f32) {
+pub(super) fn softmax_backward_row(y: &[f32], g: &[f32], dx: &mut [f32], scale: f32) {
     let d = dot(y, g);
     for ((dx, y), g) in dx.iter_mut().zip(y).zip(g) {
         *dx = scale * y * (g - d);

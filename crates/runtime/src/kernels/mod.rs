@@ -17,6 +17,7 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{backend_extension, Autodiff, Backend, Dispatch, Flex};
 use burn::tensor::{Tensor, TensorData};
 
+mod attention;
 mod blas;
 pub mod blas_lib;
 mod cpu;
@@ -48,6 +49,14 @@ pub trait Kernels: Backend {
     /// Softmax over the last dimension of `scale * x` for `[.., t, t]` scores, keys after the
     /// query (column > row) masked out: causal attention weights.
     fn causal_softmax(x: FloatTensor<Self>, scale: f32) -> FloatTensor<Self>;
+    /// Causal attention of `[.., t, dh]` queries, keys and values (any strides): `softmax(scale
+    /// q k^T, keys after the query masked) v`, without the masked scores' products.
+    fn causal_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        scale: f32,
+    ) -> FloatTensor<Self>;
     /// Layer normalisation over the last dimension, then `* gamma + beta`.
     fn layer_norm(
         x: FloatTensor<Self>,
@@ -82,6 +91,10 @@ impl Kernels for Flex {
 
     fn causal_softmax(x: FlexTensor, scale: f32) -> FlexTensor {
         causal_softmax_forward(x, scale)
+    }
+
+    fn causal_attention(q: FlexTensor, k: FlexTensor, v: FlexTensor, scale: f32) -> FlexTensor {
+        attention::forward(q, k, v, scale).0
     }
 
     fn layer_norm(x: FlexTensor, gamma: FlexTensor, beta: FlexTensor, eps: f32) -> FlexTensor {
@@ -389,6 +402,53 @@ impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
         }
     }
 
+    fn causal_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        scale: f32,
+    ) -> FloatTensor<Self> {
+        #[derive(Debug)]
+        struct Attention;
+
+        impl Backward<Flex, 3> for Attention {
+            /// Queries, keys, values, the attention weights, the scale.
+            type State = (FlexTensor, FlexTensor, FlexTensor, FlexTensor, f32);
+
+            fn backward(
+                self,
+                ops: Ops<Self::State, 3>,
+                grads: &mut Gradients,
+                _: &mut Checkpointer,
+            ) {
+                let (q, k, v, weights, scale) = ops.state;
+                let dy = grads.consume::<Flex>(&ops.node);
+                let [dq, dk, dv] = attention::backward(q, k, v, &weights, dy, scale);
+                let [pq, pk, pv] = ops.parents;
+                for (parent, grad) in [(pq, dq), (pk, dk), (pv, dv)] {
+                    if let Some(node) = parent {
+                        grads.register::<Flex>(node.id, grad);
+                    }
+                }
+            }
+        }
+
+        let nodes = [q.node(), k.node(), v.node()];
+        match Attention.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let (q, k, v) = (q.into_primitive(), k.into_primitive(), v.into_primitive());
+                let (y, weights) = attention::forward(q.clone(), k.clone(), v.clone(), scale);
+                prep.finish((q, k, v, weights, scale), y)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(Flex::causal_attention(
+                q.into_primitive(),
+                k.into_primitive(),
+                v.into_primitive(),
+                scale,
+            )),
+        }
+    }
+
     fn layer_norm(
         x: FloatTensor<Self>,
         gamma: FloatTensor<Self>,
@@ -510,6 +570,22 @@ pub fn causal_softmax<const D: usize>(scores: Tensor<D>, scale: f32) -> Tensor<D
     ))
 }
 
+/// Causal attention of `[.., t, dh]` queries, keys and values (see
+/// [`Kernels::causal_attention`]).
+pub fn causal_attention<const D: usize>(
+    q: Tensor<D>,
+    k: Tensor<D>,
+    v: Tensor<D>,
+    scale: f32,
+) -> Tensor<D> {
+    Tensor::from_dispatch(<Dispatch as Kernels>::causal_attention(
+        q.into_dispatch(),
+        k.into_dispatch(),
+        v.into_dispatch(),
+        scale,
+    ))
+}
+
 /// burn's `LayerNorm` forward as one kernel (its epsilon is [`LN_EPS`]).
 pub fn layer_norm<const D: usize>(ln: &burn::nn::LayerNorm, x: Tensor<D>) -> Tensor<D> {
     let gamma = ln.gamma.val();
@@ -611,6 +687,29 @@ mod tests {
             |[q, k]| heads(q).matmul(heads(k).swap_dims(2, 3)),
             "q k^T",
         );
+    }
+
+    #[test]
+    fn causal_attention_matches_its_composition() {
+        // One tile and a ragged last one (t = 70 and 130 against tiles of 64), heads split off
+        // a wider row as the model does, and a head width that is no multiple of a SIMD lane.
+        for (t, dh) in [(5, 3), (70, 5), (130, 8)] {
+            let heads = |x: &Tensor<4>| x.clone().swap_dims(1, 2);
+            let scale = 1.0 / (dh as f32).sqrt();
+            same(
+                [
+                    input([2, t, 3, dh], 1.0),
+                    input([2, t, 3, dh], 1.0),
+                    input([2, t, 3, dh], 1.0),
+                ],
+                |[q, k, v]| causal_attention(heads(q), heads(k), heads(v), scale),
+                |[q, k, v]| {
+                    let w = causal_softmax(heads(q).matmul(heads(k).swap_dims(2, 3)), scale);
+                    w.matmul(heads(v))
+                },
+                &format!("attention, t = {t}"),
+            );
+        }
     }
 
     #[test]
