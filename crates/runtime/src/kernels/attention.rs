@@ -54,9 +54,16 @@ pub fn forward(
 ) -> (FlexTensor, FlexTensor) {
     let (t, dh, heads) = dims(&q, &k, &v);
     let shape = q.layout().shape().to_vec();
-    let (q, k, v) = (Operand::new(q), Operand::new(k), Operand::new(v));
+    let mut wshape = shape.clone();
+    wshape[shape.len() - 1] = t;
     let mut out = vec![0f32; heads * t * dh];
     let mut weights = vec![0f32; heads * t * t];
+    let tensor = |v, s| FlexTensor::from_data(TensorData::new(v, s));
+    if out.is_empty() {
+        // Nothing to attend with (weights unread: the gradients are empty too).
+        return (tensor(out, shape), tensor(weights, wshape));
+    }
+    let (q, k, v) = (Operand::new(q), Operand::new(k), Operand::new(v));
     let head = |(i, (o, p)): (usize, (&mut [f32], &mut [f32]))| {
         let (q, k, v) = (q.view(i), k.view(i), v.view(i));
         let mut row = vec![0f32; t];
@@ -88,24 +95,19 @@ pub fn forward(
             );
         }
     };
-    if t * dh > 0 {
-        let (o, p) = (out.chunks_mut(t * dh), weights.chunks_mut(t * t));
-        match parallel(heads) {
-            Some(_single) => out
-                .par_chunks_mut(t * dh)
-                .zip(weights.par_chunks_mut(t * t))
-                .enumerate()
-                .for_each(head),
-            None => o.zip(p).enumerate().for_each(head),
-        }
+    match parallel(heads) {
+        Some(_single) => out
+            .par_chunks_mut(t * dh)
+            .zip(weights.par_chunks_mut(t * t))
+            .enumerate()
+            .for_each(head),
+        None => out
+            .chunks_mut(t * dh)
+            .zip(weights.chunks_mut(t * t))
+            .enumerate()
+            .for_each(head),
     }
-    let mut wshape = shape.clone();
-    let n = wshape.len();
-    wshape[n - 1] = t;
-    (
-        FlexTensor::from_data(TensorData::new(out, shape)),
-        FlexTensor::from_data(TensorData::new(weights, wshape)),
-    )
+    (tensor(out, shape), tensor(weights, wshape))
 }
 
 /// Backward: the gradients of q, k and v (each `[.., t, dh]`) from the output's `dy`, the
@@ -120,6 +122,10 @@ pub fn backward(
 ) -> [FlexTensor; 3] {
     let (t, dh, heads) = dims(&q, &k, &v);
     let shape = q.layout().shape().to_vec();
+    let zeros = || vec![0f32; heads * t * dh];
+    if heads * t * dh == 0 {
+        return [(); 3].map(|_| FlexTensor::from_data(TensorData::new(zeros(), shape.clone())));
+    }
     let (q, k, v, dy) = (
         Operand::new(q),
         Operand::new(k),
@@ -127,7 +133,7 @@ pub fn backward(
         Operand::new(dy),
     );
     let weights = super::values(weights);
-    let [mut dq, mut dk, mut dv] = [(); 3].map(|_| vec![0f32; heads * t * dh]);
+    let [mut dq, mut dk, mut dv] = [(); 3].map(|_| zeros());
     let head = |(i, (dq, (dk, dv))): (usize, (&mut [f32], (&mut [f32], &mut [f32])))| {
         let (q, k, v, dy) = (q.view(i), k.view(i), v.view(i), dy.view(i));
         let p = &weights[i * t * t..(i + 1) * t * t];
@@ -184,21 +190,18 @@ pub fn backward(
             );
         }
     };
-    if t * dh > 0 {
-        let n = t * dh;
-        match parallel(heads) {
-            Some(_single) => dq
-                .par_chunks_mut(n)
-                .zip(dk.par_chunks_mut(n).zip(dv.par_chunks_mut(n)))
-                .enumerate()
-                .for_each(head),
-            None => dq
-                .chunks_mut(n)
-                .zip(dk.chunks_mut(n).zip(dv.chunks_mut(n)))
-                .enumerate()
-                .for_each(head),
-        }
+    let n = t * dh;
+    match parallel(heads) {
+        Some(_single) => dq
+            .par_chunks_mut(n)
+            .zip(dk.par_chunks_mut(n).zip(dv.par_chunks_mut(n)))
+            .enumerate()
+            .for_each(head),
+        None => dq
+            .chunks_mut(n)
+            .zip(dk.chunks_mut(n).zip(dv.chunks_mut(n)))
+            .enumerate()
+            .for_each(head),
     }
-    let grads = [dq, dk, dv];
-    grads.map(|g| FlexTensor::from_data(TensorData::new(g, shape.clone())))
+    [dq, dk, dv].map(|g| FlexTensor::from_data(TensorData::new(g, shape.clone())))
 }

@@ -713,6 +713,19 @@ mod tests {
     }
 
     #[test]
+    fn causal_attention_of_nothing_is_empty() {
+        for dims in [[1, 2, 0, 4], [1, 2, 3, 0], [0, 2, 3, 4]] {
+            let [q, k, v] = [(); 3].map(|_| input(dims, 1.0));
+            let y = causal_attention(q.clone(), k.clone(), v.clone(), 0.5);
+            assert_eq!(y.dims(), dims);
+            let g = y.sum().backward();
+            for x in [q, k, v] {
+                assert_eq!(x.grad(&g).map(|g| g.dims()), Some(dims));
+            }
+        }
+    }
+
+    #[test]
     fn linear_matches_burn_linear() {
         let dev = train_device();
         let w = input([6, 4], 1.0);
