@@ -110,6 +110,9 @@ pub fn forward(
     (tensor(out, shape), tensor(weights, wshape))
 }
 
+/// One head's gradients of q, and of k and v, being written.
+type Grads<'a> = (&'a mut [f32], (&'a mut [f32], &'a mut [f32]));
+
 /// Backward: the gradients of q, k and v (each `[.., t, dh]`) from the output's `dy`, the
 /// inputs and the forward's weights.
 pub fn backward(
@@ -134,7 +137,7 @@ pub fn backward(
     );
     let weights = super::values(weights);
     let [mut dq, mut dk, mut dv] = [(); 3].map(|_| zeros());
-    let head = |(i, (dq, (dk, dv))): (usize, (&mut [f32], (&mut [f32], &mut [f32])))| {
+    let head = |(i, (dq, (dk, dv))): (usize, Grads)| {
         let (q, k, v, dy) = (q.view(i), k.view(i), v.view(i), dy.view(i));
         let p = &weights[i * t * t..(i + 1) * t * t];
         let (mut dp, mut ds) = (vec![0f32; t * t], vec![0f32; t * t]);
