@@ -177,9 +177,12 @@ pub(super) fn gemm(
         "output smaller than m x n"
     );
     if k == 0 {
-        out.chunks_mut(ldc)
-            .take(m)
-            .for_each(|r| r[..n].iter_mut().for_each(|x| *x *= beta));
+        // An empty sum: `beta * out`, and 0 (not 0 times what was there) when beta is 0.
+        for r in out.chunks_mut(ldc).take(m) {
+            r[..n]
+                .iter_mut()
+                .for_each(|x| *x = if beta == 0.0 { 0.0 } else { beta * *x });
+        }
         return;
     }
     let dim = |x: usize| i32::try_from(x).expect("matrix dimension fits BLAS's int");

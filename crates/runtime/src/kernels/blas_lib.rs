@@ -156,15 +156,6 @@ pub(crate) fn sgemm() -> Sgemm {
     }
 }
 
-/// How many pieces the kernels split products into, run over rayon's threads with the library
-/// single-threaded: rayon's thread count, or 1 (the library threads each product itself) when
-/// rayon has one thread or the library cannot be made single-threaded.
-///
-/// Why: OpenBLAS spreads each product over its own threads, which then spin (yielding) while
-/// rayon's threads run the element-wise kernels, and it splits small products poorly: a
-/// batch of 16 attention products (128 x 64 x 128) ran at 53 GFLOP/s on 2 threads, where 2
-/// single-threaded calls at once run it at 176; the block's Linear shapes at 105-135 against
-/// 150-178 as two halves. One thread pool then runs all of a step's work.
 /// How many callers are inside [`single_threaded`], and the library's thread count to restore
 /// when the last one leaves.
 static SINGLE: std::sync::Mutex<(usize, i32)> = std::sync::Mutex::new((0, 0));
