@@ -615,7 +615,8 @@ fn whole_job_plan_workflow() {
     for op in [
         "GELU",
         "MLP up",
-        "causal softmax (scaled, masked)",
+        "causal attention (fused)",
+        "scores, causal softmax, x v as 3 ops",
         "sum of the ops",
         "whole block",
         "q, k, v as one d x 3d projection",
