@@ -87,6 +87,19 @@ fn load(path: &str) -> Result<Blas, String> {
     };
     let sgemm = find(&["cblas_sgemm", "scipy_cblas_sgemm"])
         .ok_or("it exports no cblas_sgemm (nor scipy_cblas_sgemm)")?;
+    // MKL's single dynamic library picks a threading layer at its first call, Intel's OpenMP
+    // by default, which PyPI's `mkl` does not bring: the first product then dies in the dynamic
+    // linker (`undefined symbol: omp_get_num_procs`), past any error handling. Unless the user
+    // chose (MKL_THREADING_LAYER), take GNU OpenMP (libgomp, part of the GCC runtime).
+    let mkl_layer = match find(&["MKL_Set_Threading_Layer"]) {
+        Some(f) if std::env::var_os("MKL_THREADING_LAYER").is_none() => {
+            // SAFETY: `int MKL_Set_Threading_Layer(int)`; 3 is MKL_THREADING_GNU.
+            let f: unsafe extern "C" fn(i32) -> i32 = unsafe { std::mem::transmute(f) };
+            unsafe { f(3) };
+            ", threading: GNU OpenMP"
+        }
+        _ => "",
+    };
     let config = find(&["openblas_get_config", "scipy_openblas_get_config"]).map(|f| {
         // SAFETY: OpenBLAS's `openblas_get_config` takes nothing and returns a static C string.
         let f: unsafe extern "C" fn() -> *const c_char = unsafe { std::mem::transmute(f) };
@@ -115,7 +128,10 @@ fn load(path: &str) -> Result<Blas, String> {
         // SAFETY: `cblas_sgemm` has the standard CBLAS signature in every CBLAS library.
         sgemm: unsafe { std::mem::transmute::<unsafe extern "C" fn(), Sgemm>(sgemm) },
         threads,
-        description: format!("{} ({path})", config.unwrap_or_else(|| "CBLAS".to_string())),
+        description: format!(
+            "{} ({path}{mkl_layer})",
+            config.unwrap_or_else(|| "CBLAS".to_string())
+        ),
     })
 }
 
