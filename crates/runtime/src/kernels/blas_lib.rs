@@ -178,9 +178,10 @@ static SINGLE: std::sync::Mutex<(usize, i32)> = std::sync::Mutex::new((0, 0));
 
 /// While the guard lives, the library runs each product single-threaded in its calling
 /// thread, so that the caller can run many small products at once on rayon's threads.
-/// OpenBLAS splits small products poorly: a batch of 16 attention products (128 x 64 x 128,
-/// one per sequence and head) ran at 53 GFLOP/s on its 2 threads, and at 176 as 2
-/// single-threaded calls at once. The count is the library's global setting, so other
+/// OpenBLAS gains little from its threads on small products: a batch of 16 attention
+/// products (128 x 64 x 128, one per sequence and head), timed in C, ran at 92-101 GFLOP/s one
+/// after the other on its 2 threads (90-93 on one), and at 176 as 2 single-threaded calls at
+/// once. The count is the library's global setting, so other
 /// threads' products meanwhile run single-threaded too (correct, only slower). `None` if the
 /// library has no such setting.
 pub(crate) fn single_threaded() -> Option<SingleThreaded> {
