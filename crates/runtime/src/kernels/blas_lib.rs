@@ -89,16 +89,46 @@ fn load(path: &str) -> Result<Blas, String> {
         .ok_or("it exports no cblas_sgemm (nor scipy_cblas_sgemm)")?;
     // MKL's single dynamic library picks a threading layer at its first call, Intel's OpenMP
     // by default, which PyPI's `mkl` does not bring: the first product then dies in the dynamic
-    // linker (`undefined symbol: omp_get_num_procs`), past any error handling. Unless the user
-    // chose (MKL_THREADING_LAYER), take GNU OpenMP (libgomp, part of the GCC runtime).
+    // linker (`undefined symbol: omp_get_num_procs`), past any error handling. So the layer is
+    // checked here: GNU OpenMP (libgomp, part of the GCC runtime) unless MKL_THREADING_LAYER
+    // names one, and a named one whose runtime cannot be loaded is refused.
     let mkl_layer = match find(&["MKL_Set_Threading_Layer"]) {
-        Some(f) if std::env::var_os("MKL_THREADING_LAYER").is_none() => {
-            // SAFETY: `int MKL_Set_Threading_Layer(int)`; 3 is MKL_THREADING_GNU.
-            let f: unsafe extern "C" fn(i32) -> i32 = unsafe { std::mem::transmute(f) };
-            unsafe { f(3) };
-            ", threading: GNU OpenMP"
-        }
-        _ => "",
+        None => "",
+        Some(f) => match std::env::var("MKL_THREADING_LAYER") {
+            Err(std::env::VarError::NotPresent) => {
+                // SAFETY: `int MKL_Set_Threading_Layer(int)`; 3 is MKL_THREADING_GNU.
+                let f: unsafe extern "C" fn(i32) -> i32 = unsafe { std::mem::transmute(f) };
+                unsafe { f(3) };
+                ", threading: GNU OpenMP"
+            }
+            Ok(v) => {
+                let runtime = match v.to_ascii_uppercase().as_str() {
+                    "SEQUENTIAL" | "PGI" => None,
+                    "GNU" => Some("libgomp.so.1"),
+                    "INTEL" => Some("libiomp5.so"),
+                    "TBB" => Some("libtbb.so.12"),
+                    _ => {
+                        return Err(format!(
+                            "MKL_THREADING_LAYER={v} is not one of INTEL, SEQUENTIAL, GNU, TBB, PGI"
+                        ))
+                    }
+                };
+                if let Some(r) = runtime {
+                    // Where MKL would find it: the search path, or beside MKL itself.
+                    let beside = std::path::Path::new(path).with_file_name(r);
+                    // SAFETY: loading an OpenMP or TBB runtime runs only its initialisers.
+                    let found = unsafe { libloading::Library::new(r) }
+                        .or_else(|e| unsafe { libloading::Library::new(&beside) }.map_err(|_| e));
+                    if let Err(e) = found {
+                        return Err(format!(
+                            "MKL_THREADING_LAYER={v} needs {r}, which cannot be loaded ({e}); unset it for GNU OpenMP"
+                        ));
+                    }
+                }
+                ""
+            }
+            Err(_) => return Err("MKL_THREADING_LAYER is not UTF-8".to_string()),
+        },
     };
     let config = find(&["openblas_get_config", "scipy_openblas_get_config"]).map(|f| {
         // SAFETY: OpenBLAS's `openblas_get_config` takes nothing and returns a static C string.
