@@ -83,22 +83,6 @@ impl Operand {
             starts,
         }
     }
-
-    /// The storage from row `row` of batch `i`'s matrix on, checked to hold the `rows x cols`
-    /// block that starts there.
-    fn matrix(&self, i: usize, row: usize, rows: usize, cols: usize) -> &[f32] {
-        let no_trans = matches!(self.trans, cblas_sys::CblasNoTrans);
-        let start = self.starts[i] + if no_trans { row * self.ld } else { row };
-        let data = &self.t.storage::<f32>()[start..];
-        let (major, minor) = if no_trans { (rows, cols) } else { (cols, rows) };
-        if major > 0 && minor > 0 {
-            assert!(
-                (major - 1) * self.ld + minor <= data.len(),
-                "matrix beyond its storage"
-            );
-        }
-        data
-    }
 }
 
 /// A matrix as BLAS reads it: its storage from its first element on, whether that storage
@@ -168,23 +152,37 @@ pub(super) fn gemm(
     out: &mut [f32],
     ldc: usize,
 ) {
-    if m == 0 || n == 0 {
-        return;
-    }
-    let (pa, pb) = (a.checked(m, k), b.checked(k, n));
-    assert!(
-        (m - 1) * ldc + n <= out.len() && n <= ldc,
-        "output smaller than m x n"
-    );
     if k == 0 {
         // An empty sum: `beta * out`, and 0 (not 0 times what was there) when beta is 0.
-        for r in out.chunks_mut(ldc).take(m) {
+        for r in out.chunks_mut(ldc.max(1)).take(m) {
             r[..n]
                 .iter_mut()
                 .for_each(|x| *x = if beta == 0.0 { 0.0 } else { beta * *x });
         }
         return;
     }
+    // SAFETY: `out` is initialised f32s, and BLAS writes f32s within the checked length.
+    unsafe { call(a, b, (m, k, n), beta, (out.as_mut_ptr(), out.len(), ldc)) }
+}
+
+/// The one call into the chosen library's `cblas_sgemm` (k > 0): checks that each view holds
+/// its matrix and that `out` holds `m` rows of `n` values `ldc` apart. Safety: `out` points to
+/// `len` f32 slots that may be written.
+unsafe fn call(
+    a: View,
+    b: View,
+    (m, k, n): (usize, usize, usize),
+    beta: f32,
+    (out, len, ldc): (*mut f32, usize, usize),
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    let (pa, pb) = (a.checked(m, k), b.checked(k, n));
+    assert!(
+        (m - 1) * ldc + n <= len && n <= ldc,
+        "output smaller than m x n"
+    );
     let dim = |x: usize| i32::try_from(x).expect("matrix dimension fits BLAS's int");
     let tr = |t: bool| {
         if t {
@@ -194,7 +192,7 @@ pub(super) fn gemm(
         }
     };
     // SAFETY: `checked` checked that each view holds its matrix at its leading dimension, and
-    // `out` holds m rows of n at ldc.
+    // the caller that `out` holds `len` writable slots, of which m rows of n at ldc are used.
     unsafe {
         super::blas_lib::sgemm()(
             cblas_sys::CblasRowMajor,
@@ -209,14 +207,14 @@ pub(super) fn gemm(
             pb,
             dim(b.ld),
             beta,
-            out.as_mut_ptr(),
+            out,
             dim(ldc),
         );
     }
 }
 
 /// `out = a · b + beta * out` for rows `row..row + m` of batch `ia`'s `k`-wide matrix `a` and
-/// batch `ib`'s `k x n` matrix `b`, through the BLAS library [`super::blas_lib`] chose.
+/// batch `ib`'s `k x n` matrix `b` (`out` row-major `m x n`; with k = 0 it is left as it is).
 fn sgemm(
     (a, ia, row): (&Operand, usize, usize),
     (b, ib): (&Operand, usize),
@@ -224,31 +222,18 @@ fn sgemm(
     beta: f32,
     out: &mut [MaybeUninit<f32>],
 ) {
-    if m == 0 || n == 0 || k == 0 {
+    if k == 0 {
         return;
     }
-    let (pa, pb) = (a.matrix(ia, row, m, k), b.matrix(ib, 0, k, n));
-    assert!(out.len() >= m * n, "output smaller than m x n");
-    let dim = |x: usize| i32::try_from(x).expect("matrix dimension fits BLAS's int");
-    // SAFETY: `matrix` checked that each slice holds its block at its leading dimension, and
-    // `out` holds m x n row-major.
+    // SAFETY: BLAS writes f32s through the pointer, within the checked length.
     unsafe {
-        super::blas_lib::sgemm()(
-            cblas_sys::CblasRowMajor,
-            a.trans,
-            b.trans,
-            dim(m),
-            dim(n),
-            dim(k),
-            1.0,
-            pa.as_ptr(),
-            dim(a.ld),
-            pb.as_ptr(),
-            dim(b.ld),
+        call(
+            a.view(ia).at(row, 0),
+            b.view(ib),
+            (m, k, n),
             beta,
-            out.as_mut_ptr().cast::<f32>(),
-            dim(n),
-        );
+            (out.as_mut_ptr().cast::<f32>(), out.len(), n),
+        )
     }
 }
 
