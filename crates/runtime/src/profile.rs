@@ -73,83 +73,104 @@ impl Profiler {
     }
 
     /// One timing of every layer block: forward, fused backward, optimizer step, and a split
-    /// backward's B and W.
+    /// backward's B and W. The layers run in the order a stage runs them in training: every
+    /// forward, then every backward in reverse, then (split) every B in reverse, then every W;
+    /// a layer's backward then finds its activations as far out of cache as in training,
+    /// rather than straight after its own forward.
     pub fn sample(&mut self) {
         let dev = train_device();
         let (cfg, rows) = (&self.cfg, self.rows);
         let (t, d_model) = (cfg.seq_len, cfg.d_model);
         let blocks = cfg.num_blocks();
-        for i in 0..blocks {
-            let stage: Stage = self.layers.stage(i, i + 1);
-            let adamw = &mut self.optims[i];
-            let s = &mut self.samples[i];
-            // Tokens for the embedding block, random hidden states for the others.
-            let make_input = || {
-                if i == 0 {
-                    let toks: Vec<i64> =
-                        (0..rows * t).map(|k| (k * 7 % cfg.vocab) as i64).collect();
-                    StageInput::Tokens(Tensor::<2, Int>::from_data(
-                        TensorData::new(toks, [rows, t]),
-                        &dev,
-                    ))
-                } else {
-                    StageInput::Hidden(
-                        Tensor::<3>::random(
-                            [rows, t, d_model],
-                            Distribution::Normal(0.0, 1.0),
-                            &dev,
-                        )
+        let stages: Vec<Stage> = (0..blocks).map(|i| self.layers.stage(i, i + 1)).collect();
+        // Tokens for the embedding block, random hidden states for the others.
+        let make_input = |i: usize| {
+            if i == 0 {
+                let toks: Vec<i64> = (0..rows * t).map(|k| (k * 7 % cfg.vocab) as i64).collect();
+                StageInput::Tokens(Tensor::<2, Int>::from_data(
+                    TensorData::new(toks, [rows, t]),
+                    &dev,
+                ))
+            } else {
+                StageInput::Hidden(
+                    Tensor::<3>::random([rows, t, d_model], Distribution::Normal(0.0, 1.0), &dev)
                         .require_grad(),
-                    )
-                }
+                )
+            }
+        };
+        // The output gradient arrives ready-made in training: drawn before the clock. The
+        // last block's backward starts from the loss instead.
+        let backward = |i: usize, y: Tensor<3>| {
+            let seed = if i == blocks - 1 {
+                let targets: Vec<i64> = (0..rows * t).map(|k| (k * 3 % cfg.vocab) as i64).collect();
+                let targets =
+                    Tensor::<2, Int>::from_data(TensorData::new(targets, [rows, t]), &dev);
+                let t1 = Instant::now();
+                return (loss(y, targets), t1);
+            } else {
+                Tensor::<3>::random(y.dims(), Distribution::Normal(0.0, 1.0), &dev)
             };
-            let input = make_input();
+            let t1 = Instant::now();
+            ((y * seed).sum(), t1)
+        };
+        let mut outputs = Vec::with_capacity(blocks);
+        for (i, stage) in stages.iter().enumerate() {
+            let input = make_input(i);
             let t0 = Instant::now();
             let y = stage.forward(input);
             let _ = y.to_data(); // wait for the result
-            let f = t0.elapsed().as_secs_f64();
-            // The output gradient arrives ready-made in training: draw it before the clock.
-            let targets: Vec<i64> = (0..rows * t).map(|k| (k * 3 % cfg.vocab) as i64).collect();
-            let targets = Tensor::<2, Int>::from_data(TensorData::new(targets, [rows, t]), &dev);
-            let dy = Tensor::<3>::random(y.dims(), Distribution::Normal(0.0, 1.0), &dev);
-            let t1 = Instant::now();
-            let grads = if i == blocks - 1 {
-                loss(y, targets).backward()
-            } else {
-                (y * dy).sum().backward()
-            };
+            self.samples[i].fwd.push(t0.elapsed().as_secs_f64());
+            outputs.push(y);
+        }
+        let mut flats = vec![Vec::new(); blocks];
+        for i in (0..blocks).rev() {
+            let y = outputs.pop().expect("one output per block");
+            let (root, t1) = backward(i, y);
+            let grads = root.backward();
             // As a BW action does: accumulate the layer's weight gradients (flattened).
-            let mut flat = Vec::new();
-            add_grads(&stage.layers[0], &GradSource::Autodiff(&grads), &mut flat);
+            add_grads(
+                &stages[i].layers[0],
+                &GradSource::Autodiff(&grads),
+                &mut flats[i],
+            );
             drop(grads);
-            let b = t1.elapsed().as_secs_f64();
-            s.fwd.push(f);
-            s.bwd.push(b);
+            self.samples[i].bwd.push(t1.elapsed().as_secs_f64());
+        }
+        for (i, (stage, flat)) in stages.iter().zip(&flats).enumerate() {
             // The optimizer step the trainer takes over the layer: its share of the global
             // norm, the gradients back as parameters, AdamW.
             let t3 = Instant::now();
-            let _ = sum_squares(std::iter::once(&flat));
+            let _ = sum_squares(std::iter::once(flat));
             let layer = stage.layers[0].clone();
-            let gp = grads_params(&layer, &flat, 1.0);
-            let _ = adamw.step(1e-3, layer, gp);
-            s.opt.push(t3.elapsed().as_secs_f64());
-            // The weight-gradient part: what W computes after a split backward.
+            let gp = grads_params(&layer, flat, 1.0);
+            let _ = self.optims[i].step(1e-3, layer, gp);
+            self.samples[i].opt.push(t3.elapsed().as_secs_f64());
+        }
+        // The split backward: B accumulates the weight gradients that were not deferred, W
+        // (after every B, as a zero-bubble schedule runs it later) the deferred ones.
+        let mut split = Vec::with_capacity(blocks);
+        for (i, stage) in stages.iter().enumerate() {
             let mut d = Deferred::default();
-            let input = make_input();
             let y = stage
-                .forward_split(input, &mut d)
+                .forward_split(make_input(i), &mut d)
                 .expect("one layer block, right input");
-            let dy = Tensor::<3>::random(y.dims(), Distribution::Normal(0.0, 1.0), &dev);
-            let t1 = Instant::now();
-            let g = (y * dy).sum().backward();
-            // B accumulates the weight gradients that were not deferred, W the deferred ones.
+            split.push((y, d));
+        }
+        let mut deferred = Vec::with_capacity(blocks);
+        for i in (0..blocks).rev() {
+            let (y, d) = split.pop().expect("one output per block");
+            let (root, t1) = backward(i, y);
+            let g = root.backward();
             let mut flat = Vec::new();
-            add_grads(&stage.layers[0], &GradSource::Autodiff(&g), &mut flat);
-            s.bsplit.push(t1.elapsed().as_secs_f64());
+            add_grads(&stages[i].layers[0], &GradSource::Autodiff(&g), &mut flat);
+            self.samples[i].bsplit.push(t1.elapsed().as_secs_f64());
+            deferred.push((i, d, flat));
+        }
+        for (i, d, mut flat) in deferred.into_iter().rev() {
             let t2 = Instant::now();
             let w = d.weight_grads();
-            add_grads(&stage.layers[0], &GradSource::Deferred(&w), &mut flat);
-            s.wgt.push(t2.elapsed().as_secs_f64());
+            add_grads(&stages[i].layers[0], &GradSource::Deferred(&w), &mut flat);
+            self.samples[i].wgt.push(t2.elapsed().as_secs_f64());
         }
     }
 
