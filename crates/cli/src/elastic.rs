@@ -6,8 +6,8 @@ use crate::BadInput;
 use anyhow::Result;
 use clap::Args;
 use pipewright_core::cluster::Cluster;
-use pipewright_core::elastic::{ablation, Ablation, AblationSetup};
-use pipewright_core::freeze::{FreezeMode, FreezePolicy};
+use pipewright_core::policy::elastic::{ablation, Ablation, AblationSetup};
+use pipewright_core::policy::freeze::{FreezeMode, FreezePolicy};
 use pipewright_core::profile::Profile;
 use pipewright_core::schedule::ScheduleKind;
 use serde_json::json;
@@ -173,7 +173,7 @@ pub fn cmd_elastic_sim(a: ElasticSimArgs) -> Result<()> {
                 .map_err(|e| BadInput(format!("{}: {e}", w.name())))
         })
         .collect::<std::result::Result<_, _>>()?;
-    let total = |r: &[pipewright_core::elastic::AblationEpoch]| -> f64 {
+    let total = |r: &[pipewright_core::policy::elastic::AblationEpoch]| -> f64 {
         r.iter().map(|e| e.iteration_time).sum()
     };
     let base = total(&runs[0].1);

@@ -10,8 +10,8 @@ mod train;
 
 use anyhow::{Context, Result};
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
-use pipewright_core::ir::Plan;
-use pipewright_core::validate::validate;
+use pipewright_core::plan::ir::Plan;
+use pipewright_core::plan::validate::validate;
 use std::path::{Path, PathBuf};
 
 /// mimalloc, told to keep what is freed (see `keep_freed_memory`): training frees and allocates
@@ -133,7 +133,7 @@ pub fn watch_signals(rank: usize) {
             let waiting = {
                 let t0 = std::time::Instant::now();
                 loop {
-                    let w = pipewright_runtime::mpi::waiting_for();
+                    let w = pipewright_runtime::transport::mpi::waiting_for();
                     if w.is_some() || t0.elapsed() > std::time::Duration::from_millis(700) {
                         break w;
                     }
@@ -280,12 +280,12 @@ fn run(cli: Cli) -> Result<()> {
             let plan = load_plan(&file)?;
             validate(&plan).map_err(|e| BadInput(format!("{}: {e}", file.display())))?;
             if let Some(skip) = skip {
-                let rules = pipewright_core::skip::SkipRules {
+                let rules = pipewright_core::search::skip::SkipRules {
                     skip,
                     max_swaps,
                     max_in_flight,
                 };
-                pipewright_core::skip::check_skip_rules(&plan, &rules)
+                pipewright_core::search::skip::check_skip_rules(&plan, &rules)
                     .map_err(|e| BadInput(format!("{}: {e}", file.display())))?;
             }
             println!(

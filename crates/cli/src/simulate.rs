@@ -1,16 +1,14 @@
 //! `schedule` and `simulate`: generate plans and predict their time, bubbles and memory.
 
 use crate::{cluster_for_plan, load_valid_plan, write_file, write_with, BadInput};
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Args;
 use pipewright_core::cluster::Cluster;
-use pipewright_core::ir::Plan;
-use pipewright_core::partition::{assign_layers, min_max_split};
+use pipewright_core::job::{build, JobSpec, LayerCut, PipelineShape};
+use pipewright_core::plan::ir::Plan;
 use pipewright_core::profile::{Profile, StageCost};
-use pipewright_core::schedule::{check_request, generate, ScheduleKind};
+use pipewright_core::schedule::ScheduleKind;
 use pipewright_core::sim::{check_memory, simulate_with, SimOptions, SimSetup};
-use pipewright_core::validate::validate;
-use pipewright_core::zbauto::zb_auto;
 use serde_json::json;
 use std::path::PathBuf;
 
@@ -40,39 +38,39 @@ pub struct SchedArgs {
 }
 
 impl SchedArgs {
-    pub fn plan(&self) -> Result<Plan> {
-        self.plan_for(None)
-    }
-
-    /// The plan, with zb-auto's order searched for these per-stage costs on this cluster
-    /// (unit costs without them; the other schedules do not depend on costs).
-    pub fn plan_for(&self, costs: Option<(&[StageCost], &Cluster)>) -> Result<Plan> {
-        let kind = self.kind;
-        if self.mem_cap.is_some() && kind != ScheduleKind::ZbAuto {
+    /// The job these flags describe: layers cut evenly (`--layers`) or one per stage.
+    pub fn spec(&self) -> Result<JobSpec<'static>> {
+        if self.mem_cap.is_some() && self.kind != ScheduleKind::ZbAuto {
             return Err(BadInput(format!(
-                "--mem-cap is a zb-auto setting; {kind} has its own memory"
+                "--mem-cap is a zb-auto setting; {} has its own memory",
+                self.kind
             ))
             .into());
         }
-        let chunks = self.chunks.unwrap_or(kind.default_chunks());
-        let one = if kind == ScheduleKind::ZbAuto && (costs.is_some() || self.mem_cap.is_some()) {
-            check_request(kind, self.stages, self.microbatches, chunks)?;
-            let unit = vec![StageCost::uniform(1.0, 1.0, 1.0); self.stages];
-            let uniform = Cluster::uniform(self.stages);
-            let (c, cl) = costs.unwrap_or((&unit, &uniform));
-            let cap = self.mem_cap.unwrap_or(self.stages);
-            zb_auto(self.stages, self.microbatches, c, cl, cap)?
-        } else {
-            generate(kind, self.stages, self.microbatches, chunks)?
+        let shape = PipelineShape {
+            depth: self.stages,
+            chunks: self.chunks.unwrap_or(self.kind.default_chunks()),
+            replicas: self.replicas,
+            microbatches: self.microbatches,
         };
-        let mut plan = one.replicate(self.replicas)?;
-        if let Some(n) = self.layers {
-            let split = min_max_split(n, plan.num_stages(), |_, lo, hi| (hi - lo) as f64)
-                .map_err(|e| BadInput(format!("--layers {n}: {e}")))?;
-            plan.set_layers(&split.layers_per_stage);
-        }
-        validate(&plan).context("internal: generated plan does not validate")?;
-        Ok(plan)
+        let layers = match self.layers {
+            Some(n) => LayerCut::Even(n),
+            None => LayerCut::OnePerStage,
+        };
+        Ok(JobSpec {
+            mem_cap: self.mem_cap,
+            ..JobSpec::new(self.kind, shape).with_layers(layers)
+        })
+    }
+
+    pub fn plan(&self) -> Result<Plan> {
+        let layers = self.layers;
+        build(&self.spec()?).map_err(|e| match (e, layers) {
+            (pipewright_core::Error::Infeasible(m), Some(n)) => {
+                BadInput(format!("--layers {n}: {m}")).into()
+            }
+            (e, _) => e.into(),
+        })
     }
 }
 
@@ -117,96 +115,106 @@ pub struct SimulateArgs {
 }
 
 pub fn cmd_simulate(a: SimulateArgs) -> Result<()> {
-    let mut plan = match &a.plan {
+    let uniform = uniform_cost(&a)?;
+    let profile = a.profile.as_deref().map(Profile::load).transpose()?;
+    let plan = match &a.plan {
         Some(f) => load_valid_plan(f)?,
-        None if a.sched.kind == ScheduleKind::ZbAuto => {
-            // Only its shape here (one stage per worker, as ZB-H1): the order is searched once,
-            // below, when the costs are known.
-            let s = &a.sched;
-            check_request(s.kind, s.stages, s.microbatches, s.chunks.unwrap_or(1))?;
-            SchedArgs {
-                kind: ScheduleKind::ZbH1,
-                mem_cap: None,
-                stages: s.stages,
-                microbatches: s.microbatches,
-                chunks: s.chunks,
-                replicas: s.replicas,
-                layers: s.layers,
+        None => {
+            let cluster = a.cluster.as_deref().map(Cluster::load).transpose()?;
+            let mut spec = JobSpec {
+                cluster: cluster.as_ref(),
+                uniform_cost: uniform,
+                ..a.sched.spec()?
+            };
+            if let Some(p) = &profile {
+                spec.layers = LayerCut::Profile(p);
             }
-            .plan()?
+            build(&spec)?
         }
-        None => a.sched.plan()?,
     };
-    let p = plan.num_workers();
-    for (flag, v) in [
+    let cluster = match &a.cluster {
+        Some(cf) => cluster_for_plan(cf, &plan)?,
+        None => Cluster::uniform(plan.num_workers()),
+    };
+    let stages = stage_costs(&a, &plan, profile.as_ref(), uniform)?;
+    simulate_and_print(&a, &plan, &stages, &cluster)
+}
+
+/// `--cost-f/b/w` as every stage's costs, if any is given.
+fn uniform_cost(a: &SimulateArgs) -> Result<Option<StageCost>> {
+    let flags = [
         ("--cost-f", a.cost_f),
         ("--cost-b", a.cost_b),
         ("--cost-w", a.cost_w),
-    ] {
-        if let Some(v) = v {
-            if !v.is_finite() || v < 0.0 {
-                return Err(BadInput(format!("{flag} {v}: costs must be finite and >= 0")).into());
-            }
+    ];
+    for (flag, v) in flags {
+        if let Some(v) = v.filter(|v| !v.is_finite() || *v < 0.0) {
+            return Err(BadInput(format!("{flag} {v}: costs must be finite and >= 0")).into());
         }
     }
-    let cluster = match &a.cluster {
-        Some(cf) => cluster_for_plan(cf, &plan)?,
-        None => Cluster::uniform(p),
-    };
-    let uniform_flags = a.cost_f.is_some() || a.cost_b.is_some() || a.cost_w.is_some();
-    let stages: Vec<StageCost> = match (&a.profile, &a.plan) {
-        (Some(pf), None) => {
-            let profile = Profile::load(pf)?;
-            assign_layers(&profile, &mut plan, &cluster)?;
-            plan.stage_costs().expect("assigned")
-        }
-        (Some(pf), Some(f)) => {
-            let profile = Profile::load(pf)?;
+    Ok(flags.iter().any(|(_, v)| v.is_some()).then(|| {
+        StageCost::uniform(
+            a.cost_f.unwrap_or(1.0),
+            a.cost_b.unwrap_or(1.0),
+            a.cost_w.unwrap_or(1.0),
+        )
+    }))
+}
+
+/// The stages' costs to simulate: the profile's, the plan's own, or uniform ones.
+fn stage_costs(
+    a: &SimulateArgs,
+    plan: &Plan,
+    profile: Option<&Profile>,
+    uniform: Option<StageCost>,
+) -> Result<Vec<StageCost>> {
+    match (profile, &a.plan) {
+        (Some(_), None) => Ok(plan.stage_costs().expect("assigned")),
+        (Some(profile), Some(f)) => {
             if profile.layers.len() != plan.num_layers() {
                 return Err(BadInput(format!(
                     "{}: the plan holds {} layers but {} has {}",
                     f.display(),
                     plan.num_layers(),
-                    pf.display(),
+                    a.profile.as_ref().expect("given").display(),
                     profile.layers.len()
                 ))
                 .into());
             }
-            profile.stage_costs(&plan.layers_per_stage())
+            Ok(profile.stage_costs(&plan.layers_per_stage()))
         }
-        (None, _) if !uniform_flags && plan.stage_costs().is_some() => {
-            plan.stage_costs().expect("checked")
+        (None, _) if uniform.is_none() && plan.stage_costs().is_some() => {
+            Ok(plan.stage_costs().expect("checked"))
         }
         (None, _) => {
-            if a.cluster.is_some() && !uniform_flags {
+            if a.cluster.is_some() && uniform.is_none() {
                 return Err(BadInput(
                     "--cluster needs costs: a plan file with stage costs (from `plan --out`), --profile, or --cost-f/b/w".into(),
                 )
                 .into());
             }
-            let c = StageCost::uniform(
-                a.cost_f.unwrap_or(1.0),
-                a.cost_b.unwrap_or(1.0),
-                a.cost_w.unwrap_or(1.0),
-            );
-            vec![c; plan.num_stages()]
+            Ok(vec![
+                uniform.unwrap_or(StageCost::uniform(1.0, 1.0, 1.0));
+                plan.num_stages()
+            ])
         }
-    };
-    // zb-auto orders its actions for the costs now known.
-    if a.plan.is_none() && a.sched.kind == ScheduleKind::ZbAuto {
-        let costs = &stages[..a.sched.stages.min(stages.len())];
-        let layers = plan.layers_per_stage();
-        let first: Vec<usize> = (0..a.sched.stages).collect();
-        let sub = cluster.subset(&first);
-        plan = a.sched.plan_for(Some((costs, &sub)))?;
-        plan.set_layers(&layers);
     }
-    check_memory(&plan, &stages, &cluster)?;
+}
+
+/// Simulate `plan` and print (or write) what the flags ask for.
+fn simulate_and_print(
+    a: &SimulateArgs,
+    plan: &Plan,
+    stages: &[StageCost],
+    cluster: &Cluster,
+) -> Result<()> {
+    let p = plan.num_workers();
+    check_memory(plan, stages, cluster)?;
     let r = simulate_with(
         &SimSetup {
-            plan: &plan,
-            stages: &stages,
-            cluster: &cluster,
+            plan,
+            stages,
+            cluster,
         },
         SimOptions {
             shared_compute: a.shared_compute,

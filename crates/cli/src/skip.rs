@@ -4,9 +4,10 @@ use crate::{write_file, write_with, BadInput};
 use anyhow::Result;
 use clap::Args;
 use pipewright_core::cluster::Cluster;
+use pipewright_core::job::{build_skip, JobSpec, LayerCut, PipelineShape, Routes, SkipRoutes};
+use pipewright_core::plan::ScheduleKind;
 use pipewright_core::profile::Profile;
 use pipewright_core::sim::{simulate, SimSetup};
-use pipewright_core::skipplan::{skip_plan, SkipSetup};
 use serde_json::json;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -84,17 +85,24 @@ pub fn cmd_skip_plan(a: SkipPlanArgs) -> Result<()> {
         ))
         .into());
     }
-    let setup = SkipSetup {
-        stages: a.stages,
-        skip,
-        data_nodes: a.data_nodes,
+    let shape = PipelineShape {
+        depth: a.stages,
+        chunks: 1,
+        replicas: a.data_nodes,
         microbatches: a.microbatches,
-        max_swaps: a.max_swaps,
-        moves: a.moves,
-        time_limit: Duration::from_secs_f64(a.time_limit),
-        seed: a.seed,
     };
-    let r = skip_plan(&profile, &cluster, &setup).map_err(|e| BadInput(e.to_string()))?;
+    let spec = JobSpec {
+        cluster: Some(&cluster),
+        routes: Routes::Skip(SkipRoutes {
+            skip,
+            max_swaps: a.max_swaps,
+            moves: a.moves,
+            time_limit: Duration::from_secs_f64(a.time_limit),
+            seed: a.seed,
+        }),
+        ..JobSpec::new(ScheduleKind::Custom, shape).with_layers(LayerCut::Profile(&profile))
+    };
+    let r = build_skip(&spec).map_err(|e| BadInput(e.to_string()))?;
     let reduction = 1.0 - r.skip_time / r.full_pipeline_time;
     if let Some(f) = &a.out {
         write_file(f, &r.plan.to_json())?;

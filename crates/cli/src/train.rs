@@ -1,19 +1,21 @@
 //! `train` and `profile`: run a plan on the real model, and measure the model's layers.
 
 use crate::{check_output, load_valid_plan, write_file, write_with, BadInput};
-use anyhow::{anyhow, Context, Result};
+use anyhow::{anyhow, Result};
 use clap::Args;
 use pipewright_core::cluster::Cluster;
-use pipewright_core::ir::Op;
-use pipewright_core::profile::Profile;
+use pipewright_core::job::{build, JobSpec, Routes, SkipRoutes};
+use pipewright_core::plan::ir::Plan;
 use pipewright_core::schedule::ScheduleKind;
-use pipewright_core::sim::{devices_for_plan, simulate, simulate_with, SimOptions, SimSetup};
+use pipewright_core::sim::devices_for_plan;
 use pipewright_runtime::data::{Corpus, Sampling};
 use pipewright_runtime::model::GptConfig;
-use pipewright_runtime::profile::median;
-use pipewright_runtime::train::{TrainConfig, Trainer};
-use serde_json::json;
-use std::path::PathBuf;
+use pipewright_runtime::train::run::SimComparison;
+use pipewright_runtime::train::{
+    Checkpointing, RunConfig, RunSink, RunStart, RunSummary, StepRow, TrainConfig, Trainer,
+    TrainingRun,
+};
+use std::path::{Path, PathBuf};
 #[cfg(feature = "mpi")]
 use std::sync::Arc;
 use std::time::Duration;
@@ -324,7 +326,7 @@ fn config(a: &TrainArgs) -> Result<TrainConfig> {
 
 /// This process's part in an MPI job, once MPI is up.
 #[cfg(feature = "mpi")]
-type Procs = Option<Arc<pipewright_runtime::mpi::Mpi>>;
+type Procs = Option<Arc<pipewright_runtime::transport::mpi::Mpi>>;
 #[cfg(not(feature = "mpi"))]
 type Procs = Option<std::convert::Infallible>;
 
@@ -342,8 +344,9 @@ fn start_transport(a: &TrainArgs) -> Result<Procs> {
     }
     #[cfg(feature = "mpi")]
     {
-        let m = pipewright_runtime::mpi::Mpi::start(Duration::from_secs_f64(a.peer_timeout))
-            .map_err(|e| anyhow!("{e}"))?;
+        let m =
+            pipewright_runtime::transport::mpi::Mpi::start(Duration::from_secs_f64(a.peer_timeout))
+                .map_err(|e| anyhow!("{e}"))?;
         crate::set_rank(m.world().rank);
         crate::watch_signals(m.world().rank);
         Ok(Some(Arc::new(m)))
@@ -358,57 +361,104 @@ fn start_transport(a: &TrainArgs) -> Result<Procs> {
 pub fn cmd_train(a: TrainArgs) -> Result<()> {
     let procs = start_transport(&a)?;
     let cfg = config(&a)?;
-    let plan = match &a.plan {
-        Some(f) => {
-            let plan = load_valid_plan(f)?;
-            cfg.check_plan(&plan)
-                .map_err(|e| BadInput(format!("{}: {e}", f.display())))?;
-            plan
-        }
-        None => match a.skip {
-            Some(k) => skip_train_plan(&cfg, k, a.cluster.as_deref())?,
-            None => cfg.plan()?,
-        },
-    };
+    check_flags(&a, &cfg, procs.is_some())?;
+    let plan = train_plan(&a, &cfg)?;
     let corpus = match &a.data {
         Some(f) => Corpus::load(f).map_err(BadInput)?,
         None => Corpus::builtin(),
     };
-    corpus.check(cfg.model.seq_len).map_err(BadInput)?;
-    let epoch_steps = cfg
-        .sampler()
-        .steps_per_epoch(&corpus.train, plan.num_microbatches)
-        .map_err(|e| BadInput(format!("{}: {e}", corpus.name)))?;
-    let links = match &a.cluster {
-        Some(_) if procs.is_some() => {
-            return Err(BadInput(
-                "--cluster emulates links between threads; over MPI the network is real (drop --cluster)".into(),
-            )
-            .into())
-        }
-        Some(f) => {
-            let c = Cluster::load(f)?;
-            devices_for_plan(&plan, &c).map_err(|e| BadInput(format!("{}: {e}", f.display())))?;
-            Some(c)
-        }
-        None => None,
-    };
+    let links = links(&a, &plan)?;
+    let run_cfg = run_config(&a, &cfg, links.as_ref())?;
+    let trainer = trainer(&procs, cfg, plan, links, &run_cfg, a.peer_timeout)?;
+    let mut run = TrainingRun::new(trainer, corpus, run_cfg)?;
+    let mut sink = Progress::new(&a, run.trainer.is_root());
+    let summary = run.run(&mut sink)?;
+    #[cfg(feature = "mpi")]
+    if let Some(m) = &procs {
+        m.finish();
+    }
+    if !run.trainer.is_root() {
+        return Ok(());
+    }
+    report(&a, &mut run, &summary)
+}
+
+/// Flag values no run can use, named by their flags (the runtime checks them too, by its
+/// own names).
+fn check_flags(a: &TrainArgs, cfg: &TrainConfig, mpi: bool) -> Result<()> {
+    let bad = |m: &str| Err(BadInput(m.into()).into());
     if a.compare_sim && cfg.steps < 3 {
-        return Err(BadInput(
-            "--compare-sim needs at least 3 steps (the first two are left out as warm-up)".into(),
-        )
-        .into());
+        return bad("--compare-sim needs at least 3 steps (the first two are left out as warm-up)");
+    }
+    if a.keep == 0 {
+        return bad("--keep must be at least 1");
+    }
+    if a.cluster.is_some() && mpi {
+        return bad("--cluster emulates links between threads; over MPI the network is real (drop --cluster)");
+    }
+    if !a.switch_plan.is_empty() && a.freeze.elastic {
+        return bad(
+            "--switch-plan and --elastic both change the plan during the run: use one of them",
+        );
     }
     for f in a.metrics.iter().chain(&a.trace) {
         check_output(f)?;
     }
-    if a.keep == 0 {
-        return Err(BadInput("--keep must be at least 1".into()).into());
-    }
-    if !a.no_checkpoint && procs.as_ref().is_none_or(is_rank0) {
+    if !a.no_checkpoint && crate::RANK.get().is_none_or(|&r| r == 0) {
         check_writable_dir(&a.checkpoint_dir)?;
     }
-    let mut switches = Vec::new();
+    Ok(())
+}
+
+/// The plan to train: a plan file, SkipPipe routes, or the schedule flags' pipeline.
+fn train_plan(a: &TrainArgs, cfg: &TrainConfig) -> Result<Plan> {
+    match (&a.plan, a.skip) {
+        (Some(f), _) => {
+            let plan = load_valid_plan(f)?;
+            cfg.check_plan(&plan)
+                .map_err(|e| BadInput(format!("{}: {e}", f.display())))?;
+            Ok(plan)
+        }
+        (None, Some(k)) => skip_train_plan(cfg, k, a.cluster.as_deref()),
+        (None, None) => Ok(cfg.plan()?),
+    }
+}
+
+/// `--cluster`'s devices for the plan's workers, whose links the threads emulate.
+fn links(a: &TrainArgs, plan: &Plan) -> Result<Option<Cluster>> {
+    let Some(f) = &a.cluster else {
+        return Ok(None);
+    };
+    let c = Cluster::load(f)?;
+    devices_for_plan(plan, &c).map_err(|e| BadInput(format!("{}: {e}", f.display())))?;
+    Ok(Some(c))
+}
+
+/// What the run does around its steps, from the flags.
+fn run_config(a: &TrainArgs, cfg: &TrainConfig, links: Option<&Cluster>) -> Result<RunConfig> {
+    if a.eval_every == 0 || a.eval_batches == 0 {
+        return Err(BadInput("--eval-every and --eval-batches must be at least 1".into()).into());
+    }
+    Ok(RunConfig {
+        eval_every: a.eval_every,
+        eval_batches: a.eval_batches,
+        checkpoints: (!a.no_checkpoint).then(|| Checkpointing {
+            dir: a.checkpoint_dir.clone(),
+            every: a.checkpoint_every,
+            keep: a.keep,
+        }),
+        resume: a.resume,
+        switches: switches(a, cfg, links)?,
+        freeze: a.freeze.settings()?,
+        cache: a.freeze.cache()?,
+        compare_sim: a.compare_sim,
+        trace: a.trace.is_some(),
+    })
+}
+
+/// `--switch-plan STEP:FILE`s, each plan loaded and checked against the run.
+fn switches(a: &TrainArgs, cfg: &TrainConfig, links: Option<&Cluster>) -> Result<Vec<(u64, Plan)>> {
+    let mut out = Vec::new();
     for s in &a.switch_plan {
         let bad = || {
             BadInput(format!(
@@ -419,10 +469,10 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
         let step: u64 = step.parse().map_err(|_| bad())?;
         let file = PathBuf::from(file);
         let next = load_valid_plan(&file)?;
-        cfg.check_plan(&next)
-            .map_err(|e| BadInput(format!("{}: {e}", file.display())))?;
-        if let Some(c) = &links {
-            devices_for_plan(&next, c).map_err(|e| BadInput(format!("{}: {e}", file.display())))?;
+        let named = |e: String| BadInput(format!("{}: {e}", file.display()));
+        cfg.check_plan(&next).map_err(|e| named(e.to_string()))?;
+        if let Some(c) = links {
+            devices_for_plan(&next, c).map_err(|e| named(e.to_string()))?;
         }
         if step == 0 || step >= cfg.steps {
             return Err(BadInput(format!(
@@ -432,239 +482,147 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
             ))
             .into());
         }
-        switches.push((step, next));
+        out.push((step, next));
     }
-    let mut trainer = match &procs {
-        None => Trainer::in_process(
-            cfg.clone(),
-            plan,
-            links.clone(),
-            Duration::from_secs_f64(a.peer_timeout),
-        )?,
-        #[cfg(feature = "mpi")]
-        Some(m) => {
-            let w = m.world();
-            if w.size != plan.num_workers() {
-                return Err(BadInput(format!(
-                    "the plan has {} workers but MPI started {} ranks: launch with `mpirun -np {}`",
-                    plan.num_workers(),
-                    w.size,
-                    plan.num_workers()
-                ))
-                .into());
-            }
-            if let Some((step, next)) = switches.iter().find(|(_, p)| p.num_workers() != w.size) {
-                return Err(BadInput(format!(
-                    "--switch-plan at step {step}: that plan has {} workers, this MPI job {} ranks (a re-plan keeps the processes)",
-                    next.num_workers(),
-                    w.size
-                ))
-                .into());
-            }
-            let t: Arc<dyn pipewright_runtime::transport::Transport> = m.clone();
-            Trainer::distributed(cfg.clone(), plan, w.rank, t)?
-        }
-        #[cfg(not(feature = "mpi"))]
-        Some(never) => match *never {},
+    Ok(out)
+}
+
+/// The trainer: threads in this process, or this rank's worker of an MPI job.
+fn trainer(
+    procs: &Procs,
+    cfg: TrainConfig,
+    plan: Plan,
+    links: Option<Cluster>,
+    run: &RunConfig,
+    peer_timeout: f64,
+) -> Result<Trainer> {
+    let Some(m) = procs else {
+        let timeout = Duration::from_secs_f64(peer_timeout);
+        return Ok(Trainer::in_process(cfg, plan, links, timeout)?);
     };
-    let root = trainer.is_root();
-    // Only rank 0 speaks, writes metrics and checkpoints.
-    macro_rules! say {
-        ($($t:tt)*) => { if root { eprintln!($($t)*); } };
-    }
-    trainer.keep_checkpoints = a.keep;
-    let mut resumed = None;
-    if a.resume {
-        let r = trainer.load_checkpoint(&a.checkpoint_dir)?;
-        if let Some(why) = &r.fallback {
-            say!("warning: {why}; resuming from the newest checkpoint that verifies");
+    #[cfg(feature = "mpi")]
+    {
+        let w = m.world();
+        if w.size != plan.num_workers() {
+            return Err(BadInput(format!(
+                "the plan has {} workers but MPI started {} ranks: launch with `mpirun -np {}`",
+                plan.num_workers(),
+                w.size,
+                plan.num_workers()
+            ))
+            .into());
         }
-        say!("resumed from {} at step {}", r.path.display(), r.step);
-        if let (Some(f), true) = (&a.metrics, root) {
-            cut_metrics(f, r.step)?;
+        if let Some((step, next)) = run.switches.iter().find(|(_, p)| p.num_workers() != w.size) {
+            return Err(BadInput(format!(
+                "--switch-plan at step {step}: that plan has {} workers, this MPI job {} ranks (a re-plan keeps the processes)",
+                next.num_workers(),
+                w.size
+            ))
+            .into());
         }
-        resumed = Some(r);
+        let t: Arc<dyn pipewright_runtime::transport::Transport> = m.clone();
+        Ok(Trainer::distributed(cfg, plan, w.rank, t)?)
     }
-    let mut freezer = crate::freeze::Controller::new(
-        &a.freeze,
-        &trainer,
-        links.as_ref(),
-        epoch_steps,
-        procs.is_some(),
-    )?;
-    trainer.set_cache(a.freeze.cache()?)?;
-    if let (Some(f), Some(r)) = (freezer.as_mut(), &resumed) {
-        if let Some(msg) = f.resumed(&mut trainer, r.step, r.frozen)? {
-            say!("{msg}");
+    #[cfg(not(feature = "mpi"))]
+    match *m {}
+}
+
+/// The CLI's sink: the log on stderr, a progress bar on a terminal, and the metrics file.
+struct Progress {
+    bar: indicatif::ProgressBar,
+    metrics_path: Option<PathBuf>,
+    metrics: Option<std::io::BufWriter<std::fs::File>>,
+}
+
+impl Progress {
+    fn new(a: &TrainArgs, root: bool) -> Self {
+        let bar = if root {
+            indicatif::ProgressBar::new(0)
+        } else {
+            indicatif::ProgressBar::hidden()
+        };
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} ETA {eta}")
+                .expect("template"),
+        );
+        Progress {
+            bar,
+            metrics_path: a.metrics.clone().filter(|_| root),
+            metrics: None,
         }
     }
-    let baseline = corpus.unigram_baseline();
-    say!(
-        "training gpt ({} layer blocks, d_model {}) on {}: {}; {} steps{}; unigram baseline {:.3}",
-        cfg.model.num_blocks(),
-        cfg.model.d_model,
-        corpus.name,
-        pipewright_runtime::train::describe(&trainer.plan),
-        cfg.steps,
-        match cfg.sampling {
-            Sampling::Epochs => format!(" in epochs of {epoch_steps}"),
-            Sampling::Windows => String::new(),
-        },
-        baseline
-    );
-    let mut metrics = match &a.metrics {
-        Some(f) if root => Some(std::io::BufWriter::new(
-            // A resumed run continues the same metrics file.
-            std::fs::OpenOptions::new()
-                .create(true)
-                .write(true)
-                .append(a.resume)
-                .truncate(!a.resume)
-                .open(f)
-                .with_context(|| format!("cannot write {}", f.display()))?,
-        )),
-        _ => None,
-    };
-    let mut emit = |row: serde_json::Value| -> Result<()> {
-        if let Some(m) = metrics.as_mut() {
+
+    fn emit(&mut self, row: serde_json::Value) -> pipewright_runtime::error::Result<()> {
+        if let Some(m) = self.metrics.as_mut() {
             use std::io::Write;
-            writeln!(m, "{row}")?;
-            m.flush()?;
+            writeln!(m, "{row}")
+                .and_then(|_| m.flush())
+                .map_err(|e| self.metrics_error(e))?;
         }
         Ok(())
-    };
-    let first_val = trainer.evaluate(&corpus, a.eval_batches)?;
-    if !a.resume {
-        emit(
-            json!({"step": trainer.step, "loss": null, "val_loss": first_val, "val_perplexity": first_val.exp(), "tokens_per_s": null}),
-        )?;
     }
-    let bar = if root {
-        indicatif::ProgressBar::new(cfg.steps)
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} ETA {eta}")
-            .expect("template"),
-    );
-    bar.set_position(trainer.step);
-    let mut last = None;
-    // With freezing, --trace covers the whole run (up to a size cap) with the transitions
-    // marked, so re-plans show in the timeline.
-    let mut whole = freezer.is_some().then(|| WholeRun {
-        clock: std::time::Instant::now(),
-        actions: Vec::new(),
-        marks: Vec::new(),
-        workers: trainer.plan.num_workers(),
-    });
-    let mut step_seconds = Vec::new();
-    // --compare-sim's profile, one pass after each step: a machine's speed drifts with other
-    // load, and a profile taken only after training could see a different machine. Every rank
-    // takes it (the root's is used): a rank left idle while the root profiled ran its first
-    // actions of the next step 20-30% slower (F 58 and BW 110 ms against 43 and 85 later, from
-    // `--trace`, 2 MPI processes), which made the measured steps slower than training without
-    // --compare-sim.
-    let mut profiler = a
-        .compare_sim
-        .then(|| pipewright_runtime::profile::Profiler::new(&cfg.model, cfg.rows, cfg.seed));
-    // And the measured actions after warm-up, by stage and op, to compare with its costs.
-    let mut action_seconds = ActionSeconds::new();
-    let mut last_val = first_val;
-    while trainer.step < cfg.steps {
-        let r = trainer
-            .train_step(&corpus)
-            .map_err(|e| anyhow!("step {}: {e}", trainer.step + 1))?;
-        let tps = r.tokens as f64 / r.seconds;
-        let val = if r.step % a.eval_every == 0 || r.step == cfg.steps {
-            Some(trainer.evaluate(&corpus, a.eval_batches)?)
-        } else {
-            None
-        };
-        if let Some(v) = val {
-            last_val = v;
+
+    fn metrics_error(&self, e: std::io::Error) -> pipewright_runtime::error::Error {
+        let path = self.metrics_path.as_ref().expect("metrics open");
+        pipewright_runtime::error::Error::Io {
+            what: format!("cannot write {}", path.display()),
+            err: e,
         }
-        let (stages, replicas) = shape(&trainer.plan);
-        emit(
-            json!({"step": r.step, "loss": r.loss, "val_loss": val, "val_perplexity": val.map(f64::exp), "tokens_per_s": tps, "samples_per_s": (trainer.plan.num_microbatches * cfg.rows) as f64 / r.seconds, "lr": r.lr, "grad_norm": r.grad_norm, "busy": r.busy, "seconds": r.seconds, "frozen_layers": trainer.frozen(), "stages": stages, "replicas": replicas, "cache": trainer.cache_stats().map(|c| json!({"hits": c.hits, "extended": c.extended, "misses": c.misses, "memory_bytes": c.memory_bytes, "disk_bytes": c.disk_bytes}))}),
-        )?;
-        bar.set_message(format!(
+    }
+}
+
+impl RunSink for Progress {
+    fn start(&mut self, s: &RunStart) -> pipewright_runtime::error::Result<()> {
+        eprintln!("{}", s.header);
+        if let Some(f) = self.metrics_path.clone() {
+            if let Some(step) = s.resumed {
+                // A resumed run continues the same metrics file from its step.
+                cut_metrics(&f, step).map_err(|e| self.metrics_error(e))?;
+            }
+            let file = std::fs::OpenOptions::new()
+                .create(true)
+                .write(true)
+                .append(s.resumed.is_some())
+                .truncate(s.resumed.is_none())
+                .open(&f);
+            self.metrics = Some(std::io::BufWriter::new(
+                file.map_err(|e| self.metrics_error(e))?,
+            ));
+        }
+        if s.resumed.is_none() {
+            self.emit(s.to_json())?;
+        }
+        self.bar.set_length(s.steps);
+        self.bar.set_position(s.step);
+        Ok(())
+    }
+
+    fn note(&mut self, text: &str) {
+        self.bar.suspend(|| eprintln!("{text}"));
+    }
+
+    fn step(&mut self, row: &StepRow) -> pipewright_runtime::error::Result<()> {
+        self.emit(row.to_json())?;
+        self.bar.set_message(format!(
             "loss {:.3} val {:.3} {:.0} tok/s",
-            r.loss, last_val, tps
+            row.report.loss,
+            row.last_val,
+            row.tokens_per_s()
         ));
-        bar.inc(1);
-        if !a.no_checkpoint
-            && a.checkpoint_every > 0
-            && r.step % a.checkpoint_every == 0
-            && r.step < cfg.steps
-        {
-            trainer.save_checkpoint(&a.checkpoint_dir)?;
+        self.bar.inc(1);
+        if row.report.step == row.steps {
+            self.bar.finish();
         }
-        step_seconds.push(r.seconds);
-        if let Some(p) = profiler.as_mut() {
-            bar.suspend(|| p.sample());
-            if step_seconds.len() > 2 {
-                for t in &r.actions {
-                    action_seconds
-                        .entry((t.action.stage, t.action.op))
-                        .or_default()
-                        .push(t.end - t.start);
-                }
-            }
-        }
-        if let Some(w) = whole.as_mut() {
-            w.step(&r);
-        }
-        if let Some(f) = freezer.as_mut() {
-            if let Some(msg) = f.after_step(&mut trainer, &r)? {
-                bar.suspend(|| say!("{msg}"));
-                if let Some(w) = whole.as_mut() {
-                    w.mark(msg.lines().next().unwrap_or(""), trainer.plan.num_workers());
-                }
-            }
-        }
-        for (_, next) in switches.iter().filter(|(at, _)| *at == r.step) {
-            let rep = trainer.replan(next.clone())?;
-            if let Some(w) = whole.as_mut() {
-                w.mark(
-                    &format!("step {}: re-planned", r.step),
-                    trainer.plan.num_workers(),
-                );
-            }
-            bar.suspend(|| {
-                say!(
-                    "step {}: re-planned in {:.3} s\n  before: {}\n  after:  {}",
-                    r.step,
-                    rep.seconds,
-                    rep.before,
-                    rep.after
-                )
-            });
-        }
-        last = Some(r);
+        Ok(())
     }
-    bar.finish();
-    if !a.no_checkpoint {
-        let p = trainer.save_checkpoint(&a.checkpoint_dir)?;
-        say!("checkpoint: {}", p.display());
-    }
-    #[cfg(feature = "mpi")]
-    if let Some(m) = &procs {
-        m.finish();
-    }
-    if !root {
-        return Ok(());
-    }
-    if let (Some(f), Some(r)) = (&a.trace, &last) {
-        let mut tl = trainer.timeline(r);
-        if let Some(w) = whole {
-            tl.worker_names = (0..w.workers).map(|i| format!("worker {i}")).collect();
-            tl.actions = w.actions;
-            tl.marks = w.marks;
-        }
+}
+
+/// What the root prints and writes once training is done.
+fn report(a: &TrainArgs, run: &mut TrainingRun, s: &RunSummary) -> Result<()> {
+    if let (Some(f), Some(tl)) = (&a.trace, &s.timeline) {
         write_with(f, |mut w| tl.write_chrome_trace(&mut w))?;
     }
-    if let Some(c) = trainer.cache_stats() {
+    if let Some(c) = &s.cache {
         println!(
             "frozen-prefix cache: {} rows read back, {} extended by newly frozen layers, {} computed; {:.1} MB in memory, {:.1} MB spilled",
             c.hits,
@@ -676,82 +634,51 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
     }
     println!(
         "val loss {:.4} -> {:.4} (perplexity {:.2}; unigram baseline {:.4}) after {} steps",
-        first_val,
-        last_val,
-        last_val.exp(),
-        baseline,
-        trainer.step
+        s.first_val,
+        s.last_val,
+        s.last_val.exp(),
+        run.baseline(),
+        s.step
     );
     if a.compare_sim {
-        if step_seconds.len() < 3 {
+        if s.steps_run < 3 {
             return Err(BadInput(format!(
                 "--compare-sim: this run took {} steps after resuming; it needs at least 3",
-                step_seconds.len()
+                s.steps_run
             ))
             .into());
         }
-        let mut profiler = profiler.expect("profiled on the root");
-        // At least 5 passes after the first.
-        while profiler.passes() < 6 {
-            profiler.sample();
-        }
-        compare_sim(
-            &trainer,
-            &profiler.profile(),
-            &action_seconds,
-            links.as_ref(),
-            &step_seconds,
-            procs.is_none(),
-        )?;
+        print_sim_comparison(&run.sim_comparison()?);
     }
     Ok(())
 }
 
-/// The measured actions of every step of a run, on one clock, and its transitions.
-struct WholeRun {
-    clock: std::time::Instant,
-    actions: Vec<pipewright_core::timeline::TimedAction>,
-    marks: Vec<(f64, String)>,
-    /// The most workers any plan of the run had.
-    workers: usize,
-}
-
-impl WholeRun {
-    /// Actions kept at most (about 100 bytes each in the trace).
-    const CAP: usize = 2_000_000;
-
-    fn step(&mut self, r: &pipewright_runtime::train::StepReport) {
-        let offset = self.clock.elapsed().as_secs_f64() - r.seconds;
-        let room = Self::CAP.saturating_sub(self.actions.len());
-        self.actions.extend(r.actions.iter().take(room).map(|a| {
-            let mut a = *a;
-            a.start += offset;
-            a.end += offset;
-            a
-        }));
+/// The simulated iteration beside the measured one, and each stage's costs beside its
+/// measured actions (where the difference comes from).
+fn print_sim_comparison(c: &SimComparison) {
+    println!(
+        "iteration time: simulated {:.4} s, measured {:.4} s (median of {} steps), measured/simulated {:.2}",
+        c.simulated, c.measured, c.measured_steps, c.measured / c.simulated
+    );
+    let ms = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{:.1}", 1e3 * v));
+    for (s, st) in c.stages.iter().enumerate() {
+        let (sim, m) = (st.simulated, st.measured);
+        println!(
+            "  stage {s}: ms simulated / measured (median action): F {:.1} / {}, BW {:.1} / {}, B {:.1} / {}, W {:.1} / {}",
+            1e3 * sim[0], ms(m[0]), 1e3 * sim[1], ms(m[1]), 1e3 * sim[2], ms(m[2]), 1e3 * sim[3], ms(m[3]),
+        );
     }
-
-    fn mark(&mut self, label: &str, workers: usize) {
-        self.marks
-            .push((self.clock.elapsed().as_secs_f64(), label.to_string()));
-        self.workers = self.workers.max(workers);
+    if let Some(own) = c.own_devices {
+        println!(
+            "  simulated with the workers' compute serialised, as in-process workers run it (see crates/runtime/src/backend.rs); with a device each: {:.4} s (measured/simulated {:.2}), what --transport mpi gets",
+            own, c.measured / own
+        );
     }
-}
-
-/// Pipeline depth (stages) and replicas (the most hosts of a stage) of `plan`.
-fn shape(plan: &pipewright_core::ir::Plan) -> (usize, usize) {
-    let replicas = plan.stages.iter().map(|s| s.hosts.len()).max().unwrap_or(1);
-    (plan.num_stages(), replicas)
 }
 
 /// The SkipPipe plan of `train --skip`: the model's own cost profile, the cluster (or
 /// stages x replicas identical devices), a short deterministic search.
-fn skip_train_plan(
-    cfg: &TrainConfig,
-    skip: f64,
-    cluster: Option<&std::path::Path>,
-) -> Result<pipewright_core::ir::Plan> {
-    use pipewright_core::skipplan::{skip_plan, SkipSetup};
+fn skip_train_plan(cfg: &TrainConfig, skip: f64, cluster: Option<&Path>) -> Result<Plan> {
     let skip = crate::skip::skip_count(skip, cfg.stages)?;
     if cfg.replicas == 0 || cfg.microbatches == 0 {
         return Err(BadInput(
@@ -759,28 +686,26 @@ fn skip_train_plan(
         )
         .into());
     }
-    let cluster = match cluster {
-        Some(f) => Cluster::load(f)?,
-        None => Cluster::uniform(cfg.stages.saturating_mul(cfg.replicas).min(1 << 16)),
+    let cluster = cluster.map(Cluster::load).transpose()?;
+    let profile = cfg.model.cost_profile(cfg.rows);
+    let spec = JobSpec {
+        cluster: cluster.as_ref(),
+        routes: Routes::Skip(SkipRoutes {
+            skip,
+            max_swaps: 1,
+            moves: 2000,
+            time_limit: Duration::from_secs(30),
+            seed: cfg.seed,
+        }),
+        ..cfg.job_spec(&profile)
     };
-    let setup = SkipSetup {
-        stages: cfg.stages,
-        skip,
-        data_nodes: cfg.replicas,
-        microbatches: cfg.microbatches,
-        max_swaps: 1,
-        moves: 2000,
-        time_limit: Duration::from_secs(30),
-        seed: cfg.seed,
-    };
-    let r = skip_plan(&cfg.model.cost_profile(cfg.rows), &cluster, &setup)
-        .map_err(|e| BadInput(e.to_string()))?;
-    cfg.check_plan(&r.plan)?;
-    Ok(r.plan)
+    let plan = build(&spec).map_err(|e| BadInput(e.to_string()))?;
+    cfg.check_plan(&plan)?;
+    Ok(plan)
 }
 
 /// Create `dir` if needed and make sure files can be written there, before any training.
-fn check_writable_dir(dir: &std::path::Path) -> Result<()> {
+fn check_writable_dir(dir: &Path) -> Result<()> {
     let bad = |e: std::io::Error| {
         BadInput(format!(
             "--checkpoint-dir {}: cannot write there: {e}",
@@ -796,11 +721,11 @@ fn check_writable_dir(dir: &std::path::Path) -> Result<()> {
 
 /// A resumed run continues the metrics file from the resumed step: rows of later steps (from
 /// the run that was cut short) are dropped, so no step appears twice.
-fn cut_metrics(f: &std::path::Path, step: u64) -> Result<()> {
+fn cut_metrics(f: &Path, step: u64) -> std::io::Result<()> {
     let text = match std::fs::read_to_string(f) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(BadInput(format!("{}: cannot read: {e}", f.display())).into()),
+        Err(e) => return Err(e),
     };
     let kept: String = text
         .lines()
@@ -813,83 +738,5 @@ fn cut_metrics(f: &std::path::Path, step: u64) -> Result<()> {
         .map(|l| format!("{l}\n"))
         .collect();
     let tmp = f.with_extension("tmp~");
-    std::fs::write(&tmp, kept)
-        .and_then(|_| std::fs::rename(&tmp, f))
-        .with_context(|| format!("cannot rewrite {}", f.display()))
-}
-
-#[cfg(feature = "mpi")]
-fn is_rank0(m: &Arc<pipewright_runtime::mpi::Mpi>) -> bool {
-    m.world().rank == 0
-}
-#[cfg(not(feature = "mpi"))]
-fn is_rank0(never: &std::convert::Infallible) -> bool {
-    match *never {}
-}
-
-/// Measured action durations (seconds) by stage and op.
-type ActionSeconds = std::collections::HashMap<(usize, Op), Vec<f64>>;
-
-/// Simulate the trained plan on the profile measured during the run and print it beside the
-/// measured iteration time, with each stage's costs beside its measured actions.
-fn compare_sim(
-    trainer: &Trainer,
-    profile: &Profile,
-    actions: &ActionSeconds,
-    links: Option<&Cluster>,
-    step_seconds: &[f64],
-    threads: bool,
-) -> Result<()> {
-    let plan = &trainer.plan;
-    let stages = profile.stage_costs(&plan.layers_per_stage());
-    let cl = match links {
-        Some(c) => devices_for_plan(plan, c)?,
-        None => Cluster::uniform(plan.num_workers()),
-    };
-    let setup = SimSetup {
-        plan,
-        stages: &stages,
-        cluster: &cl,
-    };
-    // In-process workers serialise their compute (burn's autodiff lock): simulate that.
-    let shared = threads && plan.num_workers() > 1;
-    let r = simulate_with(
-        &setup,
-        SimOptions {
-            shared_compute: shared,
-        },
-    )?;
-    let measured = &step_seconds[2..];
-    let m = median(measured.to_vec());
-    println!(
-        "iteration time: simulated {:.4} s, measured {:.4} s (median of {} steps), measured/simulated {:.2}",
-        r.iteration_time, m, measured.len(), m / r.iteration_time
-    );
-    // Where the difference comes from: each stage's costs beside its measured actions.
-    let ms = |op: Op, s: usize| {
-        actions.get(&(s, op)).map_or("-".to_string(), |v| {
-            format!("{:.1}", 1e3 * median(v.clone()))
-        })
-    };
-    for (s, c) in stages.iter().enumerate() {
-        println!(
-            "  stage {s}: ms simulated / measured (median action): F {:.1} / {}, BW {:.1} / {}, B {:.1} / {}, W {:.1} / {}",
-            1e3 * c.forward,
-            ms(Op::F, s),
-            1e3 * c.full_backward(),
-            ms(Op::BW, s),
-            1e3 * c.backward_input,
-            ms(Op::B, s),
-            1e3 * c.backward_weight,
-            ms(Op::W, s),
-        );
-    }
-    if shared {
-        let own = simulate(&setup)?;
-        println!(
-            "  simulated with the workers' compute serialised, as in-process workers run it (see crates/runtime/src/backend.rs); with a device each: {:.4} s (measured/simulated {:.2}), what --transport mpi gets",
-            own.iteration_time, m / own.iteration_time
-        );
-    }
-    Ok(())
+    std::fs::write(&tmp, kept).and_then(|_| std::fs::rename(&tmp, f))
 }

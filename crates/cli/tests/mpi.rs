@@ -6,7 +6,7 @@
 
 mod common;
 use common::{FREEZE_EVERY_3, TINY, TINY_L4};
-use pipewright_core::ir::Plan;
+use pipewright_core::plan::ir::Plan;
 use pipewright_runtime::data::Corpus;
 use pipewright_runtime::train::{PlainTrainer, TrainConfig, Trainer};
 use std::path::{Path, PathBuf};

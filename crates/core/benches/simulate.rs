@@ -2,11 +2,11 @@
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use pipewright_core::cluster::{Cluster, Link};
-use pipewright_core::partition::{min_max_split, prefix};
+use pipewright_core::plan::validate::validate;
 use pipewright_core::profile::StageCost;
 use pipewright_core::schedule::{generate, ScheduleKind};
+use pipewright_core::search::partition::{min_max_split, prefix};
 use pipewright_core::sim::{simulate, SimSetup};
-use pipewright_core::validate::validate;
 use std::hint::black_box;
 
 fn bench(c: &mut Criterion) {
@@ -74,7 +74,7 @@ fn bench(c: &mut Criterion) {
     g.sample_size(10);
     g.bench_function("vit-b16 on pipetransformer_2x8, global batch 64", |b| {
         b.iter(|| {
-            pipewright_core::planner::search(&profile, &cluster, black_box(64))
+            pipewright_core::job::planner::search(&profile, &cluster, black_box(64))
                 .unwrap()
                 .len()
         })

@@ -16,6 +16,10 @@ pub enum Error {
     /// No partition or plan fits the constraints.
     #[error("{0}")]
     Infeasible(String),
+    /// A fault of pipewright itself (a generated plan that breaks a rule, a simulation that
+    /// cannot finish a valid plan), not of the input.
+    #[error("internal error: {0}")]
+    Internal(String),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

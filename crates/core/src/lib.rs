@@ -1,24 +1,26 @@
 //! pipewright-core: plain data and pure functions for pipeline-parallel training.
 //!
-//! Profiles and clusters describe the work; schedule generators produce a [`ir::Plan`]; the
-//! validator checks it; the simulator predicts its time and memory; timelines draw it.
+//! Layers, lowest first (each uses only those above it in this list):
+//! - `error`, `rng`, `limits`: leaves.
+//! - `profile`, `cluster`: what the work costs and where it runs.
+//! - `plan`: the IR ([`plan::ir::Plan`]), its schedule kind and its validator.
+//! - `schedule`: closed-form and list-scheduled generators (GPipe, 1F1B, interleaved, ZB).
+//! - `sim`: the simulator and timelines.
+//! - `search`: partitioner, zb-auto's order search, SkipPipe's rules and routes.
+//! - `job`: the one function from a job spec to a validated plan, and the planner over specs.
+//! - `policy`: freeze and elastic decisions during training.
 
 pub mod cluster;
-pub mod elastic;
 pub mod error;
-pub mod freeze;
 pub mod fuzz;
-pub mod ir;
-pub mod partition;
-pub mod planner;
+pub mod job;
+pub mod limits;
+pub mod plan;
+pub mod policy;
 pub mod profile;
 pub mod rng;
 pub mod schedule;
+pub mod search;
 pub mod sim;
-pub mod skip;
-pub mod skipplan;
-pub mod timeline;
-pub mod validate;
-pub mod zbauto;
 
 pub use error::{Error, Result};

@@ -161,13 +161,13 @@ impl Profile {
             .layers
             .iter()
             .try_fold(0u64, |acc, l| acc.checked_add(l.activation));
-        let act_peak = act.and_then(|a| a.checked_mul(crate::ir::MAX_ACTIONS));
+        let act_peak = act.and_then(|a| a.checked_mul(crate::limits::MAX_ACTIONS));
         if static_bytes.is_none_or(|b| b > limit) || act_peak.is_none_or(|b| b > limit) {
             return Err(Error::input(
                 file,
                 format!(
                     "parameter or activation bytes too large: 4 x total params and total activation x {} in-flight passes must stay under 2^60 bytes, so memory figures cannot overflow",
-                    crate::ir::MAX_ACTIONS
+                    crate::limits::MAX_ACTIONS
                 ),
             ));
         }

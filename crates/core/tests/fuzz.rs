@@ -7,12 +7,12 @@
 
 use pipewright_core::cluster::Cluster;
 use pipewright_core::fuzz::mutate;
-use pipewright_core::ir::Plan;
-use pipewright_core::partition::{partition, PartitionProblem};
+use pipewright_core::plan::ir::Plan;
+use pipewright_core::plan::validate::validate;
 use pipewright_core::profile::{Profile, StageCost};
 use pipewright_core::schedule::{generate, ScheduleKind};
+use pipewright_core::search::partition::{partition, PartitionProblem};
 use pipewright_core::sim::{devices_for_plan, simulate, SimSetup};
-use pipewright_core::validate::validate;
 use proptest::prelude::*;
 
 fn shared(rel: &str) -> String {
@@ -52,7 +52,7 @@ fn exercise_profile(profile: &Profile, cluster: &Cluster) {
             profile,
             cluster,
             stages: k,
-            objective: pipewright_core::partition::Objective::Time,
+            objective: pipewright_core::search::partition::Objective::Time,
             in_flight: vec![1; k],
         });
     }
@@ -124,7 +124,7 @@ proptest! {
         };
         exercise_profile(&profile, &cluster);
         let mut plan = generate(ScheduleKind::OneFOneB, 4, 4, 1).unwrap();
-        if pipewright_core::partition::assign_layers(&profile, &mut plan, &cluster).is_ok() {
+        if pipewright_core::search::partition::assign_layers(&profile, &mut plan, &cluster).is_ok() {
             exercise_plan(&plan, Some(&cluster));
         }
     }

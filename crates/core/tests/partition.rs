@@ -1,8 +1,8 @@
 //! The partitioner against brute force on small random profiles and heterogeneous clusters.
 
 use pipewright_core::cluster::Cluster;
-use pipewright_core::partition::{partition, Objective, PartitionProblem};
 use pipewright_core::profile::Profile;
+use pipewright_core::search::partition::{partition, Objective, PartitionProblem};
 use proptest::prelude::*;
 
 fn profile(layers: &[(f64, u64, u64)]) -> Profile {

@@ -1,11 +1,11 @@
 //! Property tests over random schedules and costs.
 
 use pipewright_core::cluster::{Cluster, Link};
-use pipewright_core::ir::Plan;
+use pipewright_core::plan::ir::Plan;
+use pipewright_core::plan::validate::validate;
 use pipewright_core::profile::StageCost;
 use pipewright_core::schedule::{generate, ScheduleKind};
 use pipewright_core::sim::{simulate, SimResult, SimSetup};
-use pipewright_core::validate::validate;
 use proptest::prelude::*;
 
 fn arb_plan() -> impl Strategy<Value = Plan> {
@@ -188,8 +188,8 @@ proptest! {
         seed in 0u64..1000,
     ) {
         use pipewright_core::profile::Profile;
-        use pipewright_core::skip::{check_skip_rules, SkipRules};
-        use pipewright_core::skipplan::{skip_plan, SkipSetup};
+        use pipewright_core::search::skip::{check_skip_rules, SkipRules};
+        use pipewright_core::search::skipplan::{skip_plan, SkipSetup};
         let middle = stages - 1;
         let skip = skip_pick % middle;
         let n = data + middle * (1 + extra % 2) + extra / 2;

@@ -2,7 +2,7 @@
 //! `mpirun -np R target/release/examples/allreduce [MiB ...]` (default 4 and 64 MiB). Rank 0
 //! prints the median of 10 rounds after 2 warm-up rounds per buffer size.
 
-use pipewright_runtime::mpi::Mpi;
+use pipewright_runtime::transport::mpi::Mpi;
 use pipewright_runtime::transport::Transport;
 use std::time::{Duration, Instant};
 

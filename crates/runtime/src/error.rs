@@ -13,6 +13,15 @@ pub enum Error {
     /// A worker failed during a step.
     #[error(transparent)]
     Exec(#[from] crate::exec::ExecError),
+    /// A file the run writes (metrics, traces) cannot be written.
+    #[error("{what}: {err}")]
+    Io { what: String, err: std::io::Error },
+    /// A worker failed during optimizer step `step` (counted from 1).
+    #[error("step {step}: {exec}")]
+    Step {
+        step: u64,
+        exec: crate::exec::ExecError,
+    },
 }
 
 impl Error {

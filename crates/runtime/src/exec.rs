@@ -12,8 +12,8 @@ use crate::transport::{Kind, Payload, Tag, Transport, TransportError};
 use burn::module::Module;
 use burn::optim::ModuleOptimizer;
 use burn::tensor::{Tensor, TensorData};
-use pipewright_core::ir::{Op, Plan, RouteIndex};
-use pipewright_core::timeline::TimedAction;
+use pipewright_core::plan::ir::{Op, Plan, RouteIndex};
+use pipewright_core::sim::timeline::TimedAction;
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 

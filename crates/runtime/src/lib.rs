@@ -8,8 +8,6 @@ pub mod exec;
 pub mod grads;
 pub mod kernels;
 pub mod model;
-#[cfg(feature = "mpi")]
-pub mod mpi;
 pub mod profile;
 pub mod train;
 pub mod transport;

@@ -1,7 +1,7 @@
 //! Exact gradients: pipelined, data-parallel training ends with the same parameters as plain
 //! single-worker training on the same data and seeds.
 
-use pipewright_core::ir::{Hop, Op, Plan, StagePlan};
+use pipewright_core::plan::ir::{Hop, Op, Plan, StagePlan};
 use pipewright_core::schedule::{generate, gpipe_routes, ScheduleKind};
 use pipewright_runtime::data::Corpus;
 use pipewright_runtime::model::GptConfig;
@@ -124,7 +124,7 @@ fn skipped_stages_give_exact_gradients() {
             2 => vec![0, 3],
             _ => vec![0, 1, 2, 3],
         });
-        pipewright_core::validate::validate(&plan).unwrap();
+        pipewright_core::plan::validate::validate(&plan).unwrap();
         same_as_plain(&tiny("1f1b", 4, d, 4), plan, &format!("skips D={d}"));
     }
 }
@@ -179,7 +179,7 @@ fn mixed_split_and_fused_backward_give_exact_gradients() {
     }
     assert!(plan.workers.iter().flatten().any(|a| a.op == Op::BW));
     assert!(plan.workers.iter().flatten().any(|a| a.op == Op::W));
-    pipewright_core::validate::validate(&plan).unwrap();
+    pipewright_core::plan::validate::validate(&plan).unwrap();
     same_as_plain(&cfg, plan, "mixed B/W and BW");
 }
 
@@ -349,7 +349,7 @@ fn split_backward_defers_linear_weight_gradients() {
 #[test]
 fn skip_scheduler_routes_give_exact_gradients() {
     use pipewright_core::cluster::Cluster;
-    use pipewright_core::skipplan::{skip_plan, SkipSetup};
+    use pipewright_core::search::skipplan::{skip_plan, SkipSetup};
     // Eight devices in two regions joined by a slow link.
     let mut toml = String::from("[defaults]\nlatency = 0.001\nbandwidth = 1e9\n");
     for i in 0..8 {

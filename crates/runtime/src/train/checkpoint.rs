@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 use crate::model::{layer_name, LayerBlock};
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::{Tensor, TensorData};
-use pipewright_core::ir::Plan;
+use pipewright_core::plan::ir::Plan;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 

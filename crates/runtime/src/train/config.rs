@@ -4,12 +4,11 @@
 use crate::data::{Sampler, Sampling};
 use crate::error::{Error, Result};
 use crate::model::GptConfig;
-use pipewright_core::cluster::Cluster;
-use pipewright_core::ir::Plan;
-use pipewright_core::partition::assign_layers;
-use pipewright_core::schedule::{generate, ScheduleKind};
-use pipewright_core::validate::validate;
-use pipewright_core::zbauto::zb_auto;
+use pipewright_core::job::{build, JobSpec, LayerCut, PipelineShape};
+use pipewright_core::plan::ir::Plan;
+use pipewright_core::plan::validate::validate;
+use pipewright_core::plan::ScheduleKind;
+use pipewright_core::profile::Profile;
 use serde::{Deserialize, Serialize};
 
 /// Everything that decides a training run (also written into checkpoints).
@@ -157,33 +156,34 @@ impl TrainConfig {
         params.checked_mul(16)?.checked_add(acts)
     }
 
-    /// The whole-job plan of the schedule flags: `replicas` copies of a `stages`-deep pipeline,
-    /// its layer blocks cut into stages by the exact partitioner on the model's cost model.
+    /// The whole-job plan of these settings: `replicas` copies of a `stages`-deep pipeline, its
+    /// layer blocks cut into stages by the exact partitioner on the model's cost model (built
+    /// by core's one path from a job spec to a plan).
     pub fn plan(&self) -> Result<Plan> {
         self.check()?;
         let blocks = self.model.num_blocks();
-        let one = generate(self.schedule, self.stages, self.microbatches, self.chunks)?;
-        if one.num_stages() > blocks {
+        let stages = self.stages.saturating_mul(self.chunks);
+        if stages > blocks {
             return Err(Error::Config(format!(
-                "the plan has {} stages but the model has only {blocks} layer blocks (embedding, {} transformer blocks, head)",
-                one.num_stages(),
+                "the plan has {stages} stages but the model has only {blocks} layer blocks (embedding, {} transformer blocks, head)",
                 self.model.layers
             )));
         }
-        let mut plan = one.replicate(self.replicas)?;
         let profile = self.model.cost_profile(self.rows);
-        let uniform = Cluster::uniform(plan.num_workers());
-        assign_layers(&profile, &mut plan, &uniform)?;
-        if self.schedule == ScheduleKind::ZbAuto {
-            // Order the actions for the model's own stage costs (1F1B's memory).
-            let costs = plan.stage_costs().expect("layers assigned");
-            let p = self.stages;
-            plan = zb_auto(p, self.microbatches, &costs, &Cluster::uniform(p), p)?
-                .replicate(self.replicas)?;
-            assign_layers(&profile, &mut plan, &uniform)?;
-        }
-        validate(&plan)?;
+        let plan = build(&self.job_spec(&profile))?;
+        self.check_plan(&plan)?;
         Ok(plan)
+    }
+
+    /// The job these settings describe, its layers cut on `profile` (the model's costs).
+    pub fn job_spec<'a>(&self, profile: &'a Profile) -> JobSpec<'a> {
+        let shape = PipelineShape {
+            depth: self.stages,
+            chunks: self.chunks,
+            replicas: self.replicas,
+            microbatches: self.microbatches,
+        };
+        JobSpec::new(self.schedule, shape).with_layers(LayerCut::Profile(profile))
     }
 
     /// Can this model train with `plan`? Its layer count must be the model's and it must be

@@ -1,13 +1,17 @@
-//! Training a whole-job plan: configuration, the pipelined trainer, the single-worker reference
-//! trainer and checkpoints, one file each.
+//! Training a whole-job plan: configuration, the pipelined trainer, the run around it (step
+//! loop, cadences, resume, freezing), the single-worker reference trainer and checkpoints.
 
 mod checkpoint;
 mod config;
+pub mod freeze;
 mod plain;
+pub mod run;
 pub mod store;
 mod trainer;
 
 pub use checkpoint::{checkpoint_config, Resumed};
 pub use config::TrainConfig;
+pub use freeze::{FreezeController, FreezeSettings};
 pub use plain::PlainTrainer;
+pub use run::{Checkpointing, RunConfig, RunSink, RunStart, RunSummary, StepRow, TrainingRun};
 pub use trainer::{describe, ReplanReport, StepReport, Trainer};

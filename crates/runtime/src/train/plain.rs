@@ -8,7 +8,7 @@ use crate::data::{Corpus, MicroBatch, Sampler};
 use crate::grads::{add_grads, clip_factor, flat_params, grads_params, sum_squares, GradSource};
 use crate::model::{loss, LayerBlock, Stage, StageInput};
 use burn::tensor::Tensor;
-use pipewright_core::ir::Plan;
+use pipewright_core::plan::ir::Plan;
 
 pub struct PlainTrainer {
     pub cfg: TrainConfig,

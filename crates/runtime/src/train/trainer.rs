@@ -14,9 +14,9 @@ use crate::transport::{InProcess, Transport, DEFAULT_TIMEOUT};
 use burn::module::Module;
 use burn::optim::{AdamWConfig, ModuleOptimizer};
 use pipewright_core::cluster::Cluster;
-use pipewright_core::ir::{Plan, RouteIndex, Topology};
+use pipewright_core::plan::ir::{Plan, RouteIndex, Topology};
 use pipewright_core::sim::devices_for_plan;
-use pipewright_core::timeline::{TimedAction, Timeline};
+use pipewright_core::sim::timeline::{TimedAction, Timeline};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -56,8 +56,7 @@ pub(crate) fn optimizer(cfg: &TrainConfig) -> ModuleOptimizer {
 
 /// One line about a plan, for logs.
 pub fn describe(plan: &Plan) -> String {
-    let topo = Topology::new(plan);
-    let replicas = topo.groups.iter().map(Vec::len).max().unwrap_or(0);
+    let replicas = plan.replicas();
     format!(
         "{} on {} workers: {} stages (layers {:?}), {} micro-batches a step, replica groups of up to {}",
         plan.kind,
@@ -226,6 +225,16 @@ impl Trainer {
         for w in &mut self.workers {
             w.frozen = self.frozen;
         }
+    }
+
+    /// Whether the workers run in several processes (MPI ranks), this one being one of them.
+    pub fn is_distributed(&self) -> bool {
+        self.rank.is_some()
+    }
+
+    /// The emulated links, if any (a cluster whose devices the plan's workers sit on).
+    pub fn links(&self) -> Option<&Cluster> {
+        self.links.as_ref()
     }
 
     /// Layer blocks frozen (a prefix of the model).

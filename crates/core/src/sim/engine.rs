@@ -8,9 +8,9 @@
 
 use crate::cluster::Cluster;
 use crate::error::{Error, Result};
-use crate::ir::{Action, Hop, Op, Plan, RouteIndex, Topology};
+use crate::plan::ir::{Action, Hop, Op, Plan, RouteIndex, Topology};
 use crate::profile::StageCost;
-use crate::timeline::{TimedAction, TimedTransfer, Timeline};
+use crate::sim::timeline::{TimedAction, TimedTransfer, Timeline};
 use serde::Serialize;
 use std::cmp::{Ordering, Reverse};
 use std::collections::BinaryHeap;
@@ -462,7 +462,7 @@ pub fn simulate_with(setup: &SimSetup, options: SimOptions) -> Result<SimResult>
                 )
             })
             .collect();
-        return Err(Error::Invalid(format!(
+        return Err(Error::Internal(format!(
             "simulation stuck after {completed} of {total} actions: {}",
             stuck.join(", ")
         )));

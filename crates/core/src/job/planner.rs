@@ -3,10 +3,10 @@
 
 use crate::cluster::Cluster;
 use crate::error::{Error, Result};
-use crate::ir::Plan;
-use crate::partition::assign_layers;
+use crate::job::spec::{build, JobSpec, LayerCut, PipelineShape};
+use crate::plan::ir::Plan;
+use crate::plan::ScheduleKind;
 use crate::profile::Profile;
-use crate::schedule::{generate, ScheduleKind};
 use crate::sim::{check_memory, devices_for_plan, memory_peaks, simulate, SimResult, SimSetup};
 use serde::Serialize;
 
@@ -80,8 +80,11 @@ pub fn search(profile: &Profile, cluster: &Cluster, global_batch: usize) -> Resu
             if depth * v > n || (depth == 1 && kind != ScheduleKind::OneFOneB) {
                 continue;
             }
-            let Ok(plan) = generate(kind, depth, m, v) else {
-                continue;
+            let shape = PipelineShape {
+                depth,
+                chunks: v,
+                replicas,
+                microbatches: m,
             };
             let layouts: &[Layout] = if replicas > 1 && depth > 1 {
                 &[Layout::PipelineMajor, Layout::ReplicaMajor]
@@ -89,9 +92,7 @@ pub fn search(profile: &Profile, cluster: &Cluster, global_batch: usize) -> Resu
                 &[Layout::PipelineMajor]
             };
             for &layout in layouts {
-                out.push(evaluate(
-                    profile, cluster, &plan, kind, v, replicas, layout,
-                )?);
+                out.extend(evaluate(profile, cluster, kind, shape, layout)?);
             }
         }
     }
@@ -108,35 +109,40 @@ pub fn search(profile: &Profile, cluster: &Cluster, global_batch: usize) -> Resu
     Ok(out)
 }
 
+/// The candidate of `kind` and `shape` with replicas laid out by `layout`; `None` if the
+/// schedule cannot be built for that shape.
 fn evaluate(
     profile: &Profile,
     cluster: &Cluster,
-    pipeline: &Plan,
     kind: ScheduleKind,
-    v: usize,
-    replicas: usize,
+    shape: PipelineShape,
     layout: Layout,
-) -> Result<Candidate> {
-    let depth = pipeline.num_workers();
+) -> Result<Option<Candidate>> {
+    let PipelineShape {
+        depth, replicas, ..
+    } = shape;
     // Worker r * depth + w (replica r, pipeline worker w) sits on this cluster device.
     let device = |r: usize, w: usize| match layout {
         Layout::PipelineMajor => r * depth + w,
         Layout::ReplicaMajor => w * replicas + r,
     };
-    let mut plan = pipeline.replicate(replicas)?;
-    plan.devices = (0..replicas)
+    let devices: Vec<usize> = (0..replicas)
         .flat_map(|r| (0..depth).map(move |w| (r, w)))
-        .map(|(r, w)| cluster.devices[device(r, w)].name.clone())
+        .map(|(r, w)| device(r, w))
+        .collect();
+    let names: Vec<String> = devices
+        .iter()
+        .map(|&d| cluster.devices[d].name.clone())
         .collect();
     let mut c = Candidate {
         depth,
         replicas,
-        microbatches: pipeline.num_microbatches,
+        microbatches: shape.microbatches,
         schedule: kind,
-        chunks: v,
+        chunks: shape.chunks,
         layout,
         layers_per_stage: vec![],
-        devices: plan.devices.chunks(depth).map(<[String]>::to_vec).collect(),
+        devices: names.chunks(depth).map(<[String]>::to_vec).collect(),
         iteration_time: None,
         bubble_fraction: 0.0,
         compute: 0.0,
@@ -147,11 +153,20 @@ fn evaluate(
         plan: None,
         result: None,
     };
+    let spec = JobSpec {
+        cluster: Some(cluster),
+        devices: Some(&devices),
+        ..JobSpec::new(kind, shape).with_layers(LayerCut::Profile(profile))
+    };
+    let plan = match build(&spec) {
+        Ok(p) => p,
+        Err(Error::Infeasible(e)) => {
+            c.infeasible = Some(e);
+            return Ok(Some(c));
+        }
+        Err(_) => return Ok(None),
+    };
     let workers = devices_for_plan(&plan, cluster)?;
-    if let Err(e) = assign_layers(profile, &mut plan, &workers) {
-        c.infeasible = Some(e.to_string());
-        return Ok(c);
-    }
     let stages = plan.stage_costs().expect("costs assigned");
     c.layers_per_stage = plan.layers_per_stage();
     c.peak_memory_bytes = memory_peaks(&plan, &stages)
@@ -161,7 +176,7 @@ fn evaluate(
         .unwrap_or(0);
     if let Err(e) = check_memory(&plan, &stages, &workers) {
         c.infeasible = Some(format!("memory: {e}"));
-        return Ok(c);
+        return Ok(Some(c));
     }
     let r = simulate(&SimSetup {
         plan: &plan,
@@ -174,7 +189,7 @@ fn evaluate(
     c.allreduce = r.iteration_time - r.makespan;
     c.plan = Some(plan);
     c.result = Some(r);
-    Ok(c)
+    Ok(Some(c))
 }
 
 /// Say why each candidate lost to the winner: the part of its iteration time that grew most.

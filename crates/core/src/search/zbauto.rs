@@ -12,7 +12,7 @@
 
 use crate::cluster::Cluster;
 use crate::error::{Error, Result};
-use crate::ir::{Op, Plan};
+use crate::plan::ir::{Op, Plan};
 use crate::profile::StageCost;
 use crate::schedule::{generate, greedy, Admission, Greedy, ScheduleKind};
 use crate::sim::{simulate, SimSetup};
@@ -152,8 +152,8 @@ pub fn zb_auto(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ir::Action;
-    use crate::validate::validate;
+    use crate::plan::ir::Action;
+    use crate::plan::validate::validate;
 
     fn costs(p: usize, f: f64, b: f64, w: f64) -> Vec<StageCost> {
         vec![StageCost::uniform(f, b, w); p]

@@ -266,7 +266,7 @@ mod tests {
 /// the cut's activation sent to the next stage's device (model order). Returns per-stage costs.
 pub fn split_for_plan(
     profile: &crate::profile::Profile,
-    plan: &crate::ir::Plan,
+    plan: &crate::plan::ir::Plan,
     cluster: &crate::cluster::Cluster,
 ) -> Result<(Split, Vec<crate::profile::StageCost>)> {
     let layers = &profile.layers;
@@ -292,7 +292,7 @@ pub fn split_for_plan(
 /// into the plan: layers per stage and each stage's costs, so the plan stands alone.
 pub fn assign_layers(
     profile: &crate::profile::Profile,
-    plan: &mut crate::ir::Plan,
+    plan: &mut crate::plan::ir::Plan,
     cluster: &crate::cluster::Cluster,
 ) -> Result<Split> {
     let (split, costs) = split_for_plan(profile, plan, cluster)?;

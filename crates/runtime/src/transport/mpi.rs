@@ -5,11 +5,11 @@
 //! `MPI_Iallreduce` on a communicator of that group. The worker waits for each answer at most
 //! the peer timeout, so a dead or stuck peer ends in an error naming it, never a hang.
 
-use crate::transport::{Kind, Payload, Tag, Transport, TransportError};
-use mpi::point_to_point::MatchedReceiveVec;
-use mpi::request::{Request, StaticScope};
-use mpi::topology::{Color, SimpleCommunicator};
-use mpi::traits::*;
+use super::{Kind, Payload, Tag, Transport, TransportError};
+use ::mpi::point_to_point::MatchedReceiveVec;
+use ::mpi::request::{Request, StaticScope};
+use ::mpi::topology::{Color, SimpleCommunicator};
+use ::mpi::traits::*;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Mutex};

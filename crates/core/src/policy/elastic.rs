@@ -6,10 +6,11 @@
 
 use crate::cluster::Cluster;
 use crate::error::{Error, Result};
-use crate::ir::Plan;
-use crate::partition::{min_max_split, prefix};
+use crate::job::{build, JobSpec, LayerCut, PipelineShape};
+use crate::plan::ir::Plan;
+use crate::plan::ScheduleKind;
 use crate::profile::{Profile, StageCost};
-use crate::schedule::{generate, ScheduleKind};
+use crate::search::partition::{min_max_split, prefix};
 use crate::sim::{simulate, SimSetup};
 
 /// `profile` with layers `0..frozen` frozen: no backward, weights only (a quarter of the
@@ -74,12 +75,14 @@ fn layout(
     })?;
     let mut layers = split.layers_per_stage;
     layers[0] += at;
-    let mut plan = generate(kind, d, total_mbs / r, 1)?.replicate(r)?;
-    plan.set_layers(&layers);
-    let costs = profile.stage_costs(&layers);
-    for (st, c) in plan.stages.iter_mut().zip(&costs) {
-        st.cost = Some(*c);
-    }
+    let shape = PipelineShape {
+        depth: d,
+        chunks: 1,
+        replicas: r,
+        microbatches: total_mbs / r,
+    };
+    let plan = build(&JobSpec::new(kind, shape).with_layers(LayerCut::Given(&layers, profile)))?;
+    let costs = plan.stage_costs().expect("costs given");
     Ok(Some((plan, costs)))
 }
 
@@ -430,7 +433,7 @@ pub fn peak_memory(plan: &Plan, costs: &[StageCost], cluster: &Cluster) -> Resul
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::validate::validate;
+    use crate::plan::validate::validate;
 
     fn profile(n: usize) -> Profile {
         let mut toml = String::from("[model]\nname = \"m\"\n");

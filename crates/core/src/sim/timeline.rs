@@ -2,7 +2,7 @@
 //! and a text chart. Simulated and measured timelines use the same [`Timeline`] and format.
 
 use crate::error::{Error, Result};
-use crate::ir::{Action, Op};
+use crate::plan::ir::{Action, Op};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::fmt::Write;

@@ -11,13 +11,13 @@
 
 use crate::cluster::Cluster;
 use crate::error::{Error, Result};
-use crate::ir::{Action, Hop, Op, Plan, StagePlan};
-use crate::partition::{min_max_split, prefix};
+use crate::plan::ir::{Action, Hop, Op, Plan, StagePlan};
 use crate::profile::Profile;
 use crate::rng::Lcg;
 use crate::schedule::{ScheduleKind, Time};
+use crate::search::partition::{min_max_split, prefix};
+use crate::search::skip::{check_skip_rules, neighbour_swaps, SkipRules};
 use crate::sim::{simulate, SimSetup};
-use crate::skip::{check_skip_rules, neighbour_swaps, SkipRules};
 use std::time::{Duration, Instant};
 
 /// What to schedule.
@@ -462,7 +462,7 @@ pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Res
         ));
     }
     // Each micro-batch runs a forward and a backward on each of its hops.
-    crate::ir::check_size(setup.data_nodes, s + 1, 1, setup.microbatches)?;
+    crate::limits::check_size(setup.data_nodes, s + 1, 1, setup.microbatches)?;
     let pool_devices = cluster.len().saturating_sub(setup.data_nodes);
     if pool_devices < middle {
         return Err(Error::Invalid(format!(
@@ -566,7 +566,7 @@ pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Res
         max_in_flight: None,
     };
     check_skip_rules(&plan, &rules)?;
-    crate::validate::validate(&plan)?;
+    crate::plan::validate::validate(&plan)?;
     Ok(SkipResult {
         skip_time: best_t,
         full_pipeline_time: full_t,
@@ -611,7 +611,7 @@ mod tests {
                 max_in_flight: None,
             };
             for p in [&r.plan, &r.full_plan, &r.random_plan] {
-                crate::validate::validate(p).unwrap();
+                crate::plan::validate::validate(p).unwrap();
             }
             check_skip_rules(&r.plan, &rules).unwrap();
             check_skip_rules(&r.random_plan, &rules).unwrap();

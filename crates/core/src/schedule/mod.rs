@@ -7,89 +7,10 @@
 //! remaining idle time with deferred `W`s.
 
 use crate::error::{Error, Result};
-use crate::ir::{Action, Op, Plan};
-use serde::{Deserialize, Serialize};
+use crate::plan::ir::{Action, Op, Plan};
+pub use crate::plan::ScheduleKind;
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap};
-use std::fmt;
-use std::str::FromStr;
-
-/// A schedule generator; `Custom` marks plans made by hand or by other planners.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
-#[serde(rename_all = "lowercase")]
-pub enum ScheduleKind {
-    #[cfg_attr(feature = "clap", value(name = "gpipe"))]
-    GPipe,
-    #[serde(rename = "1f1b")]
-    #[cfg_attr(feature = "clap", value(name = "1f1b"))]
-    OneFOneB,
-    Interleaved,
-    #[cfg_attr(feature = "clap", value(name = "zbh1"))]
-    ZbH1,
-    #[cfg_attr(feature = "clap", value(name = "zbv"))]
-    ZbV,
-    /// Zero-bubble order searched for the stages' real F, B, W costs under a memory cap.
-    #[serde(rename = "zb-auto")]
-    #[cfg_attr(feature = "clap", value(name = "zb-auto"))]
-    ZbAuto,
-    #[cfg_attr(feature = "clap", value(skip))]
-    Custom,
-}
-
-impl ScheduleKind {
-    pub const ALL: [ScheduleKind; 5] = [
-        Self::GPipe,
-        Self::OneFOneB,
-        Self::Interleaved,
-        Self::ZbH1,
-        Self::ZbV,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::GPipe => "gpipe",
-            Self::OneFOneB => "1f1b",
-            Self::Interleaved => "interleaved",
-            Self::ZbH1 => "zbh1",
-            Self::ZbV => "zbv",
-            Self::ZbAuto => "zb-auto",
-            Self::Custom => "custom",
-        }
-    }
-    /// Chunks (stages) per worker when the user does not say.
-    pub fn default_chunks(self) -> usize {
-        match self {
-            Self::Interleaved | Self::ZbV => 2,
-            _ => 1,
-        }
-    }
-    /// Does the schedule split the backward into `B` and `W`?
-    pub fn splits_backward(self) -> bool {
-        matches!(self, Self::ZbH1 | Self::ZbV | Self::ZbAuto)
-    }
-}
-
-impl fmt::Display for ScheduleKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for ScheduleKind {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        Self::ALL
-            .into_iter()
-            .chain([Self::ZbAuto, Self::Custom])
-            .find(|k| k.name() == s.to_ascii_lowercase())
-            .ok_or_else(|| {
-                Error::Schedule(format!(
-                    "unknown schedule {s:?} (expected one of gpipe, 1f1b, interleaved, zbh1, zbv, zb-auto)"
-                ))
-            })
-    }
-}
 
 /// Build the plan of `kind` for `workers` pipeline workers, `microbatches` micro-batches and
 /// `chunks` stages per worker (interleaved: any V >= 1; ZB-V: 2; others: 1).
@@ -107,14 +28,10 @@ pub fn generate(
         ScheduleKind::Interleaved => Ok(interleaved(workers, microbatches, chunks, kind)),
         ScheduleKind::ZbH1 => Ok(zb_h1(workers, microbatches)),
         ScheduleKind::ZbV => zb_v(workers, microbatches),
-        // Without costs: unit costs and 1F1B's memory (see `zbauto` for real costs).
-        ScheduleKind::ZbAuto => crate::zbauto::zb_auto(
-            workers,
-            microbatches,
-            &vec![crate::profile::StageCost::uniform(1.0, 1.0, 1.0); workers],
-            &crate::cluster::Cluster::uniform(workers),
-            workers,
-        ),
+        // Its order depends on the stages' costs: `job::build` searches it (search::zbauto).
+        ScheduleKind::ZbAuto => Err(Error::Schedule(
+            "zb-auto is searched for the stages' costs, not generated: build it as a job (job::build)".into(),
+        )),
     }
 }
 
@@ -136,7 +53,7 @@ pub fn check_request(
     if chunks == 0 {
         return err("needs at least 1 chunk per worker (got --chunks 0)".into());
     }
-    crate::ir::check_size(workers, chunks, 1, microbatches)?;
+    crate::limits::check_size(workers, chunks, 1, microbatches)?;
     match kind {
         ScheduleKind::Custom => err("is not a generator: custom plans are written by hand or by a planner".into()),
         ScheduleKind::GPipe | ScheduleKind::OneFOneB | ScheduleKind::ZbH1 | ScheduleKind::ZbAuto if chunks != 1 => {
@@ -418,8 +335,8 @@ fn zb_v(p: usize, m: usize) -> Result<Plan> {
 /// (micro-batch, reverse position) order. Both orders follow one global order of the
 /// dependencies, so any valid routes run without deadlock (GPipe's memory, not its speed).
 pub fn gpipe_routes(
-    stages: Vec<crate::ir::StagePlan>,
-    routes: Vec<Vec<crate::ir::Hop>>,
+    stages: Vec<crate::plan::ir::StagePlan>,
+    routes: Vec<Vec<crate::plan::ir::Hop>>,
     num_workers: usize,
 ) -> Plan {
     let mut fwd: Vec<Vec<Action>> = vec![Vec::new(); num_workers];
@@ -476,7 +393,7 @@ mod tests {
 
     #[test]
     fn any_routes_run_in_gpipe_order() {
-        use crate::ir::{Hop, StagePlan};
+        use crate::plan::ir::{Hop, StagePlan};
         let st = |hosts: Vec<usize>| StagePlan {
             layers: 2,
             hosts,
@@ -492,7 +409,7 @@ mod tests {
             vec![h(0, 0), h(1, 2), h(3, 0)],
         ];
         let plan = gpipe_routes(stages, routes, 4);
-        crate::validate::validate(&plan).unwrap();
+        crate::plan::validate::validate(&plan).unwrap();
         assert_eq!(plan.workers[0].len(), 4 * 2 * 2);
     }
 

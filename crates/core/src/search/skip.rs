@@ -12,7 +12,7 @@
 //! - `skip-in-flight`: no worker holds activations of more than `max_in_flight` micro-batches.
 
 use crate::error::{Error, Result};
-use crate::ir::Plan;
+use crate::plan::ir::Plan;
 use crate::sim::memory_peaks;
 
 /// The rules' parameters.
@@ -49,7 +49,7 @@ pub fn neighbour_swaps(v: &[usize]) -> Option<usize> {
     Some(n)
 }
 
-/// Check `plan` (already valid for [`crate::validate::validate`]) against SkipPipe's rules.
+/// Check `plan` (already valid for [`crate::plan::validate::validate`]) against SkipPipe's rules.
 pub fn check_skip_rules(plan: &Plan, rules: &SkipRules) -> Result<()> {
     let s = plan.num_stages();
     if s < 2 {
@@ -146,9 +146,9 @@ pub fn check_skip_rules(plan: &Plan, rules: &SkipRules) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ir::{Hop, StagePlan};
+    use crate::plan::ir::{Hop, StagePlan};
+    use crate::plan::validate::validate;
     use crate::schedule::gpipe_routes;
-    use crate::validate::validate;
 
     /// 5 stages: embedding (stage 0) and head (stage 4) on data nodes 0 and 1, middle stages
     /// 1-3 on workers 2, 3, 4. `routes[mb]` lists the middle stages visited; micro-batch mb

@@ -9,8 +9,9 @@
 //! replica `r`'s workers. Ranks and groups are derived in one place, [`Topology`].
 
 use crate::error::{Error, Result};
+use crate::limits::check_size;
+use crate::plan::ScheduleKind;
 use crate::profile::StageCost;
-use crate::schedule::ScheduleKind;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::ops::Range;
@@ -220,30 +221,6 @@ impl Topology {
     }
 }
 
-/// The most actions a generated plan may have: plans, simulations and timelines are held in
-/// memory, so sizes are refused up front rather than exhausting it.
-pub const MAX_ACTIONS: u64 = 20_000_000;
-
-/// Refuse a plan of `workers` x `chunks` stages, `replicas` pipelines and `microbatches` per
-/// pipeline whose actions (up to 3 per stage and micro-batch) would exceed [`MAX_ACTIONS`].
-pub fn check_size(
-    workers: usize,
-    chunks: usize,
-    replicas: usize,
-    microbatches: usize,
-) -> Result<()> {
-    let actions = [workers, chunks, replicas, microbatches, 3]
-        .iter()
-        .try_fold(1u64, |acc, &x| acc.checked_mul(x as u64));
-    match actions {
-        Some(a) if a <= MAX_ACTIONS => Ok(()),
-        _ => Err(Error::Schedule(format!(
-            "{workers} workers x {chunks} chunks x {replicas} replicas x {microbatches} micro-batches is {} actions, above the limit of {MAX_ACTIONS}",
-            actions.map_or("more than 2^64".to_string(), |a| a.to_string())
-        ))),
-    }
-}
-
 impl Plan {
     /// One pipeline: stage `s` on worker `placement[s]`, one layer per stage, every
     /// micro-batch through every stage in model order.
@@ -333,6 +310,15 @@ impl Plan {
 
     pub fn num_stages(&self) -> usize {
         self.stages.len()
+    }
+    /// Data-parallel replicas: the most hosts any stage has (1 for a plain pipeline).
+    pub fn replicas(&self) -> usize {
+        self.stages
+            .iter()
+            .map(|s| s.hosts.len())
+            .max()
+            .unwrap_or(1)
+            .max(1)
     }
     pub fn num_workers(&self) -> usize {
         self.workers.len()

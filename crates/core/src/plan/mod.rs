@@ -1,0 +1,9 @@
+//! The plan IR and its rules: what every worker does, in order (`ir`), which schedule made it
+//! (`kind`), the checks every plan passes before anything runs it (`validate`), and the
+//! per-rank action CSV of `torch.distributed.pipelining` (`torch_csv`).
+
+pub mod ir;
+pub mod kind;
+pub mod validate;
+
+pub use kind::ScheduleKind;

@@ -1,0 +1,248 @@
+//! PipeTransformer's AutoFreeze, and AutoPipe + AutoDP through in-memory re-planning, decided
+//! between training steps. The rules are core's (`policy::freeze`, `policy::elastic`); this
+//! drives them from a trainer's gradient norms and applies what they decide.
+
+use super::{describe, StepReport, Trainer};
+use crate::error::{Error, Result};
+use pipewright_core::cluster::Cluster;
+use pipewright_core::plan::ir::Plan;
+use pipewright_core::plan::ScheduleKind;
+use pipewright_core::policy::elastic::{
+    elastic_layout, peak_memory, ElasticChoice, GlobalBatch, Shape,
+};
+use pipewright_core::policy::freeze::FreezePolicy;
+use pipewright_core::profile::Profile;
+
+/// What freezes when, and whether the layout follows.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FreezeSettings {
+    pub policy: FreezePolicy,
+    /// Steps between freeze decisions (default: once per epoch of the training data).
+    pub every: Option<u64>,
+    /// Re-cut the training layers over the fastest depth that fits, and turn freed workers
+    /// into more data-parallel replicas (AutoPipe + AutoDP).
+    pub elastic: bool,
+    /// With `elastic`: every replica keeps its micro-batches, so the global batch grows and
+    /// the learning rate with it (the linear scaling rule); else the global batch is kept.
+    pub scale_batch: bool,
+}
+
+/// The freeze and elastic state of a run.
+pub struct FreezeController {
+    policy: FreezePolicy,
+    every: u64,
+    elastic: bool,
+    decisions: usize,
+    /// Mean gradient norm of each freezable layer block over each decision's steps.
+    history: Vec<Vec<f64>>,
+    sum: Vec<f64>,
+    steps: usize,
+    workers: usize,
+    total_mbs: usize,
+    kind: ScheduleKind,
+    budget: u64,
+    cluster: Cluster,
+    /// Worker processes (MPI): every layout uses all of them.
+    all_workers: bool,
+    /// Scale the global batch with the replicas (micro-batches per replica at the start).
+    scale_from: Option<usize>,
+}
+
+impl FreezeController {
+    /// `None` when nothing freezes (no controller needed).
+    pub fn new(
+        a: &FreezeSettings,
+        trainer: &Trainer,
+        links: Option<&Cluster>,
+        epoch_steps: u64,
+        mpi: bool,
+    ) -> Result<Self> {
+        let policy = a.policy.clone();
+        policy
+            .check()
+            .map_err(|e| Error::Config(format!("freeze policy: {e}")))?;
+        let cfg = &trainer.cfg;
+        let plan = &trainer.plan;
+        let every = a.every.unwrap_or(epoch_steps);
+        if every == 0 {
+            return Err(Error::Config(
+                "steps between freeze decisions must be at least 1".into(),
+            ));
+        }
+        let kind = if plan.kind.default_chunks() == 1 && plan.kind != ScheduleKind::Custom {
+            plan.kind
+        } else {
+            ScheduleKind::OneFOneB
+        };
+        let p = plan.num_workers();
+        let cluster = match links {
+            Some(c) => pipewright_core::sim::devices_for_plan(plan, c)?,
+            None => Cluster::uniform(p),
+        };
+        // The memory each worker may use: what the starting plan needs on its fullest one.
+        let profile = cfg.model.cost_profile(cfg.rows);
+        let costs = profile.stage_costs(&plan.layers_per_stage());
+        let budget = peak_memory(plan, &costs, &cluster)?;
+        let freezable = cfg.model.num_blocks() - 1;
+        Ok(FreezeController {
+            policy,
+            every,
+            elastic: a.elastic,
+            decisions: 0,
+            history: Vec::new(),
+            sum: vec![0.0; freezable],
+            steps: 0,
+            workers: p,
+            total_mbs: plan.num_microbatches,
+            kind,
+            budget,
+            cluster,
+            all_workers: mpi,
+            scale_from: a
+                .scale_batch
+                .then(|| plan.num_microbatches / plan.replicas()),
+        })
+    }
+
+    /// The fastest layout with `frozen` blocks frozen that fits each worker's memory (using
+    /// every worker process under MPI).
+    fn layout(
+        &self,
+        profile: &Profile,
+        frozen: usize,
+    ) -> pipewright_core::error::Result<ElasticChoice> {
+        let shape = Shape {
+            workers: self.workers,
+            use_all: self.all_workers,
+            batch: match self.scale_from {
+                Some(m) => GlobalBatch::Scale(m),
+                None => GlobalBatch::Keep(self.total_mbs),
+            },
+        };
+        elastic_layout(
+            profile,
+            frozen,
+            shape,
+            self.kind,
+            &self.cluster,
+            self.budget,
+        )
+    }
+
+    /// Switch to `plan` and, when the global batch scales, the learning rate with it.
+    fn replan(&self, trainer: &mut Trainer, plan: Plan) -> Result<String> {
+        let before = trainer.plan.num_microbatches;
+        trainer.replan(plan)?;
+        if self.scale_from.is_none() || trainer.plan.num_microbatches == before {
+            return Ok(String::new());
+        }
+        let x = trainer.plan.num_microbatches as f64 / self.total_mbs as f64;
+        trainer.set_lr_scale(x)?;
+        Ok(format!(
+            "; global batch {} -> {} micro-batches, learning rate x{x:.3}",
+            self.total_mbs, trainer.plan.num_microbatches
+        ))
+    }
+
+    /// After a resume: count the decisions already taken, and freeze again what the
+    /// checkpoint had frozen (re-planning first when elastic). Returns what it did, to log.
+    pub fn resumed(
+        &mut self,
+        trainer: &mut Trainer,
+        step: u64,
+        frozen: usize,
+    ) -> Result<Option<String>> {
+        self.decisions = (step / self.every) as usize;
+        if frozen <= trainer.frozen() {
+            return Ok(None);
+        }
+        if self.elastic {
+            let profile = trainer.cfg.model.cost_profile(trainer.cfg.rows);
+            if let Ok(c) = self.layout(&profile, frozen) {
+                let scaled = self.replan(trainer, c.plan)?;
+                trainer.set_frozen(frozen)?;
+                return Ok(Some(format!(
+                    "the checkpoint had layer blocks 0..{frozen} frozen: frozen again on {}{scaled}",
+                    describe(&trainer.plan)
+                )));
+            }
+        }
+        Ok(Some(format!(
+            "warning: the checkpoint had layer blocks 0..{frozen} frozen, but stage 0 of this plan ({:?}) has no room for them with a training layer after; they train again",
+            trainer.plan.layers_per_stage()
+        )))
+    }
+
+    /// After a step: maybe freeze more layers (and re-plan). Returns what changed, to log.
+    pub fn after_step(&mut self, trainer: &mut Trainer, r: &StepReport) -> Result<Option<String>> {
+        for (s, n) in self.sum.iter_mut().zip(&r.layer_norms) {
+            *s += n;
+        }
+        self.steps += 1;
+        if !r.step.is_multiple_of(self.every) {
+            return Ok(None);
+        }
+        self.history
+            .push(self.sum.iter().map(|s| s / self.steps as f64).collect());
+        self.sum.iter_mut().for_each(|s| *s = 0.0);
+        self.steps = 0;
+        self.decisions += 1;
+        let before = trainer.frozen();
+        let freezable = self.sum.len();
+        let mut want = self
+            .policy
+            .decide(self.decisions, before, freezable, &self.history);
+        if want == before {
+            return Ok(None);
+        }
+        let t0 = std::time::Instant::now();
+        let old = describe(&trainer.plan);
+        let mut next: Option<Plan> = None;
+        if self.elastic {
+            // The deepest freeze that some layout fits; none: keep the plan.
+            let profile = trainer.cfg.model.cost_profile(trainer.cfg.rows);
+            let fit = (before + 1..=want)
+                .rev()
+                .find_map(|k| self.layout(&profile, k).ok().map(|c| (k, c)));
+            if let Some((k, c)) = fit {
+                want = k;
+                if c.plan.layers_per_stage() != trainer.plan.layers_per_stage()
+                    || c.plan.num_workers() != trainer.plan.num_workers()
+                {
+                    next = Some(c.plan);
+                }
+            }
+        }
+        // Without a re-plan the frozen prefix must fit inside stage 0.
+        let stage0 = next
+            .as_ref()
+            .unwrap_or(&trainer.plan)
+            .layers_per_stage()
+            .first()
+            .copied()
+            .unwrap_or(1);
+        want = want.min(stage0.saturating_sub(1));
+        if want <= before {
+            return Ok(None);
+        }
+        let scaled = match next {
+            Some(plan) => self.replan(trainer, plan)?,
+            None => String::new(),
+        };
+        trainer.set_frozen(want)?;
+        let new = describe(&trainer.plan);
+        Ok(Some(if new == old {
+            format!(
+                "step {}: froze layer blocks 0..{want} (was {before}) in {:.3} s; plan kept: {new}",
+                r.step,
+                t0.elapsed().as_secs_f64()
+            )
+        } else {
+            format!(
+                "step {}: froze layer blocks 0..{want} (was {before}) and re-planned in {:.3} s{scaled}\n  before: {old}\n  after:  {new}",
+                r.step,
+                t0.elapsed().as_secs_f64()
+            )
+        }))
+    }
+}

@@ -1,0 +1,596 @@
+//! A training run as a library: the step loop with its cadences (evaluation, checkpoints,
+//! metrics, freeze decisions), resume, plan switches and `--compare-sim`'s profiling, driven by
+//! a [`RunConfig`] and reporting to a [`RunSink`]. The CLI is one user of it; `examples/` has
+//! another.
+
+use super::freeze::{FreezeController, FreezeSettings};
+use super::{describe, StepReport, Trainer};
+use crate::cache::{CacheStats, PrefixCache};
+use crate::data::{Corpus, Sampling};
+use crate::error::{Error, Result};
+use crate::profile::{median, Profiler};
+use pipewright_core::cluster::Cluster;
+use pipewright_core::plan::ir::{Op, Plan};
+use pipewright_core::sim::timeline::{TimedAction, Timeline};
+use pipewright_core::sim::{devices_for_plan, simulate, simulate_with, SimOptions, SimSetup};
+use serde_json::{json, Value};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Where and how often checkpoints are written.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Checkpointing {
+    pub dir: PathBuf,
+    /// Every this many steps (0: only at the end).
+    pub every: u64,
+    /// The newest checkpoints kept in `dir`.
+    pub keep: usize,
+}
+
+/// What a run does besides training steps.
+#[derive(Clone)]
+pub struct RunConfig {
+    /// Validate every this many steps (and before the first and after the last).
+    pub eval_every: u64,
+    /// Held-out micro-batches per validation.
+    pub eval_batches: usize,
+    /// `None`: no checkpoints.
+    pub checkpoints: Option<Checkpointing>,
+    /// Continue from the newest checkpoint that verifies in `checkpoints.dir`.
+    pub resume: bool,
+    /// Switch to another plan after a step: (step, plan).
+    pub switches: Vec<(u64, Plan)>,
+    /// AutoFreeze (and AutoPipe + AutoDP when elastic); `None`: nothing freezes.
+    pub freeze: Option<FreezeSettings>,
+    /// AutoCache: the frozen prefix's outputs per sample (needs epoch sampling and `freeze`).
+    pub cache: Option<Arc<PrefixCache>>,
+    /// Profile the model after every step, for [`TrainingRun::sim_comparison`].
+    pub compare_sim: bool,
+    /// Keep the measured timeline: the last step's, or with freezing the whole run's.
+    pub trace: bool,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        RunConfig {
+            eval_every: 10,
+            eval_batches: 8,
+            checkpoints: None,
+            resume: false,
+            switches: Vec::new(),
+            freeze: None,
+            cache: None,
+            compare_sim: false,
+            trace: false,
+        }
+    }
+}
+
+/// What a run reports, as it happens. Only the root process (rank 0) reports.
+pub trait RunSink {
+    /// Before the first step, after any resume.
+    fn start(&mut self, _start: &RunStart) -> Result<()> {
+        Ok(())
+    }
+    /// A line for the log: resume, freezing, re-plans, checkpoints, warnings.
+    fn note(&mut self, _text: &str) {}
+    /// After every step.
+    fn step(&mut self, _row: &StepRow) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// A sink that reports nothing.
+pub struct Quiet;
+impl RunSink for Quiet {}
+
+/// The run as it starts.
+#[derive(Debug, Clone)]
+pub struct RunStart {
+    /// One line: model, data, plan, steps.
+    pub header: String,
+    /// Steps already done (a resume's step, else 0) and in all.
+    pub step: u64,
+    pub steps: u64,
+    /// Validation loss before the first step of this run.
+    pub val_loss: f64,
+    /// The step a resume continued from.
+    pub resumed: Option<u64>,
+}
+
+impl RunStart {
+    /// The metrics row of the starting point (a fresh run's step 0).
+    pub fn to_json(&self) -> Value {
+        json!({"step": self.step, "loss": null, "val_loss": self.val_loss, "val_perplexity": self.val_loss.exp(), "tokens_per_s": null})
+    }
+}
+
+/// One step as the sinks see it.
+pub struct StepRow<'a> {
+    pub report: &'a StepReport,
+    pub steps: u64,
+    /// This step's validation loss, if it validated.
+    pub val_loss: Option<f64>,
+    /// The latest validation loss.
+    pub last_val: f64,
+    pub samples_per_s: f64,
+    pub frozen: usize,
+    pub stages: usize,
+    pub replicas: usize,
+    pub cache: Option<CacheStats>,
+}
+
+impl StepRow<'_> {
+    pub fn tokens_per_s(&self) -> f64 {
+        self.report.tokens as f64 / self.report.seconds
+    }
+
+    /// The metrics row (JSON lines): the one place that names its fields.
+    pub fn to_json(&self) -> Value {
+        let r = self.report;
+        json!({"step": r.step, "loss": r.loss, "val_loss": self.val_loss, "val_perplexity": self.val_loss.map(f64::exp), "tokens_per_s": self.tokens_per_s(), "samples_per_s": self.samples_per_s, "lr": r.lr, "grad_norm": r.grad_norm, "busy": r.busy, "seconds": r.seconds, "frozen_layers": self.frozen, "stages": self.stages, "replicas": self.replicas, "cache": self.cache.as_ref().map(|c| json!({"hits": c.hits, "extended": c.extended, "misses": c.misses, "memory_bytes": c.memory_bytes, "disk_bytes": c.disk_bytes}))})
+    }
+}
+
+/// How a run ended.
+#[derive(Debug, Clone)]
+pub struct RunSummary {
+    pub first_val: f64,
+    pub last_val: f64,
+    /// Steps done in all.
+    pub step: u64,
+    /// Steps this run took (after any resume).
+    pub steps_run: usize,
+    pub checkpoint: Option<PathBuf>,
+    pub cache: Option<CacheStats>,
+    /// With [`RunConfig::trace`]: the last step's timeline, or the whole run's when freezing.
+    pub timeline: Option<Timeline>,
+}
+
+/// The measured actions of every step of a run, on one clock, and its transitions.
+struct WholeRun {
+    clock: Instant,
+    actions: Vec<TimedAction>,
+    marks: Vec<(f64, String)>,
+    /// The most workers any plan of the run had.
+    workers: usize,
+}
+
+impl WholeRun {
+    /// Actions kept at most (about 100 bytes each in a trace).
+    const CAP: usize = 2_000_000;
+
+    fn step(&mut self, r: &StepReport) {
+        let offset = self.clock.elapsed().as_secs_f64() - r.seconds;
+        let room = Self::CAP.saturating_sub(self.actions.len());
+        self.actions.extend(r.actions.iter().take(room).map(|a| {
+            let mut a = *a;
+            a.start += offset;
+            a.end += offset;
+            a
+        }));
+    }
+
+    fn mark(&mut self, label: &str, workers: usize) {
+        self.marks
+            .push((self.clock.elapsed().as_secs_f64(), label.to_string()));
+        self.workers = self.workers.max(workers);
+    }
+}
+
+/// Measured action durations (seconds) by stage and op.
+type ActionSeconds = HashMap<(usize, Op), Vec<f64>>;
+
+/// A training run: a trainer, its data and what happens around its steps.
+pub struct TrainingRun {
+    pub trainer: Trainer,
+    corpus: Corpus,
+    cfg: RunConfig,
+    freezer: Option<FreezeController>,
+    epoch_steps: u64,
+    whole: Option<WholeRun>,
+    last: Option<StepReport>,
+    step_seconds: Vec<f64>,
+    /// `compare_sim`: a profile pass after each step (a machine's speed drifts with other load,
+    /// and a profile taken only after training could see a different machine). Every rank takes
+    /// it: a rank left idle meanwhile ran its next actions 20-30% slower.
+    profiler: Option<Profiler>,
+    /// And the measured actions after warm-up, to set beside the profile's costs.
+    action_seconds: ActionSeconds,
+}
+
+impl TrainingRun {
+    /// A run of `trainer` on `corpus`; every setting is checked here, before any step.
+    pub fn new(mut trainer: Trainer, corpus: Corpus, cfg: RunConfig) -> Result<Self> {
+        check_run(&trainer, &cfg)?;
+        corpus
+            .check(trainer.cfg.model.seq_len)
+            .map_err(Error::Config)?;
+        let epoch_steps = trainer
+            .cfg
+            .sampler()
+            .steps_per_epoch(&corpus.train, trainer.plan.num_microbatches)
+            .map_err(|e| Error::Config(format!("{}: {e}", corpus.name)))?;
+        for (step, next) in &cfg.switches {
+            check_switch(&trainer, *step, next)?;
+        }
+        let freezer = match &cfg.freeze {
+            Some(f) => {
+                let links = trainer.links().cloned();
+                let mpi = trainer.is_distributed();
+                Some(FreezeController::new(
+                    f,
+                    &trainer,
+                    links.as_ref(),
+                    epoch_steps,
+                    mpi,
+                )?)
+            }
+            None => None,
+        };
+        if let Some(c) = &cfg.checkpoints {
+            trainer.keep_checkpoints = c.keep;
+        }
+        trainer.set_cache(cfg.cache.clone())?;
+        let profiler = cfg
+            .compare_sim
+            .then(|| Profiler::new(&trainer.cfg.model, trainer.cfg.rows, trainer.cfg.seed));
+        Ok(TrainingRun {
+            trainer,
+            corpus,
+            cfg,
+            freezer,
+            epoch_steps,
+            whole: None,
+            last: None,
+            step_seconds: Vec::new(),
+            profiler,
+            action_seconds: ActionSeconds::new(),
+        })
+    }
+
+    /// Steps per epoch of the training data at this plan's micro-batches.
+    pub fn epoch_steps(&self) -> u64 {
+        self.epoch_steps
+    }
+
+    /// The unigram loss of the training data: what a model that learnt nothing scores.
+    pub fn baseline(&self) -> f64 {
+        self.corpus.unigram_baseline()
+    }
+
+    /// Resume if asked, then train to the configured steps; write the final checkpoint.
+    /// Across processes every rank calls it; only the root reports to `sink`.
+    pub fn run(&mut self, sink: &mut dyn RunSink) -> Result<RunSummary> {
+        let mut quiet = Quiet;
+        let sink: &mut dyn RunSink = if self.trainer.is_root() {
+            sink
+        } else {
+            &mut quiet
+        };
+        let resumed = self.resume(sink)?;
+        let first_val = self.trainer.evaluate(&self.corpus, self.cfg.eval_batches)?;
+        sink.start(&RunStart {
+            header: self.header(),
+            step: self.trainer.step,
+            steps: self.trainer.cfg.steps,
+            val_loss: first_val,
+            resumed,
+        })?;
+        self.whole = (self.cfg.trace && self.freezer.is_some()).then(|| WholeRun {
+            clock: Instant::now(),
+            actions: Vec::new(),
+            marks: Vec::new(),
+            workers: self.trainer.plan.num_workers(),
+        });
+        let mut last_val = first_val;
+        while self.trainer.step < self.trainer.cfg.steps {
+            last_val = self.one_step(sink, last_val)?;
+        }
+        let checkpoint = match &self.cfg.checkpoints {
+            Some(c) => {
+                let p = self.trainer.save_checkpoint(&c.dir)?;
+                sink.note(&format!("checkpoint: {}", p.display()));
+                Some(p)
+            }
+            None => None,
+        };
+        Ok(RunSummary {
+            first_val,
+            last_val,
+            step: self.trainer.step,
+            steps_run: self.step_seconds.len(),
+            checkpoint,
+            cache: self.trainer.cache_stats(),
+            timeline: self.timeline(),
+        })
+    }
+
+    /// Load the newest checkpoint that verifies and re-apply its frozen prefix.
+    fn resume(&mut self, sink: &mut dyn RunSink) -> Result<Option<u64>> {
+        let Some(c) = self.cfg.checkpoints.as_ref().filter(|_| self.cfg.resume) else {
+            return Ok(None);
+        };
+        let r = self.trainer.load_checkpoint(&c.dir)?;
+        if let Some(why) = &r.fallback {
+            sink.note(&format!(
+                "warning: {why}; resuming from the newest checkpoint that verifies"
+            ));
+        }
+        sink.note(&format!(
+            "resumed from {} at step {}",
+            r.path.display(),
+            r.step
+        ));
+        if let Some(f) = self.freezer.as_mut() {
+            if let Some(msg) = f.resumed(&mut self.trainer, r.step, r.frozen)? {
+                sink.note(&msg);
+            }
+        }
+        Ok(Some(r.step))
+    }
+
+    fn header(&self) -> String {
+        let cfg = &self.trainer.cfg;
+        format!(
+            "training gpt ({} layer blocks, d_model {}) on {}: {}; {} steps{}; unigram baseline {:.3}",
+            cfg.model.num_blocks(),
+            cfg.model.d_model,
+            self.corpus.name,
+            describe(&self.trainer.plan),
+            cfg.steps,
+            match cfg.sampling {
+                Sampling::Epochs => format!(" in epochs of {}", self.epoch_steps),
+                Sampling::Windows => String::new(),
+            },
+            self.baseline()
+        )
+    }
+
+    /// One step and what follows it: validation, metrics, checkpoint, profiling, freezing and
+    /// plan switches. Returns the latest validation loss.
+    fn one_step(&mut self, sink: &mut dyn RunSink, last_val: f64) -> Result<f64> {
+        let steps = self.trainer.cfg.steps;
+        let r = self
+            .trainer
+            .train_step(&self.corpus)
+            .map_err(|e| Error::Step {
+                step: self.trainer.step + 1,
+                exec: e,
+            })?;
+        let val = if r.step % self.cfg.eval_every == 0 || r.step == steps {
+            Some(self.trainer.evaluate(&self.corpus, self.cfg.eval_batches)?)
+        } else {
+            None
+        };
+        let plan = &self.trainer.plan;
+        sink.step(&StepRow {
+            report: &r,
+            steps,
+            val_loss: val,
+            last_val: val.unwrap_or(last_val),
+            samples_per_s: (plan.num_microbatches * self.trainer.cfg.rows) as f64 / r.seconds,
+            frozen: self.trainer.frozen(),
+            stages: plan.num_stages(),
+            replicas: plan.replicas(),
+            cache: self.trainer.cache_stats(),
+        })?;
+        if let Some(c) = &self.cfg.checkpoints {
+            if c.every > 0 && r.step % c.every == 0 && r.step < steps {
+                self.trainer.save_checkpoint(&c.dir)?;
+            }
+        }
+        self.step_seconds.push(r.seconds);
+        self.profile_step(&r);
+        if let Some(w) = self.whole.as_mut() {
+            w.step(&r);
+        }
+        self.after_step(sink, &r)?;
+        self.last = Some(r);
+        Ok(val.unwrap_or(last_val))
+    }
+
+    /// `compare_sim`: a profile pass, and the step's actions once past warm-up.
+    fn profile_step(&mut self, r: &StepReport) {
+        let Some(p) = self.profiler.as_mut() else {
+            return;
+        };
+        p.sample();
+        if self.step_seconds.len() > 2 {
+            for t in &r.actions {
+                self.action_seconds
+                    .entry((t.action.stage, t.action.op))
+                    .or_default()
+                    .push(t.end - t.start);
+            }
+        }
+    }
+
+    /// Freeze decisions and plan switches due after step `r`.
+    fn after_step(&mut self, sink: &mut dyn RunSink, r: &StepReport) -> Result<()> {
+        if let Some(f) = self.freezer.as_mut() {
+            if let Some(msg) = f.after_step(&mut self.trainer, r)? {
+                sink.note(&msg);
+                if let Some(w) = self.whole.as_mut() {
+                    w.mark(
+                        msg.lines().next().unwrap_or(""),
+                        self.trainer.plan.num_workers(),
+                    );
+                }
+            }
+        }
+        let due: Vec<Plan> = self
+            .cfg
+            .switches
+            .iter()
+            .filter(|(at, _)| *at == r.step)
+            .map(|(_, p)| p.clone())
+            .collect();
+        for next in due {
+            let rep = self.trainer.replan(next)?;
+            if let Some(w) = self.whole.as_mut() {
+                w.mark(
+                    &format!("step {}: re-planned", r.step),
+                    self.trainer.plan.num_workers(),
+                );
+            }
+            sink.note(&format!(
+                "step {}: re-planned in {:.3} s\n  before: {}\n  after:  {}",
+                r.step, rep.seconds, rep.before, rep.after
+            ));
+        }
+        Ok(())
+    }
+
+    /// The measured timeline the run kept (see [`RunConfig::trace`]).
+    fn timeline(&mut self) -> Option<Timeline> {
+        if !self.cfg.trace {
+            return None;
+        }
+        let mut tl = self.trainer.timeline(self.last.as_ref()?);
+        if let Some(w) = self.whole.take() {
+            tl.worker_names = (0..w.workers).map(|i| format!("worker {i}")).collect();
+            tl.actions = w.actions;
+            tl.marks = w.marks;
+        }
+        Some(tl)
+    }
+
+    /// `compare_sim`: the trained plan simulated on the profile measured during the run, beside
+    /// the measured iteration time and actions. Needs 3 steps in this run (2 are warm-up).
+    pub fn sim_comparison(&mut self) -> Result<SimComparison> {
+        let Some(profiler) = self.profiler.as_mut() else {
+            return Err(Error::Config(
+                "the run did not profile (compare_sim is off)".into(),
+            ));
+        };
+        if self.step_seconds.len() < 3 {
+            return Err(Error::Config(format!(
+                "comparing with the simulation needs 3 steps in this run; it took {} after resuming",
+                self.step_seconds.len()
+            )));
+        }
+        // At least 5 passes after the first.
+        while profiler.passes() < 6 {
+            profiler.sample();
+        }
+        let profile = profiler.profile();
+        let plan = &self.trainer.plan;
+        let stages = profile.stage_costs(&plan.layers_per_stage());
+        let cl = match self.trainer.links() {
+            Some(c) => devices_for_plan(plan, c)?,
+            None => Cluster::uniform(plan.num_workers()),
+        };
+        let setup = SimSetup {
+            plan,
+            stages: &stages,
+            cluster: &cl,
+        };
+        // In-process workers serialise their compute (burn's autodiff lock): simulate that.
+        let shared = !self.trainer.is_distributed() && plan.num_workers() > 1;
+        let sim = simulate_with(
+            &setup,
+            SimOptions {
+                shared_compute: shared,
+            },
+        )?;
+        let own = if shared {
+            Some(simulate(&setup)?.iteration_time)
+        } else {
+            None
+        };
+        let measured = &self.step_seconds[2..];
+        let ms = |op: Op, s: usize| self.action_seconds.get(&(s, op)).map(|v| median(v.clone()));
+        let stage_rows = stages
+            .iter()
+            .enumerate()
+            .map(|(s, c)| StageComparison {
+                simulated: [
+                    c.forward,
+                    c.full_backward(),
+                    c.backward_input,
+                    c.backward_weight,
+                ],
+                measured: [ms(Op::F, s), ms(Op::BW, s), ms(Op::B, s), ms(Op::W, s)],
+            })
+            .collect();
+        Ok(SimComparison {
+            simulated: sim.iteration_time,
+            measured: median(measured.to_vec()),
+            measured_steps: measured.len(),
+            shared_compute: shared,
+            own_devices: own,
+            stages: stage_rows,
+        })
+    }
+}
+
+/// Simulated against measured, for one stage: F, BW, B, W seconds (measured: median action).
+#[derive(Debug, Clone)]
+pub struct StageComparison {
+    pub simulated: [f64; 4],
+    pub measured: [Option<f64>; 4],
+}
+
+/// The run's plan simulated on its own measured profile, beside the measured steps.
+#[derive(Debug, Clone)]
+pub struct SimComparison {
+    pub simulated: f64,
+    /// Median measured step (after 2 warm-up steps).
+    pub measured: f64,
+    pub measured_steps: usize,
+    /// Simulated with the workers' compute serialised, as in-process workers run.
+    pub shared_compute: bool,
+    /// With a device each (what worker processes get), when `shared_compute`.
+    pub own_devices: Option<f64>,
+    pub stages: Vec<StageComparison>,
+}
+
+/// Settings that no step can fix, refused before any work.
+fn check_run(trainer: &Trainer, cfg: &RunConfig) -> Result<()> {
+    let bad = |m: &str| Err(Error::Config(m.into()));
+    if cfg.eval_every == 0 || cfg.eval_batches == 0 {
+        return bad("evaluation every 0 steps, or on 0 batches: both must be at least 1");
+    }
+    if cfg.checkpoints.as_ref().is_some_and(|c| c.keep == 0) {
+        return bad("checkpoints to keep must be at least 1");
+    }
+    if cfg.resume && cfg.checkpoints.is_none() {
+        return bad("resuming needs a checkpoint directory");
+    }
+    if cfg.compare_sim && trainer.cfg.steps < 3 {
+        return bad("comparing with the simulation needs at least 3 steps (the first two are left out as warm-up)");
+    }
+    if cfg.cache.is_some() && cfg.freeze.is_none() {
+        return bad("the frozen-prefix cache caches frozen layers: it needs a freeze policy");
+    }
+    if !cfg.switches.is_empty() && cfg.freeze.as_ref().is_some_and(|f| f.elastic) {
+        return bad("plan switches and elastic re-planning both change the plan: use one of them");
+    }
+    Ok(())
+}
+
+/// Can the run switch to `next` after `step`?
+fn check_switch(trainer: &Trainer, step: u64, next: &Plan) -> Result<()> {
+    let steps = trainer.cfg.steps;
+    if step == 0 || step >= steps {
+        return Err(Error::Config(format!(
+            "plan switch at step {step}: not between 1 and {} (the run's last step is {steps})",
+            steps.saturating_sub(1)
+        )));
+    }
+    trainer.cfg.check_plan(next)?;
+    if let Some(c) = trainer.links() {
+        devices_for_plan(next, c)?;
+    }
+    if trainer.is_distributed() && next.num_workers() != trainer.plan.num_workers() {
+        return Err(Error::Config(format!(
+            "plan switch at step {step}: that plan has {} workers, this job {} processes (a re-plan keeps the processes)",
+            next.num_workers(),
+            trainer.plan.num_workers()
+        )));
+    }
+    Ok(())
+}
