@@ -6,7 +6,7 @@ use crate::BadInput;
 use anyhow::Result;
 use clap::Args;
 use pipewright_core::cluster::Cluster;
-use pipewright_core::policy::elastic::{ablation, Ablation, AblationSetup};
+use pipewright_core::policy::elastic::{ablation, Ablation, AblationEpoch, AblationSetup};
 use pipewright_core::policy::freeze::{FreezeMode, FreezePolicy};
 use pipewright_core::profile::Profile;
 use pipewright_core::schedule::ScheduleKind;
@@ -71,6 +71,56 @@ fn paper(which: Ablation) -> Option<f64> {
 pub fn cmd_elastic_sim(a: ElasticSimArgs) -> Result<()> {
     let profile = Profile::load(&a.profile)?;
     let cluster = Cluster::load(&a.cluster)?;
+    let workers = check_args(&a, &profile, &cluster)?;
+    let per_iter = samples_per_iteration(&a)?;
+    let trajectory = trajectory(&a, &profile)?;
+    let memory = a.memory.unwrap_or_else(|| {
+        cluster.devices[..workers]
+            .iter()
+            .filter_map(|d| d.memory)
+            .min()
+            .unwrap_or(u64::MAX)
+    });
+    let setup = AblationSetup {
+        profile: &profile,
+        cluster: &cluster,
+        pipelines: a.pipelines,
+        depth: a.stages,
+        microbatches: a.microbatches,
+        kind: a.kind,
+        trajectory: &trajectory,
+        memory_budget: memory,
+    };
+    let runs: Vec<(Ablation, Vec<_>)> = Ablation::ALL
+        .iter()
+        .map(|&w| {
+            ablation(&setup, w)
+                .map(|r| (w, r))
+                .map_err(|e| BadInput(format!("{}: {e}", w.name())))
+        })
+        .collect::<std::result::Result<_, _>>()?;
+    let base = total(&runs[0].1);
+    let unit = if a.rows.is_some() {
+        "samples/s"
+    } else {
+        "iterations/s"
+    };
+    let out = Ablations {
+        runs,
+        base,
+        per_iter,
+        unit,
+        trajectory,
+        memory,
+    };
+    if a.json {
+        return out.print_json();
+    }
+    out.print_table(&a, &profile)
+}
+
+/// The flags' values that cannot be simulated; the workers the layout needs.
+fn check_args(a: &ElasticSimArgs, profile: &Profile, cluster: &Cluster) -> Result<usize> {
     let workers = a.pipelines.saturating_mul(a.stages);
     if a.pipelines == 0 || a.stages == 0 || a.microbatches == 0 || a.epochs == 0 {
         return Err(BadInput(
@@ -108,12 +158,16 @@ pub fn cmd_elastic_sim(a: ElasticSimArgs) -> Result<()> {
         ))
         .into());
     }
-    // Samples per iteration: every pipeline's micro-batches of rows each (must fit a usize).
+    Ok(workers)
+}
+
+/// Samples per iteration: every pipeline's micro-batches of rows each (must fit a usize).
+fn samples_per_iteration(a: &ElasticSimArgs) -> Result<f64> {
     let per_iter = a
         .pipelines
         .checked_mul(a.microbatches)
         .and_then(|x| x.checked_mul(a.rows.unwrap_or(1)));
-    let per_iter = match (a.rows, per_iter) {
+    Ok(match (a.rows, per_iter) {
         (Some(0), _) => return Err(BadInput("--rows must be at least 1".into()).into()),
         (_, None) => {
             return Err(BadInput(format!(
@@ -125,8 +179,12 @@ pub fn cmd_elastic_sim(a: ElasticSimArgs) -> Result<()> {
             .into())
         }
         (_, Some(n)) => n as f64,
-    };
-    let trajectory = match &a.trajectory {
+    })
+}
+
+/// Frozen layers per epoch: `--trajectory`, or the freeze schedule's.
+fn trajectory(a: &ElasticSimArgs, profile: &Profile) -> Result<Vec<usize>> {
+    Ok(match &a.trajectory {
         Some(t) if t.is_empty() => return Err(BadInput("--trajectory is empty".into()).into()),
         Some(t) => t.clone(),
         None => {
@@ -147,42 +205,34 @@ pub fn cmd_elastic_sim(a: ElasticSimArgs) -> Result<()> {
             }
             t
         }
-    };
-    let memory = a.memory.unwrap_or_else(|| {
-        cluster.devices[..workers]
-            .iter()
-            .filter_map(|d| d.memory)
-            .min()
-            .unwrap_or(u64::MAX)
-    });
-    let setup = AblationSetup {
-        profile: &profile,
-        cluster: &cluster,
-        pipelines: a.pipelines,
-        depth: a.stages,
-        microbatches: a.microbatches,
-        kind: a.kind,
-        trajectory: &trajectory,
-        memory_budget: memory,
-    };
-    let runs: Vec<(Ablation, Vec<_>)> = Ablation::ALL
-        .iter()
-        .map(|&w| {
-            ablation(&setup, w)
-                .map(|r| (w, r))
-                .map_err(|e| BadInput(format!("{}: {e}", w.name())))
-        })
-        .collect::<std::result::Result<_, _>>()?;
-    let total = |r: &[pipewright_core::policy::elastic::AblationEpoch]| -> f64 {
-        r.iter().map(|e| e.iteration_time).sum()
-    };
-    let base = total(&runs[0].1);
-    let unit = if a.rows.is_some() {
-        "samples/s"
-    } else {
-        "iterations/s"
-    };
-    if a.json {
+    })
+}
+
+/// The ablations' epochs, ready to print.
+struct Ablations {
+    runs: Vec<(Ablation, Vec<AblationEpoch>)>,
+    base: f64,
+    per_iter: f64,
+    unit: &'static str,
+    trajectory: Vec<usize>,
+    memory: u64,
+}
+
+fn total(r: &[AblationEpoch]) -> f64 {
+    r.iter().map(|e| e.iteration_time).sum()
+}
+
+impl Ablations {
+    fn print_json(&self) -> Result<()> {
+        let Ablations {
+            runs,
+            base,
+            per_iter,
+            unit,
+            trajectory,
+            memory,
+        } = self;
+        let (base, per_iter) = (*base, *per_iter);
         let rows: Vec<_> = runs
             .iter()
             .map(|(w, r)| {
@@ -204,9 +254,20 @@ pub fn cmd_elastic_sim(a: ElasticSimArgs) -> Result<()> {
                 &json!({"trajectory": trajectory, "memory_budget": memory, "throughput_unit": unit, "ablations": rows})
             )?
         );
-        return Ok(());
+        Ok(())
     }
-    println!(
+
+    fn print_table(&self, a: &ElasticSimArgs, profile: &Profile) -> Result<()> {
+        let Ablations {
+            runs,
+            base,
+            per_iter,
+            unit,
+            trajectory,
+            memory,
+        } = self;
+        let (base, per_iter, memory) = (*base, *per_iter, *memory);
+        println!(
         "{} ({} layers) on {}: {} pipelines x {} stages, {} micro-batches each, {}, {:.1} GB per worker",
         profile.model.name,
         profile.layers.len(),
@@ -217,33 +278,34 @@ pub fn cmd_elastic_sim(a: ElasticSimArgs) -> Result<()> {
         a.kind,
         memory as f64 / 1e9
     );
-    println!("\n{unit} per epoch (stages x replicas):");
-    print!("{:>5} {:>6}", "epoch", "frozen");
-    for (w, _) in &runs {
-        print!(" | {:>24}", w.name());
-    }
-    println!();
-    for (e, &k) in trajectory.iter().enumerate() {
-        print!("{:>5} {:>6}", e + 1, k);
-        for (_, r) in &runs {
-            let x = &r[e];
-            print!(
-                " | {:>13.1} ({:>2} x {:>2})",
-                per_iter / x.iteration_time,
-                x.depth,
-                x.replicas
-            );
+        println!("\n{unit} per epoch (stages x replicas):");
+        print!("{:>5} {:>6}", "epoch", "frozen");
+        for (w, _) in runs {
+            print!(" | {:>24}", w.name());
         }
         println!();
+        for (e, &k) in trajectory.iter().enumerate() {
+            print!("{:>5} {:>6}", e + 1, k);
+            for (_, r) in runs {
+                let x = &r[e];
+                print!(
+                    " | {:>13.1} ({:>2} x {:>2})",
+                    per_iter / x.iteration_time,
+                    x.depth,
+                    x.replicas
+                );
+            }
+            println!();
+        }
+        println!("\n{:<24} {:>9} {:>7}", "configuration", "speedup", "paper");
+        for (w, r) in runs {
+            println!(
+                "{:<24} {:>8.2}x {:>7}",
+                w.name(),
+                base / total(r),
+                paper(*w).map_or("-".into(), |p| format!("{p:.2}x"))
+            );
+        }
+        Ok(())
     }
-    println!("\n{:<24} {:>9} {:>7}", "configuration", "speedup", "paper");
-    for (w, r) in &runs {
-        println!(
-            "{:<24} {:>8.2}x {:>7}",
-            w.name(),
-            base / total(r),
-            paper(*w).map_or("-".into(), |p| format!("{p:.2}x"))
-        );
-    }
-    Ok(())
 }

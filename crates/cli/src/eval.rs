@@ -65,48 +65,10 @@ fn subsets(items: &[usize], k: usize, limit: usize) -> Option<Vec<Vec<usize>>> {
 }
 
 pub fn cmd_eval(a: EvalArgs) -> Result<()> {
-    if !(1..=100_000).contains(&a.batches) || !(1..=1000).contains(&a.draws) {
-        return Err(BadInput(
-            "--batches must be between 1 and 100000 and --draws between 1 and 1000".into(),
-        )
-        .into());
-    }
-    if let Some(f) = a
-        .keep
-        .iter()
-        .find(|f| !(f.is_finite() && **f > 0.0 && **f <= 1.0))
-    {
-        return Err(BadInput(format!("--keep {f}: a fraction in (0, 1]")).into());
-    }
+    check_args(&a)?;
     let (mut cfg, plan, step) = checkpoint_config(&a.checkpoint_dir)?;
-    // Stage s of the plan that trained the model holds layer blocks bounds[s]..bounds[s + 1].
-    let per = plan.layers_per_stage();
-    let mut bounds = vec![0];
-    for l in &per {
-        bounds.push(bounds.last().unwrap() + l);
-    }
-    let last = cfg.model.num_blocks() - 1;
-    let holds = |s: usize| bounds[s]..bounds[s + 1];
-    let may_go: Vec<usize> = (0..per.len())
-        .filter(|&s| !holds(s).contains(&0) && !holds(s).contains(&last))
-        .collect();
-    // A stage of the head alone (SkipPipe's layout) is not one of the model's stages.
-    let model_stages = per.len() - usize::from(per.last() == Some(&1) && per.len() > 1);
-    for &s in &a.omit {
-        if s >= per.len() {
-            return Err(BadInput(format!(
-                "--omit {s}: the checkpoint's plan has stages 0..{} (layers per stage {per:?})",
-                per.len() - 1
-            ))
-            .into());
-        }
-        if !may_go.contains(&s) {
-            return Err(BadInput(format!(
-                "--omit {s}: stage {s} holds the embedding or the head, which every route visits; stages that may go: {may_go:?}"
-            ))
-            .into());
-        }
-    }
+    let st = Stages::of(&plan.layers_per_stage(), cfg.model.num_blocks());
+    st.check_omit(&a.omit)?;
     let corpus = match &a.data {
         Some(f) => Corpus::load(f).map_err(BadInput)?,
         None => Corpus::builtin(),
@@ -120,10 +82,10 @@ pub fn cmd_eval(a: EvalArgs) -> Result<()> {
     let one = cfg.plan()?;
     let mut trainer = Trainer::in_process(cfg.clone(), one, None, Duration::from_secs(60))?;
     let loaded = trainer.load_checkpoint(&a.checkpoint_dir)?;
-    let blocks_of =
-        |stages: &[usize]| -> Vec<usize> { stages.iter().flat_map(|&s| holds(s)).collect() };
-    let eval = |stages: &[usize]| trainer.evaluate_omitting(&corpus, a.batches, &blocks_of(stages));
+    let eval =
+        |stages: &[usize]| trainer.evaluate_omitting(&corpus, a.batches, &st.blocks_of(stages));
     let full = eval(&[])?;
+    let (per, may_go) = (&st.per, &st.may_go);
     if !a.json {
         println!(
             "{} (step {step}): {} layer blocks in stages {per:?}; stages that may be left out: {may_go:?}",
@@ -136,70 +98,12 @@ pub fn cmd_eval(a: EvalArgs) -> Result<()> {
         );
     }
     let mut rows = Vec::new();
-    let mut sets: Vec<(String, Vec<Vec<usize>>)> = Vec::new();
-    if !a.omit.is_empty() {
-        let mut o = a.omit.clone();
-        o.sort_unstable();
-        o.dedup();
-        sets.push((format!("omit {o:?}"), vec![o]));
-    } else {
-        let keeps = if a.keep.is_empty() {
-            vec![0.75, 0.5]
-        } else {
-            a.keep.clone()
-        };
-        let mut rng = Lcg(a.seed);
-        for f in keeps {
-            let keep = ((f * model_stages as f64).round() as usize).max(1);
-            let k = model_stages - keep.min(model_stages);
-            if k > may_go.len() {
-                return Err(BadInput(format!(
-                    "--keep {f}: keeping {keep} of {model_stages} stages leaves out {k}, but only {} may go ({may_go:?})",
-                    may_go.len()
-                ))
-                .into());
-            }
-            let choices = subsets(&may_go, k, a.draws).unwrap_or_else(|| {
-                (0..a.draws)
-                    .map(|_| {
-                        let mut pool = may_go.clone();
-                        for i in (1..pool.len()).rev() {
-                            pool.swap(i, rng.below(i + 1));
-                        }
-                        let mut c = pool[..k].to_vec();
-                        c.sort_unstable();
-                        c
-                    })
-                    .collect()
-            });
-            sets.push((format!("keep {keep} of {model_stages}"), choices));
-        }
-    }
-    for (label, choices) in sets {
+    for (label, choices) in st.omission_sets(&a)? {
         let losses = choices
             .iter()
             .map(|c| eval(c))
             .collect::<std::result::Result<Vec<f64>, _>>()?;
-        let mean = losses.iter().sum::<f64>() / losses.len().max(1) as f64;
-        let worst = losses.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-        if !a.json {
-            println!(
-                "  {label}: mean val loss {mean:.4}  perplexity {:.3} ({:+.1}% over all stages), worst {:.3}, over {} choice(s) {:?}",
-                mean.exp(),
-                100.0 * (mean.exp() / full.exp() - 1.0),
-                worst.exp(),
-                choices.len(),
-                choices
-            );
-        }
-        rows.push(json!({
-            "label": label,
-            "omitted": choices,
-            "val_losses": losses,
-            "mean_val_loss": mean,
-            "perplexity": mean.exp(),
-            "worst_perplexity": worst.exp(),
-        }));
+        rows.push(omission_row(&a, label, &choices, &losses, full));
     }
     if a.json {
         println!(
@@ -216,6 +120,155 @@ pub fn cmd_eval(a: EvalArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+fn check_args(a: &EvalArgs) -> Result<()> {
+    if !(1..=100_000).contains(&a.batches) || !(1..=1000).contains(&a.draws) {
+        return Err(BadInput(
+            "--batches must be between 1 and 100000 and --draws between 1 and 1000".into(),
+        )
+        .into());
+    }
+    if let Some(f) = a
+        .keep
+        .iter()
+        .find(|f| !(f.is_finite() && **f > 0.0 && **f <= 1.0))
+    {
+        return Err(BadInput(format!("--keep {f}: a fraction in (0, 1]")).into());
+    }
+    Ok(())
+}
+
+/// One set of omissions' losses: printed, and as its JSON row.
+fn omission_row(
+    a: &EvalArgs,
+    label: String,
+    choices: &[Vec<usize>],
+    losses: &[f64],
+    full: f64,
+) -> serde_json::Value {
+    let mean = losses.iter().sum::<f64>() / losses.len().max(1) as f64;
+    let worst = losses.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    if !a.json {
+        println!(
+            "  {label}: mean val loss {mean:.4}  perplexity {:.3} ({:+.1}% over all stages), worst {:.3}, over {} choice(s) {:?}",
+            mean.exp(),
+            100.0 * (mean.exp() / full.exp() - 1.0),
+            worst.exp(),
+            choices.len(),
+            choices
+        );
+    }
+    json!({
+        "label": label,
+        "omitted": choices,
+        "val_losses": losses,
+        "mean_val_loss": mean,
+        "perplexity": mean.exp(),
+        "worst_perplexity": worst.exp(),
+    })
+}
+
+/// The stages of the plan that trained the model, and which of them may be left out.
+struct Stages {
+    per: Vec<usize>,
+    /// Stage s holds layer blocks bounds[s]..bounds[s + 1].
+    bounds: Vec<usize>,
+    may_go: Vec<usize>,
+    /// Stages of the model (a stage of the head alone, SkipPipe's layout, is not one).
+    model_stages: usize,
+}
+
+impl Stages {
+    fn of(per: &[usize], blocks: usize) -> Self {
+        let mut bounds = vec![0];
+        for l in per {
+            bounds.push(bounds.last().unwrap() + l);
+        }
+        let last = blocks - 1;
+        let holds = |s: usize| bounds[s]..bounds[s + 1];
+        let may_go = (0..per.len())
+            .filter(|&s| !holds(s).contains(&0) && !holds(s).contains(&last))
+            .collect();
+        Stages {
+            per: per.to_vec(),
+            may_go,
+            model_stages: per.len() - usize::from(per.last() == Some(&1) && per.len() > 1),
+            bounds,
+        }
+    }
+
+    fn blocks_of(&self, stages: &[usize]) -> Vec<usize> {
+        stages
+            .iter()
+            .flat_map(|&s| self.bounds[s]..self.bounds[s + 1])
+            .collect()
+    }
+
+    fn check_omit(&self, omit: &[usize]) -> Result<()> {
+        let (per, may_go) = (&self.per, &self.may_go);
+        for &s in omit {
+            if s >= per.len() {
+                return Err(BadInput(format!(
+                    "--omit {s}: the checkpoint's plan has stages 0..{} (layers per stage {per:?})",
+                    per.len() - 1
+                ))
+                .into());
+            }
+            if !may_go.contains(&s) {
+                return Err(BadInput(format!(
+                    "--omit {s}: stage {s} holds the embedding or the head, which every route visits; stages that may go: {may_go:?}"
+                ))
+                .into());
+            }
+        }
+        Ok(())
+    }
+
+    /// The sets of stages to leave out: `--omit`'s, or per `--keep` fraction every choice (or
+    /// `--draws` random ones).
+    fn omission_sets(&self, a: &EvalArgs) -> Result<Vec<(String, Vec<Vec<usize>>)>> {
+        if !a.omit.is_empty() {
+            let mut o = a.omit.clone();
+            o.sort_unstable();
+            o.dedup();
+            return Ok(vec![(format!("omit {o:?}"), vec![o])]);
+        }
+        let keeps = if a.keep.is_empty() {
+            vec![0.75, 0.5]
+        } else {
+            a.keep.clone()
+        };
+        let (model_stages, may_go) = (self.model_stages, &self.may_go);
+        let mut rng = Lcg(a.seed);
+        let mut sets = Vec::new();
+        for f in keeps {
+            let keep = ((f * model_stages as f64).round() as usize).max(1);
+            let k = model_stages - keep.min(model_stages);
+            if k > may_go.len() {
+                return Err(BadInput(format!(
+                    "--keep {f}: keeping {keep} of {model_stages} stages leaves out {k}, but only {} may go ({may_go:?})",
+                    may_go.len()
+                ))
+                .into());
+            }
+            let choices = subsets(may_go, k, a.draws).unwrap_or_else(|| {
+                (0..a.draws)
+                    .map(|_| {
+                        let mut pool = may_go.clone();
+                        for i in (1..pool.len()).rev() {
+                            pool.swap(i, rng.below(i + 1));
+                        }
+                        let mut c = pool[..k].to_vec();
+                        c.sort_unstable();
+                        c
+                    })
+                    .collect()
+            });
+            sets.push((format!("keep {keep} of {model_stages}"), choices));
+        }
+        Ok(sets)
+    }
 }
 
 #[cfg(test)]

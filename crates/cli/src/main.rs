@@ -1,18 +1,25 @@
 //! `pipewright`: plan, simulate and run pipeline-parallel training.
 
 mod elastic;
+mod error;
 mod eval;
+mod files;
 mod freeze;
+mod output;
 mod plan;
+mod ranks;
 mod simulate;
 mod skip;
 mod train;
 
-use anyhow::{Context, Result};
+use error::BadInput;
+use files::load_plan;
+use ranks::RANK;
+
+use anyhow::Result;
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
-use pipewright_core::plan::ir::Plan;
 use pipewright_core::plan::validate::validate;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// mimalloc, told to keep what is freed (see `keep_freed_memory`): training frees and allocates
 /// the same large activations and gradients every micro-batch, and glibc's allocator handed
@@ -95,80 +102,6 @@ enum Format {
     Json,
     Csv,
 }
-
-/// This process's MPI rank, once MPI is up (errors of input are then printed by rank 0 only).
-static RANK: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-
-pub fn set_rank(rank: usize) {
-    let _ = RANK.set(rank);
-}
-
-/// The signal that asked this process to stop, 0 if none.
-static STOP_SIGNAL: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
-
-extern "C" fn on_stop_signal(sig: libc::c_int) {
-    STOP_SIGNAL.store(sig, std::sync::atomic::Ordering::SeqCst);
-}
-
-/// Over MPI, the launcher ends every rank when one dies: say what this rank was waiting for
-/// (which names the peer it needed) before exiting, instead of vanishing silently.
-pub fn watch_signals(rank: usize) {
-    #[cfg(unix)]
-    unsafe {
-        libc::signal(
-            libc::SIGTERM,
-            on_stop_signal as *const () as libc::sighandler_t,
-        );
-        libc::signal(
-            libc::SIGINT,
-            on_stop_signal as *const () as libc::sighandler_t,
-        );
-    }
-    std::thread::spawn(move || loop {
-        let sig = STOP_SIGNAL.load(std::sync::atomic::Ordering::SeqCst);
-        if sig != 0 {
-            // A rank stopped mid-computation soon waits for the peer that died: give it a
-            // moment to get there (the launcher's SIGKILL follows after about a second).
-            #[cfg(feature = "mpi")]
-            let waiting = {
-                let t0 = std::time::Instant::now();
-                loop {
-                    let w = pipewright_runtime::transport::mpi::waiting_for();
-                    if w.is_some() || t0.elapsed() > std::time::Duration::from_millis(700) {
-                        break w;
-                    }
-                    std::thread::sleep(std::time::Duration::from_millis(5));
-                }
-            };
-            #[cfg(not(feature = "mpi"))]
-            let waiting: Option<String> = None;
-            let name = if sig == libc::SIGINT {
-                "SIGINT"
-            } else {
-                "SIGTERM"
-            };
-            eprintln!(
-                "rank {rank}: stopped by {name} (the launcher ends the job when a rank fails) {}",
-                match waiting {
-                    Some(w) => format!("while waiting for {w}"),
-                    None => "while computing, not waiting for a peer".into(),
-                }
-            );
-            std::process::exit(128 + sig);
-        }
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    });
-}
-
-/// Errors that are the user's input: exit 2.
-#[derive(Debug)]
-pub struct BadInput(pub String);
-impl std::fmt::Display for BadInput {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-impl std::error::Error for BadInput {}
 
 fn main() {
     keep_freed_memory();
@@ -300,72 +233,6 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
     }
-}
-
-/// Read a plan file (CSV by extension, JSON otherwise) without validating it.
-pub fn load_plan(file: &Path) -> Result<Plan> {
-    let text = std::fs::read_to_string(file)
-        .map_err(|e| BadInput(format!("{}: cannot read: {e}", file.display())))?;
-    let name = file.display().to_string();
-    Ok(if file.extension().is_some_and(|e| e == "csv") {
-        Plan::from_csv(&name, &text)?
-    } else {
-        Plan::from_json(&name, &text)?
-    })
-}
-
-/// Read and validate a plan file; errors name the file.
-pub fn load_valid_plan(file: &Path) -> Result<Plan> {
-    let plan = load_plan(file)?;
-    validate(&plan).map_err(|e| BadInput(format!("{}: {e}", file.display())))?;
-    Ok(plan)
-}
-
-/// The cluster's devices for the plan's workers (named in the plan, or the first ones).
-pub fn cluster_for_plan(path: &Path, plan: &Plan) -> Result<pipewright_core::cluster::Cluster> {
-    let c = pipewright_core::cluster::Cluster::load(path)?;
-    pipewright_core::sim::devices_for_plan(plan, &c)
-        .map_err(|e| BadInput(format!("{}: {e}", path.display())).into())
-}
-
-/// An output path may be missing or a regular file; anything else (a directory, a symlink, a
-/// FIFO, a device) is refused rather than replaced by the rename that writes it.
-pub fn check_output(path: &Path) -> Result<()> {
-    match std::fs::symlink_metadata(path) {
-        Ok(m) if !m.file_type().is_file() => Err(BadInput(format!(
-            "{}: exists and is not a regular file (a directory, link, FIFO or device); refusing to replace it",
-            path.display()
-        ))
-        .into()),
-        _ => Ok(()),
-    }
-}
-
-/// Stream into `path` via a temporary file and rename, so a failed write leaves no half file.
-pub fn write_with(
-    path: &Path,
-    fill: impl FnOnce(&mut dyn std::io::Write) -> std::io::Result<()>,
-) -> Result<()> {
-    check_output(path)?;
-    let tmp = path.with_extension("tmp~");
-    let res = std::fs::File::create(&tmp).and_then(|f| {
-        let mut w = std::io::BufWriter::new(f);
-        fill(&mut w)?;
-        use std::io::Write;
-        w.flush()
-    });
-    if let Err(e) = res {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(anyhow::Error::new(e).context(format!("cannot write {}", tmp.display())));
-    }
-    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;
-    eprintln!("wrote {}", path.display());
-    Ok(())
-}
-
-/// Write via a temporary file and rename, so a failed write leaves no half file.
-pub fn write_file(path: &Path, text: &str) -> Result<()> {
-    write_with(path, |w| w.write_all(text.as_bytes()))
 }
 
 #[cfg(test)]

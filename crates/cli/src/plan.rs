@@ -1,6 +1,8 @@
 //! `partition` and `plan`: cut a model into stages, and search whole-job plans.
 
-use crate::{write_file, write_with, BadInput};
+use crate::files::write_file;
+use crate::output::Outputs;
+use crate::BadInput;
 use anyhow::Result;
 use clap::Args;
 use pipewright_core::cluster::Cluster;
@@ -51,18 +53,12 @@ pub struct PlanArgs {
     /// Rows to print.
     #[arg(long, default_value_t = 8)]
     top: usize,
-    /// Print JSON (all candidates, best first).
-    #[arg(long)]
-    json: bool,
     /// Write the winning whole-job plan (JSON) for `simulate --plan` and `train --plan`.
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Write the winner's timeline as SVG.
-    #[arg(long)]
-    svg: Option<PathBuf>,
-    /// Write the winner's timeline as a Chrome trace.
-    #[arg(long)]
-    trace: Option<PathBuf>,
+    /// JSON: all candidates, best first; the timeline: the winner's.
+    #[command(flatten)]
+    output: Outputs,
 }
 
 pub fn cmd_plan(a: PlanArgs) -> Result<()> {
@@ -83,17 +79,12 @@ pub fn cmd_plan(a: PlanArgs) -> Result<()> {
             w.iteration_time.unwrap(),
             100.0 * w.bubble_fraction
         );
-        if let Some(f) = &a.svg {
-            write_file(f, &r.timeline.to_svg(&title))?;
-        }
-        if let Some(f) = &a.trace {
-            write_with(f, |mut w| r.timeline.write_chrome_trace(&mut w))?;
-        }
+        a.output.write_timeline(&r.timeline, &title)?;
         if let Some(f) = &a.out {
             write_file(f, &w.plan.as_ref().expect("winner has a plan").to_json())?;
         }
     }
-    if a.json {
+    if a.output.json {
         println!(
             "{}",
             serde_json::to_string_pretty(&json!({"candidates": cands, "search_seconds": secs}))?

@@ -1,6 +1,8 @@
 //! `schedule` and `simulate`: generate plans and predict their time, bubbles and memory.
 
-use crate::{cluster_for_plan, load_valid_plan, write_file, write_with, BadInput};
+use crate::files::{cluster_for_plan, load_valid_plan};
+use crate::output::Outputs;
+use crate::BadInput;
 use anyhow::Result;
 use clap::Args;
 use pipewright_core::cluster::Cluster;
@@ -103,15 +105,8 @@ pub struct SimulateArgs {
     /// Without it each worker has its own device, as with `--transport mpi`.
     #[arg(long)]
     shared_compute: bool,
-    /// Print one JSON object.
-    #[arg(long)]
-    json: bool,
-    /// Write a Chrome trace (open in https://ui.perfetto.dev).
-    #[arg(long)]
-    trace: Option<PathBuf>,
-    /// Write an SVG Gantt chart.
-    #[arg(long)]
-    svg: Option<PathBuf>,
+    #[command(flatten)]
+    out: Outputs,
 }
 
 pub fn cmd_simulate(a: SimulateArgs) -> Result<()> {
@@ -240,13 +235,8 @@ fn simulate_and_print(
         },
         100.0 * r.bubble_fraction
     );
-    if let Some(f) = &a.trace {
-        write_with(f, |mut w| r.timeline.write_chrome_trace(&mut w))?;
-    }
-    if let Some(f) = &a.svg {
-        write_file(f, &r.timeline.to_svg(&title))?;
-    }
-    if a.json {
+    a.out.write_timeline(&r.timeline, &title)?;
+    if a.out.json {
         let mut j = serde_json::to_value(&r)?;
         j["schedule"] = json!(plan.kind);
         j["workers"] = json!(p);
@@ -256,6 +246,15 @@ fn simulate_and_print(
         println!("{}", serde_json::to_string_pretty(&j)?);
         return Ok(());
     }
+    print_result(plan, &r, &title);
+    Ok(())
+}
+
+/// The simulation as text: per worker busy time, utilisation and peak activations, links,
+/// all-reduce, and the timeline when it fits a terminal.
+fn print_result(plan: &Plan, r: &pipewright_core::sim::SimResult, title: &str) {
+    let p = plan.num_workers();
+    let allreduce = r.iteration_time > r.makespan;
     println!("{title}");
     println!("layers per stage: {:?}", plan.layers_per_stage());
     println!(
@@ -292,5 +291,4 @@ fn simulate_and_print(
         println!("\ntimeline (one column = {unit:.4}; F forward, B input grad, W weight grad, X full backward):");
         print!("{}", r.timeline.to_text(unit));
     }
-    Ok(())
 }

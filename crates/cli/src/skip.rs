@@ -1,6 +1,8 @@
 //! `skip-plan`: SkipPipe routes for a model on a (geo-distributed) cluster, with baselines.
 
-use crate::{write_file, write_with, BadInput};
+use crate::files::write_file;
+use crate::output::Outputs;
+use crate::BadInput;
 use anyhow::Result;
 use clap::Args;
 use pipewright_core::cluster::Cluster;
@@ -48,14 +50,8 @@ pub struct SkipPlanArgs {
     /// Write the scheduled whole-job plan (for `simulate --plan` and `train --plan`).
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Write the schedule's simulated timeline as SVG.
-    #[arg(long)]
-    svg: Option<PathBuf>,
-    /// Write it as a Chrome trace.
-    #[arg(long)]
-    trace: Option<PathBuf>,
-    #[arg(long)]
-    json: bool,
+    #[command(flatten)]
+    output: Outputs,
 }
 
 /// Stages each micro-batch skips from `--skip`: a whole count, or a fraction of `stages` below
@@ -107,25 +103,17 @@ pub fn cmd_skip_plan(a: SkipPlanArgs) -> Result<()> {
     if let Some(f) = &a.out {
         write_file(f, &r.plan.to_json())?;
     }
-    if a.svg.is_some() || a.trace.is_some() {
+    if a.output.wants_timeline() {
         let stages = r.plan.stage_costs().expect("skip plans carry stage costs");
         let sim = simulate(&SimSetup {
             plan: &r.plan,
             stages: &stages,
             cluster: &cluster,
         })?;
-        if let Some(f) = &a.svg {
-            write_file(
-                f,
-                &sim.timeline
-                    .to_svg(&format!("SkipPipe routes, skip {skip} of {}", a.stages)),
-            )?;
-        }
-        if let Some(f) = &a.trace {
-            write_with(f, |mut w| sim.timeline.write_chrome_trace(&mut w))?;
-        }
+        let title = format!("SkipPipe routes, skip {skip} of {}", a.stages);
+        a.output.write_timeline(&sim.timeline, &title)?;
     }
-    if a.json {
+    if a.output.json {
         println!(
             "{}",
             json!({

@@ -1,6 +1,7 @@
 //! `train` and `profile`: run a plan on the real model, and measure the model's layers.
 
-use crate::{check_output, load_valid_plan, write_file, write_with, BadInput};
+use crate::files::{check_output, load_valid_plan, write_file, write_with};
+use crate::BadInput;
 use anyhow::{anyhow, Result};
 use clap::Args;
 use pipewright_core::cluster::Cluster;
@@ -190,72 +191,7 @@ pub fn cmd_profile(a: ProfileArgs) -> Result<()> {
     .check()
     .map_err(|e| BadInput(format!("--rows {}: {e}", a.rows)))?;
     if a.ops {
-        let ops = pipewright_runtime::profile::op_breakdown(&model, a.rows, a.repeats);
-        let parts = &ops.ops;
-        let sum = parts.iter().fold((0.0, 0.0), |(f, b), o| {
-            (f + o.forward, b + o.forward_backward)
-        });
-        println!(
-            "one transformer block (d_model {}, {} heads, seq {}), micro-batch of {} sequences; median of {}:",
-            model.d_model, model.heads, model.seq_len, a.rows, a.repeats
-        );
-        println!(
-            "{:<38} {:>5} {:>12} {:>14} {:>7}",
-            "op (timed alone)", "times", "forward ms", "fwd + bwd ms", "share"
-        );
-        let row = |name: &str, count: String, f: f64, b: f64| {
-            println!(
-                "{name:<38} {count:>5} {:>12.3} {:>14.3} {:>6.1}%",
-                f * 1e3,
-                b * 1e3,
-                100.0 * b / sum.1
-            )
-        };
-        for o in parts {
-            row(o.name, o.count.to_string(), o.forward, o.forward_backward);
-        }
-        row("sum of the ops", String::new(), sum.0, sum.1);
-        let w = &ops.whole;
-        row(
-            "whole block, run as one",
-            String::new(),
-            w.forward,
-            w.forward_backward,
-        );
-        println!("alternatives (measured, not used), beside the fwd + bwd time of what they would replace:");
-        for alt in &ops.alternatives {
-            let replaced: f64 = alt
-                .replaces
-                .iter()
-                .filter_map(|(name, part)| {
-                    parts
-                        .iter()
-                        .find(|o| o.name == *name)
-                        .map(|o| o.forward_backward * part)
-                })
-                .sum();
-            let what: Vec<String> = alt
-                .replaces
-                .iter()
-                .map(|(name, part)| {
-                    if *part < 1.0 {
-                        format!("{part} of {name}")
-                    } else {
-                        name.to_string()
-                    }
-                })
-                .collect();
-            println!(
-                "{:<38} {:>5} {:>12.3} {:>14.3}  vs {:.3} ms ({}): {:.2}x",
-                alt.op.name,
-                "",
-                alt.op.forward * 1e3,
-                alt.op.forward_backward * 1e3,
-                replaced * 1e3,
-                what.join(" + "),
-                alt.op.forward_backward / replaced
-            );
-        }
+        print_ops(&model, a.rows, a.repeats);
         return Ok(());
     }
     let prof = pipewright_runtime::profile::profile_model(&model, a.rows, a.repeats, 42);
@@ -272,6 +208,79 @@ pub fn cmd_profile(a: ProfileArgs) -> Result<()> {
         a.rows
     );
     Ok(())
+}
+
+/// `profile --ops`: where a transformer block's time goes, op by op, beside the whole block
+/// and the alternatives measured but not used.
+fn print_ops(model: &GptConfig, rows: usize, repeats: usize) {
+    let ops = pipewright_runtime::profile::op_breakdown(model, rows, repeats);
+    let parts = &ops.ops;
+    let sum = parts.iter().fold((0.0, 0.0), |(f, b), o| {
+        (f + o.forward, b + o.forward_backward)
+    });
+    println!(
+        "one transformer block (d_model {}, {} heads, seq {}), micro-batch of {} sequences; median of {}:",
+        model.d_model, model.heads, model.seq_len, rows, repeats
+    );
+    println!(
+        "{:<38} {:>5} {:>12} {:>14} {:>7}",
+        "op (timed alone)", "times", "forward ms", "fwd + bwd ms", "share"
+    );
+    let row = |name: &str, count: String, f: f64, b: f64| {
+        println!(
+            "{name:<38} {count:>5} {:>12.3} {:>14.3} {:>6.1}%",
+            f * 1e3,
+            b * 1e3,
+            100.0 * b / sum.1
+        )
+    };
+    for o in parts {
+        row(o.name, o.count.to_string(), o.forward, o.forward_backward);
+    }
+    row("sum of the ops", String::new(), sum.0, sum.1);
+    let w = &ops.whole;
+    row(
+        "whole block, run as one",
+        String::new(),
+        w.forward,
+        w.forward_backward,
+    );
+    println!(
+        "alternatives (measured, not used), beside the fwd + bwd time of what they would replace:"
+    );
+    for alt in &ops.alternatives {
+        let replaced: f64 = alt
+            .replaces
+            .iter()
+            .filter_map(|(name, part)| {
+                parts
+                    .iter()
+                    .find(|o| o.name == *name)
+                    .map(|o| o.forward_backward * part)
+            })
+            .sum();
+        let what: Vec<String> = alt
+            .replaces
+            .iter()
+            .map(|(name, part)| {
+                if *part < 1.0 {
+                    format!("{part} of {name}")
+                } else {
+                    name.to_string()
+                }
+            })
+            .collect();
+        println!(
+            "{:<38} {:>5} {:>12.3} {:>14.3}  vs {:.3} ms ({}): {:.2}x",
+            alt.op.name,
+            "",
+            alt.op.forward * 1e3,
+            alt.op.forward_backward * 1e3,
+            replaced * 1e3,
+            what.join(" + "),
+            alt.op.forward_backward / replaced
+        );
+    }
 }
 
 /// The run's settings: the config file, then the flags over it.
@@ -347,8 +356,8 @@ fn start_transport(a: &TrainArgs) -> Result<Procs> {
         let m =
             pipewright_runtime::transport::mpi::Mpi::start(Duration::from_secs_f64(a.peer_timeout))
                 .map_err(|e| anyhow!("{e}"))?;
-        crate::set_rank(m.world().rank);
-        crate::watch_signals(m.world().rank);
+        crate::ranks::set_rank(m.world().rank);
+        crate::ranks::watch_signals(m.world().rank);
         Ok(Some(Arc::new(m)))
     }
     #[cfg(not(feature = "mpi"))]
@@ -404,7 +413,7 @@ fn check_flags(a: &TrainArgs, cfg: &TrainConfig, mpi: bool) -> Result<()> {
     for f in a.metrics.iter().chain(&a.trace) {
         check_output(f)?;
     }
-    if !a.no_checkpoint && crate::RANK.get().is_none_or(|&r| r == 0) {
+    if !a.no_checkpoint && crate::ranks::RANK.get().is_none_or(|&r| r == 0) {
         check_writable_dir(&a.checkpoint_dir)?;
     }
     Ok(())

@@ -1,0 +1,39 @@
+//! The output flags that `simulate`, `plan` and `skip-plan` share: JSON on stdout, and the
+//! timeline as a Chrome trace or an SVG Gantt chart.
+
+use crate::files::{write_file, write_with};
+use anyhow::Result;
+use clap::Args;
+use pipewright_core::sim::timeline::Timeline;
+use std::path::PathBuf;
+
+#[derive(Args)]
+pub struct Outputs {
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Write the timeline as a Chrome trace (open in https://ui.perfetto.dev).
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Write the timeline as an SVG Gantt chart.
+    #[arg(long)]
+    pub svg: Option<PathBuf>,
+}
+
+impl Outputs {
+    /// Whether a timeline is asked for (so it may need simulating).
+    pub fn wants_timeline(&self) -> bool {
+        self.trace.is_some() || self.svg.is_some()
+    }
+
+    /// Write `tl` where `--trace` and `--svg` say, the SVG titled `title`.
+    pub fn write_timeline(&self, tl: &Timeline, title: &str) -> Result<()> {
+        if let Some(f) = &self.trace {
+            write_with(f, |mut w| tl.write_chrome_trace(&mut w))?;
+        }
+        if let Some(f) = &self.svg {
+            write_file(f, &tl.to_svg(title))?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,65 @@
+//! This process's rank in an MPI job, and what it says when the launcher stops it.
+
+/// This process's MPI rank, once MPI is up (errors of input are then printed by rank 0 only).
+pub static RANK: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+
+pub fn set_rank(rank: usize) {
+    let _ = RANK.set(rank);
+}
+
+/// The signal that asked this process to stop, 0 if none.
+static STOP_SIGNAL: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+extern "C" fn on_stop_signal(sig: libc::c_int) {
+    STOP_SIGNAL.store(sig, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// Over MPI, the launcher ends every rank when one dies: say what this rank was waiting for
+/// (which names the peer it needed) before exiting, instead of vanishing silently.
+pub fn watch_signals(rank: usize) {
+    #[cfg(unix)]
+    unsafe {
+        libc::signal(
+            libc::SIGTERM,
+            on_stop_signal as *const () as libc::sighandler_t,
+        );
+        libc::signal(
+            libc::SIGINT,
+            on_stop_signal as *const () as libc::sighandler_t,
+        );
+    }
+    std::thread::spawn(move || loop {
+        let sig = STOP_SIGNAL.load(std::sync::atomic::Ordering::SeqCst);
+        if sig != 0 {
+            // A rank stopped mid-computation soon waits for the peer that died: give it a
+            // moment to get there (the launcher's SIGKILL follows after about a second).
+            #[cfg(feature = "mpi")]
+            let waiting = {
+                let t0 = std::time::Instant::now();
+                loop {
+                    let w = pipewright_runtime::transport::mpi::waiting_for();
+                    if w.is_some() || t0.elapsed() > std::time::Duration::from_millis(700) {
+                        break w;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+            };
+            #[cfg(not(feature = "mpi"))]
+            let waiting: Option<String> = None;
+            let name = if sig == libc::SIGINT {
+                "SIGINT"
+            } else {
+                "SIGTERM"
+            };
+            eprintln!(
+                "rank {rank}: stopped by {name} (the launcher ends the job when a rank fails) {}",
+                match waiting {
+                    Some(w) => format!("while waiting for {w}"),
+                    None => "while computing, not waiting for a peer".into(),
+                }
+            );
+            std::process::exit(128 + sig);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    });
+}
