@@ -55,10 +55,14 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Generate a schedule and print it as a grid (step x worker), JSON or CSV.
+    /// Generate a schedule (or read a plan file) and print it as a grid (step x worker), JSON,
+    /// CSV, or torch.distributed.pipelining's per-rank action CSV.
     Schedule {
         #[command(flatten)]
         sched: simulate::SchedArgs,
+        /// Print this plan file (JSON or CSV) instead of generating one.
+        #[arg(long, conflicts_with_all = ["kind", "stages", "microbatches", "chunks", "replicas", "layers", "mem_cap"])]
+        plan: Option<PathBuf>,
         #[arg(long, value_enum, default_value = "grid")]
         format: Format,
     },
@@ -97,10 +101,25 @@ enum Cmd {
 }
 
 #[derive(Copy, Clone, ValueEnum)]
-enum Format {
+pub enum Format {
     Grid,
     Json,
+    /// pipewright's plan CSV (routes, stages, actions).
     Csv,
+    /// One row per rank of `{stage}{F|I|W|B}{micro-batch}` cells, as torch's `_load_csv` reads.
+    TorchCsv,
+}
+
+impl Format {
+    /// `plan` in this format.
+    pub fn render(self, plan: &pipewright_core::plan::ir::Plan) -> Result<String> {
+        Ok(match self {
+            Format::Grid => plan.grid(),
+            Format::Json => format!("{}\n", plan.to_json()),
+            Format::Csv => plan.to_csv(),
+            Format::TorchCsv => pipewright_core::plan::torch_csv::to_torch_csv(plan)?,
+        })
+    }
 }
 
 fn main() {
@@ -187,13 +206,16 @@ fn run(cli: Cli) -> Result<()> {
         pipewright_runtime::kernels::blas_lib::blas().map_err(|e| BadInput(e.to_string()))?;
     }
     match cli.cmd {
-        Cmd::Schedule { sched, format } => {
-            let plan = sched.plan()?;
-            match format {
-                Format::Grid => print!("{}", plan.grid()),
-                Format::Json => println!("{}", plan.to_json()),
-                Format::Csv => print!("{}", plan.to_csv()),
-            }
+        Cmd::Schedule {
+            sched,
+            plan,
+            format,
+        } => {
+            let plan = match plan {
+                Some(f) => files::load_valid_plan(&f)?,
+                None => sched.plan()?,
+            };
+            print!("{}", format.render(&plan)?);
             Ok(())
         }
         Cmd::Simulate(a) => simulate::cmd_simulate(a),

@@ -456,7 +456,7 @@ fn run_config(a: &TrainArgs, cfg: &TrainConfig, links: Option<&Cluster>) -> Resu
             every: a.checkpoint_every,
             keep: a.keep,
         }),
-        resume: a.resume,
+        resume_from: a.resume.then(|| a.checkpoint_dir.clone()),
         switches: switches(a, cfg, links)?,
         freeze: a.freeze.settings()?,
         cache: a.freeze.cache()?,

@@ -456,6 +456,9 @@ impl Plan {
     /// Read the CSV view. Files without `stage` rows (pipewright 0.1) get one layer per stage
     /// and hosts taken from the routes and actions.
     pub fn from_csv(file: &str, text: &str) -> Result<Self> {
+        if super::torch_csv::is_torch_csv(text) {
+            return super::torch_csv::from_torch_csv(file, text);
+        }
         let mut rd = csv::Reader::from_reader(text.as_bytes());
         let mut plan: Option<Plan> = None;
         let mut stage_rows = false;

@@ -4,6 +4,7 @@
 
 pub mod ir;
 pub mod kind;
+pub mod torch_csv;
 pub mod validate;
 
 pub use kind::ScheduleKind;

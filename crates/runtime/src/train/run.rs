@@ -38,8 +38,8 @@ pub struct RunConfig {
     pub eval_batches: usize,
     /// `None`: no checkpoints.
     pub checkpoints: Option<Checkpointing>,
-    /// Continue from the newest checkpoint that verifies in `checkpoints.dir`.
-    pub resume: bool,
+    /// Continue from the newest checkpoint that verifies in this directory.
+    pub resume_from: Option<PathBuf>,
     /// Switch to another plan after a step: (step, plan).
     pub switches: Vec<(u64, Plan)>,
     /// AutoFreeze (and AutoPipe + AutoDP when elastic); `None`: nothing freezes.
@@ -58,7 +58,7 @@ impl Default for RunConfig {
             eval_every: 10,
             eval_batches: 8,
             checkpoints: None,
-            resume: false,
+            resume_from: None,
             switches: Vec::new(),
             freeze: None,
             cache: None,
@@ -310,10 +310,10 @@ impl TrainingRun {
 
     /// Load the newest checkpoint that verifies and re-apply its frozen prefix.
     fn resume(&mut self, sink: &mut dyn RunSink) -> Result<Option<u64>> {
-        let Some(c) = self.cfg.checkpoints.as_ref().filter(|_| self.cfg.resume) else {
+        let Some(dir) = &self.cfg.resume_from else {
             return Ok(None);
         };
-        let r = self.trainer.load_checkpoint(&c.dir)?;
+        let r = self.trainer.load_checkpoint(dir)?;
         if let Some(why) = &r.fallback {
             sink.note(&format!(
                 "warning: {why}; resuming from the newest checkpoint that verifies"
@@ -556,9 +556,6 @@ fn check_run(trainer: &Trainer, cfg: &RunConfig) -> Result<()> {
     }
     if cfg.checkpoints.as_ref().is_some_and(|c| c.keep == 0) {
         return bad("checkpoints to keep must be at least 1");
-    }
-    if cfg.resume && cfg.checkpoints.is_none() {
-        return bad("resuming needs a checkpoint directory");
     }
     if cfg.compare_sim && trainer.cfg.steps < 3 {
         return bad("comparing with the simulation needs at least 3 steps (the first two are left out as warm-up)");

@@ -1,0 +1,46 @@
+//! Train a 2-stage 1F1B pipeline through the library: settings, the plan core builds for
+//! them, a trainer, and a `TrainingRun` that reports each step to a sink of our own.
+use pipewright_runtime::data::Corpus;
+use pipewright_runtime::error::Result;
+use pipewright_runtime::train::{RunConfig, RunSink, StepRow, TrainConfig, Trainer, TrainingRun};
+
+/// Prints the log and one line per step.
+struct Print;
+
+impl RunSink for Print {
+    fn note(&mut self, text: &str) {
+        eprintln!("{text}");
+    }
+    fn step(&mut self, row: &StepRow) -> Result<()> {
+        let r = row.report;
+        println!(
+            "step {:>2}: loss {:.3}, {:.0} tokens/s",
+            r.step,
+            r.loss,
+            row.tokens_per_s()
+        );
+        Ok(())
+    }
+}
+
+fn main() -> Result<()> {
+    let cfg = TrainConfig {
+        stages: 2,
+        microbatches: 4,
+        steps: 10,
+        ..TrainConfig::default()
+    };
+    let plan = cfg.plan()?;
+    let trainer = Trainer::new(cfg, plan)?;
+    let settings = RunConfig {
+        eval_every: 5,
+        ..RunConfig::default()
+    };
+    let mut run = TrainingRun::new(trainer, Corpus::builtin(), settings)?;
+    let s = run.run(&mut Print)?;
+    println!(
+        "val loss {:.3} -> {:.3} after {} steps",
+        s.first_val, s.last_val, s.step
+    );
+    Ok(())
+}

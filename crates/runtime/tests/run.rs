@@ -1,0 +1,301 @@
+//! The training run as a library: its loop is the trainer's steps and nothing else; resume,
+//! plan switches and freezing (with elastic re-planning) behave as the CLI relies on; settings
+//! that cannot work are refused before any step.
+
+use pipewright_core::policy::freeze::{FreezeMode, FreezePolicy};
+use pipewright_runtime::data::Corpus;
+use pipewright_runtime::error::{Error, Result};
+use pipewright_runtime::model::GptConfig;
+use pipewright_runtime::train::{
+    Checkpointing, FreezeSettings, RunConfig, RunSink, RunStart, StepRow, TrainConfig, Trainer,
+    TrainingRun,
+};
+
+fn cfg(layers: usize, stages: usize, steps: u64) -> TrainConfig {
+    TrainConfig {
+        model: GptConfig {
+            vocab: 256,
+            d_model: 16,
+            heads: 2,
+            layers,
+            seq_len: 8,
+        },
+        stages,
+        microbatches: 2,
+        rows: 2,
+        steps,
+        ..TrainConfig::default()
+    }
+}
+
+fn run_of(c: TrainConfig, settings: RunConfig) -> Result<TrainingRun> {
+    let plan = c.plan()?;
+    TrainingRun::new(Trainer::new(c, plan)?, Corpus::builtin(), settings)
+}
+
+/// What a sink saw.
+#[derive(Default)]
+struct Seen {
+    start: Option<RunStart>,
+    notes: Vec<String>,
+    steps: Vec<u64>,
+    frozen: Vec<usize>,
+    stages: Vec<usize>,
+}
+
+impl RunSink for Seen {
+    fn start(&mut self, s: &RunStart) -> Result<()> {
+        self.start = Some(s.clone());
+        Ok(())
+    }
+    fn note(&mut self, text: &str) {
+        self.notes.push(text.to_string());
+    }
+    fn step(&mut self, row: &StepRow) -> Result<()> {
+        assert_eq!(row.to_json()["step"], row.report.step);
+        self.steps.push(row.report.step);
+        self.frozen.push(row.frozen);
+        self.stages.push(row.stages);
+        Ok(())
+    }
+}
+
+fn dir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("pw-run-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+#[test]
+fn a_run_is_the_trainers_steps_and_reports_each() {
+    let c = cfg(2, 2, 4);
+    let mut straight = Trainer::new(c.clone(), c.plan().unwrap()).unwrap();
+    let corpus = Corpus::builtin();
+    for _ in 0..4 {
+        straight.train_step(&corpus).unwrap();
+    }
+    let settings = RunConfig {
+        eval_every: 2,
+        eval_batches: 1,
+        ..RunConfig::default()
+    };
+    let mut run = run_of(c, settings).unwrap();
+    let mut seen = Seen::default();
+    let s = run.run(&mut seen).unwrap();
+    assert_eq!(seen.steps, vec![1, 2, 3, 4]);
+    assert_eq!(s.step, 4);
+    assert_eq!(s.steps_run, 4);
+    assert!(s.checkpoint.is_none() && s.timeline.is_none());
+    // Evaluation between steps does not touch the parameters.
+    assert_eq!(
+        run.trainer.flat_params().unwrap(),
+        straight.flat_params().unwrap()
+    );
+}
+
+#[test]
+fn resume_continues_to_the_same_parameters() {
+    let d = dir("resume");
+    let ck = |every| {
+        Some(Checkpointing {
+            dir: d.clone(),
+            every,
+            keep: 2,
+        })
+    };
+    let first = RunConfig {
+        eval_batches: 1,
+        checkpoints: ck(0),
+        ..RunConfig::default()
+    };
+    run_of(cfg(2, 2, 3), first)
+        .unwrap()
+        .run(&mut Seen::default())
+        .unwrap();
+    let second = RunConfig {
+        eval_batches: 1,
+        checkpoints: ck(0),
+        resume_from: Some(d.clone()),
+        ..RunConfig::default()
+    };
+    let mut resumed = run_of(cfg(2, 2, 6), second).unwrap();
+    let mut seen = Seen::default();
+    let s = resumed.run(&mut seen).unwrap();
+    assert_eq!(seen.start.as_ref().unwrap().resumed, Some(3));
+    assert_eq!(seen.steps, vec![4, 5, 6]);
+    assert!(
+        seen.notes.iter().any(|n| n.starts_with("resumed from")),
+        "{:?}",
+        seen.notes
+    );
+    assert_eq!(s.steps_run, 3);
+    let straight = RunConfig {
+        eval_batches: 1,
+        ..RunConfig::default()
+    };
+    let mut whole = run_of(cfg(2, 2, 6), straight).unwrap();
+    whole.run(&mut Seen::default()).unwrap();
+    let (a, b) = (
+        resumed.trainer.flat_params().unwrap(),
+        whole.trainer.flat_params().unwrap(),
+    );
+    let diff = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
+    assert!(diff < 1e-6, "resumed run differs by {diff}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn a_plan_switch_moves_the_run_to_the_new_plan() {
+    let deeper = cfg(2, 4, 4).plan().unwrap();
+    let settings = RunConfig {
+        eval_batches: 1,
+        switches: vec![(2, deeper.clone())],
+        trace: true,
+        ..RunConfig::default()
+    };
+    let mut run = run_of(cfg(2, 2, 4), settings).unwrap();
+    let mut seen = Seen::default();
+    let s = run.run(&mut seen).unwrap();
+    assert_eq!(seen.stages, vec![2, 2, 4, 4]);
+    assert!(
+        seen.notes
+            .iter()
+            .any(|n| n.starts_with("step 2: re-planned")),
+        "{:?}",
+        seen.notes
+    );
+    assert_eq!(run.trainer.plan, deeper);
+    assert_eq!(s.timeline.unwrap().worker_names.len(), 4);
+}
+
+fn freeze(elastic: bool) -> FreezeSettings {
+    FreezeSettings {
+        policy: FreezePolicy {
+            mode: FreezeMode::Schedule,
+            alpha: 0.5,
+            ..FreezePolicy::default()
+        },
+        every: Some(2),
+        elastic,
+        scale_batch: false,
+    }
+}
+
+#[test]
+fn the_freeze_schedule_freezes_a_growing_prefix_at_its_cadence() {
+    // 6 blocks in 2 stages; without elastic the prefix stays inside stage 0.
+    let settings = RunConfig {
+        eval_batches: 1,
+        freeze: Some(freeze(false)),
+        ..RunConfig::default()
+    };
+    let mut run = run_of(cfg(4, 2, 6), settings).unwrap();
+    let mut seen = Seen::default();
+    run.run(&mut seen).unwrap();
+    let stage0 = run.trainer.plan.layers_per_stage()[0];
+    assert_eq!(
+        seen.frozen[0], 0,
+        "nothing frozen before the first decision"
+    );
+    assert!(
+        seen.frozen.windows(2).all(|w| w[0] <= w[1]),
+        "{:?}",
+        seen.frozen
+    );
+    assert!(
+        run.trainer.frozen() > 0 && run.trainer.frozen() < stage0,
+        "{}",
+        run.trainer.frozen()
+    );
+    // Decisions fall on steps 2, 4, 6 only: the row after a decision shows its effect.
+    for (i, w) in seen.frozen.windows(2).enumerate() {
+        if w[0] != w[1] {
+            assert_eq!((i + 1) % 2, 0, "froze after step {}", i + 1);
+        }
+    }
+    assert!(
+        seen.notes
+            .iter()
+            .any(|n| n.contains("froze layer blocks 0..")),
+        "{:?}",
+        seen.notes
+    );
+}
+
+#[test]
+fn elastic_freezing_replans_onto_the_layers_still_training() {
+    let settings = RunConfig {
+        eval_batches: 1,
+        freeze: Some(freeze(true)),
+        ..RunConfig::default()
+    };
+    let mut run = run_of(cfg(4, 2, 6), settings).unwrap();
+    let mut seen = Seen::default();
+    run.run(&mut seen).unwrap();
+    assert!(run.trainer.frozen() > 0);
+    let stage0 = run.trainer.plan.layers_per_stage()[0];
+    assert!(
+        run.trainer.frozen() < stage0,
+        "the frozen prefix lies inside stage 0"
+    );
+    assert!(
+        seen.notes.iter().any(|n| n.contains("froze layer blocks")),
+        "{:?}",
+        seen.notes
+    );
+}
+
+#[test]
+fn settings_that_cannot_work_are_refused_before_any_step() {
+    let is_config = |r: Result<TrainingRun>, want: &str| match r {
+        Err(Error::Config(m)) => assert!(m.contains(want), "{m}"),
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("accepted; wanted {want:?}"),
+    };
+    let later = cfg(2, 2, 4).plan().unwrap();
+    let base = RunConfig {
+        eval_batches: 1,
+        ..RunConfig::default()
+    };
+    let with = |f: &dyn Fn(&mut RunConfig)| {
+        let mut r = base.clone();
+        f(&mut r);
+        run_of(cfg(2, 2, 4), r)
+    };
+    is_config(
+        with(&|r| r.switches = vec![(0, later.clone())]),
+        "plan switch at step 0",
+    );
+    is_config(
+        with(&|r| r.switches = vec![(4, later.clone())]),
+        "plan switch at step 4",
+    );
+    is_config(with(&|r| r.eval_every = 0), "evaluation every 0 steps");
+    is_config(
+        with(&|r| {
+            r.switches = vec![(2, later.clone())];
+            r.freeze = Some(freeze(true));
+        }),
+        "plan switches and elastic re-planning",
+    );
+    is_config(
+        run_of(
+            cfg(2, 2, 2),
+            RunConfig {
+                compare_sim: true,
+                ..base.clone()
+            },
+        ),
+        "at least 3 steps",
+    );
+    let mut wrong = cfg(3, 2, 4).plan().unwrap();
+    wrong.kind = pipewright_core::plan::ScheduleKind::Custom;
+    is_config(
+        with(&|r| r.switches = vec![(2, wrong.clone())]),
+        "the model has 4 layer blocks",
+    );
+}
