@@ -53,9 +53,13 @@ pub struct PlanArgs {
     /// Rows to print.
     #[arg(long, default_value_t = 8)]
     top: usize,
-    /// Write the winning whole-job plan (JSON) for `simulate --plan` and `train --plan`.
+    /// Write the winning whole-job plan for `simulate --plan` and `train --plan`.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// What --out holds: the plan as JSON, pipewright's CSV, a grid, or torch's per-rank
+    /// action CSV (`torch-csv`).
+    #[arg(long, value_enum, default_value = "json", requires = "out")]
+    format: crate::Format,
     /// JSON: all candidates, best first; the timeline: the winner's.
     #[command(flatten)]
     output: Outputs,
@@ -81,7 +85,8 @@ pub fn cmd_plan(a: PlanArgs) -> Result<()> {
         );
         a.output.write_timeline(&r.timeline, &title)?;
         if let Some(f) = &a.out {
-            write_file(f, &w.plan.as_ref().expect("winner has a plan").to_json())?;
+            let plan = w.plan.as_ref().expect("winner has a plan");
+            write_file(f, &a.format.render(plan)?)?;
         }
     }
     if a.output.json {

@@ -12,7 +12,7 @@ use crate::transport::{Kind, Payload, Tag, Transport, TransportError};
 use burn::module::Module;
 use burn::optim::ModuleOptimizer;
 use burn::tensor::{Tensor, TensorData};
-use pipewright_core::plan::ir::{Op, Plan, RouteIndex};
+use pipewright_core::plan::ir::{Action, Hop, Op, Plan, RouteIndex};
 use pipewright_core::sim::timeline::TimedAction;
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
@@ -106,243 +106,324 @@ impl Worker {
         input: &StepInput,
         clock: Instant,
     ) -> Result<WorkerOutput, ExecError> {
-        let (batches, scale, cache) = (input.batches, input.scale, input.cache);
-        let mine = &plan.workers[self.rank];
-        let split: HashSet<(usize, usize)> = mine
-            .iter()
-            .filter(|a| a.op == Op::W)
-            .map(|a| (a.stage, a.mb))
-            .collect();
-        let mut saved: HashMap<(usize, usize), Saved> = HashMap::new();
-        // After B, before W: Linear inputs and output gradients of (stage, mb).
-        let mut waiting_w: HashMap<(usize, usize), Deferred> = HashMap::new();
-        let mut grads: Vec<Vec<Vec<f32>>> = self
-            .stages
-            .iter()
-            .map(|h| vec![Vec::new(); h.module.layers.len()])
-            .collect();
-        let mut loss_sum = 0.0;
-        let mut actions = Vec::with_capacity(mine.len());
-        // A held stage with a frozen prefix: that prefix without autodiff, and the layers after
-        // it, split once per iteration rather than per micro-batch.
-        let frozen_split: Vec<Option<(Stage, Stage)>> = {
-            let _guard = autodiff_lock();
-            self.stages
+        let mut it = Iteration::new(self, plan, routes, transport, input, clock);
+        for a in &plan.workers[self.rank] {
+            // Receiving is waiting, not work: each action's clock starts after it.
+            let start = match a.op {
+                Op::F => it.forward(a)?,
+                Op::B => it.backward_input(a)?,
+                Op::W => it.backward_weight(a)?,
+                Op::BW => it.backward(a)?,
+            };
+            it.actions.push(TimedAction {
+                worker: self.rank,
+                action: *a,
+                start,
+                end: clock.elapsed().as_secs_f64(),
+            });
+        }
+        Ok(it.finish())
+    }
+}
+
+/// A worker's state through one iteration: what each forward saved for its backward, what a
+/// B deferred to its W, and the weight gradients so far. One method per action kind, as
+/// torch.distributed.pipelining's stage has (`forward_one_chunk`, `backward_one_chunk`,
+/// `backward_weight_one_chunk`); each returns when its compute started.
+struct Iteration<'a> {
+    worker: &'a Worker,
+    plan: &'a Plan,
+    routes: &'a RouteIndex,
+    transport: &'a dyn Transport,
+    input: &'a StepInput<'a>,
+    clock: Instant,
+    /// (stage, mb) whose backward is split into B and W on this worker.
+    split: HashSet<(usize, usize)>,
+    saved: HashMap<(usize, usize), Saved>,
+    /// After B, before W: Linear inputs and output gradients of (stage, mb).
+    waiting_w: HashMap<(usize, usize), Deferred>,
+    grads: Vec<Vec<Vec<f32>>>,
+    loss_sum: f64,
+    actions: Vec<TimedAction>,
+    /// A held stage with a frozen prefix: that prefix without autodiff, and the layers after
+    /// it, split once per iteration rather than per micro-batch.
+    frozen_split: Vec<Option<(Stage, Stage)>>,
+}
+
+impl<'a> Iteration<'a> {
+    fn new(
+        worker: &'a Worker,
+        plan: &'a Plan,
+        routes: &'a RouteIndex,
+        transport: &'a dyn Transport,
+        input: &'a StepInput<'a>,
+        clock: Instant,
+    ) -> Self {
+        let mine = &plan.workers[worker.rank];
+        Iteration {
+            split: mine
                 .iter()
-                .map(|h| {
-                    let k = self.frozen.saturating_sub(h.first_layer);
-                    (k > 0 && k < h.module.layers.len()).then(|| {
-                        let pre = Stage {
-                            layers: h.module.layers[..k].to_vec(),
-                        };
-                        let rest = Stage {
-                            layers: h.module.layers[k..].to_vec(),
-                        };
-                        (pre.valid(), rest)
-                    })
-                })
-                .collect()
-        };
-        let bad = |msg: String| ExecError::Plan {
-            worker: self.rank,
-            msg,
-        };
-        for a in mine {
-            let slot = self
+                .filter(|a| a.op == Op::W)
+                .map(|a| (a.stage, a.mb))
+                .collect(),
+            saved: HashMap::new(),
+            waiting_w: HashMap::new(),
+            grads: worker
                 .stages
                 .iter()
-                .position(|h| h.stage == a.stage)
-                .ok_or_else(|| bad(format!("{a} on a stage this worker does not hold")))?;
-            let stage = &self.stages[slot].module;
-            let mb = batches
-                .get(a.mb)
-                .ok_or_else(|| bad(format!("{a}: no micro-batch {}", a.mb)))?;
-            let prev = routes.prev(plan, a.mb, a.stage);
-            let next = routes.next(plan, a.mb, a.stage);
-            let recv_tag = |kind| Tag {
-                kind,
-                stage: a.stage,
-                mb: a.mb,
-            };
-            // Receiving is waiting, not work: start the clock after it.
-            match a.op {
-                Op::F => {
-                    let received = match prev {
-                        None => None,
-                        Some(p) => {
-                            Some(transport.recv(self.rank, p.worker, recv_tag(Kind::Activation))?)
-                        }
-                    };
-                    let _guard = autodiff_lock();
-                    let start = clock.elapsed().as_secs_f64();
-                    let input = received.map(|p| from_payload(p).require_grad());
-                    let k = self
-                        .frozen
-                        .saturating_sub(self.stages[slot].first_layer)
-                        .min(stage.layers.len());
-                    let (x, rest) = match (&input, k, &frozen_split[slot]) {
-                        (None, 0, _) => (StageInput::Tokens(mb.ids(&mb.tokens)), None),
-                        (Some(h), 0, _) => (StageInput::Hidden(h.clone()), None),
-                        (None, _, Some((pre, rest))) => {
-                            // The frozen prefix: forward without autodiff (or read from the
-                            // cache); its output enters the graph as a constant.
-                            let h = match cache {
-                                Some(c) => c
-                                    .prefix_output(pre, mb)
-                                    .map_err(|e| bad(format!("{a}: {e}")))?,
-                                None => pre.forward(StageInput::Tokens(
-                                    mb.ids_on(&mb.tokens, &plain_device()),
-                                )),
-                            };
-                            let h = Tensor::<3>::from_data(h.to_data(), &train_device());
-                            (StageInput::Hidden(h), Some(rest))
-                        }
-                        _ => {
-                            return Err(bad(format!(
-                                "{a}: {k} frozen layer blocks of stage {} (the frozen prefix must stay inside stage 0, with a layer that trains after it)",
-                                a.stage
-                            )))
-                        }
-                    };
-                    let run = rest.unwrap_or(stage);
-                    let mut deferred = split.contains(&(a.stage, a.mb)).then(Deferred::default);
-                    let y = match deferred.as_mut() {
-                        Some(d) => run.forward_split(x, d),
-                        None => run.try_forward(x),
-                    }
-                    .map_err(|e| bad(format!("{a}: {e}")))?;
-                    let output = match next {
-                        Some(n) => {
-                            transport.send(
-                                self.rank,
-                                n.worker,
-                                Tag {
-                                    kind: Kind::Activation,
-                                    stage: n.stage,
-                                    mb: a.mb,
-                                },
-                                to_payload(&y),
-                            );
-                            Out::Hidden(y)
-                        }
-                        None if !stage.has_head() => {
-                            return Err(bad(format!(
-                                "{a}: the route of mb {} ends at stage {}, which does not hold the head",
-                                a.mb, a.stage
-                            )))
-                        }
-                        None => {
-                            let l = loss(y, mb.ids(&mb.targets));
-                            let v = l.clone().into_scalar::<f32>() as f64;
-                            if !v.is_finite() {
-                                return Err(ExecError::NonFinite(v));
-                            }
-                            loss_sum += v;
-                            Out::Loss(l * scale)
-                        }
-                    };
-                    saved.insert(
-                        (a.stage, a.mb),
-                        Saved {
-                            input,
-                            deferred,
-                            output,
-                        },
-                    );
-                    actions.push(TimedAction {
-                        worker: self.rank,
-                        action: *a,
-                        start,
-                        end: clock.elapsed().as_secs_f64(),
-                    });
-                }
-                Op::BW | Op::B => {
-                    let s = saved
-                        .remove(&(a.stage, a.mb))
-                        .ok_or_else(|| bad(format!("{a} before its forward")))?;
-                    let received = match (&s.output, next) {
-                        (Out::Hidden(_), Some(n)) => {
-                            Some(transport.recv(self.rank, n.worker, recv_tag(Kind::Gradient))?)
-                        }
-                        _ => None,
-                    };
-                    let _guard = autodiff_lock();
-                    let start = clock.elapsed().as_secs_f64();
-                    let dy = received.map(from_payload);
-                    let g = match (s.output, dy) {
-                        (Out::Loss(l), _) => l.backward(),
-                        (Out::Hidden(y), Some(dy)) => (y * dy).sum().backward(),
-                        (Out::Hidden(_), None) => unreachable!("gradient received above"),
-                    };
-                    if let (Some(pv), Some(x)) = (prev, &s.input) {
-                        let dx = x
-                            .grad(&g)
-                            .ok_or_else(|| bad(format!("{a}: no input gradient")))?;
-                        transport.send(
-                            self.rank,
-                            pv.worker,
-                            Tag {
-                                kind: Kind::Gradient,
-                                stage: pv.stage,
-                                mb: a.mb,
-                            },
-                            to_payload(&dx),
-                        );
-                    }
-                    // BW: every weight gradient. B: all but the Linear layers' (deferred to W).
-                    let src = GradSource::Autodiff(&g);
-                    for (layer, out) in stage.layers.iter().zip(grads[slot].iter_mut()) {
-                        add_grads(layer, &src, out);
-                    }
-                    match (a.op, s.deferred) {
-                        (Op::B, Some(d)) => {
-                            waiting_w.insert((a.stage, a.mb), d);
-                        }
-                        (Op::B, None) => {
-                            return Err(bad(format!("{a}: forward did not defer weight gradients")))
-                        }
-                        (_, Some(_)) => {
-                            return Err(bad(format!("{a}: a fused backward after a split forward")))
-                        }
-                        _ => {}
-                    }
-                    actions.push(TimedAction {
-                        worker: self.rank,
-                        action: *a,
-                        start,
-                        end: clock.elapsed().as_secs_f64(),
-                    });
-                }
-                Op::W => {
-                    let d = waiting_w
-                        .remove(&(a.stage, a.mb))
-                        .ok_or_else(|| bad(format!("{a} before its B")))?;
-                    let _guard = autodiff_lock();
-                    let start = clock.elapsed().as_secs_f64();
-                    let w = d.weight_grads();
-                    let src = GradSource::Deferred(&w);
-                    for (layer, out) in stage.layers.iter().zip(grads[slot].iter_mut()) {
-                        add_grads(layer, &src, out);
-                    }
-                    actions.push(TimedAction {
-                        worker: self.rank,
-                        action: *a,
-                        start,
-                        end: clock.elapsed().as_secs_f64(),
-                    });
-                }
-            }
+                .map(|h| vec![Vec::new(); h.module.layers.len()])
+                .collect(),
+            loss_sum: 0.0,
+            actions: Vec::with_capacity(mine.len()),
+            frozen_split: frozen_splits(worker),
+            worker,
+            plan,
+            routes,
+            transport,
+            input,
+            clock,
         }
-        for (held, g) in self.stages.iter().zip(grads.iter_mut()) {
+    }
+
+    fn bad(&self, msg: String) -> ExecError {
+        ExecError::Plan {
+            worker: self.worker.rank,
+            msg,
+        }
+    }
+
+    /// The slot of the held stage `a` runs on, and its micro-batch.
+    fn locate(&self, a: &Action) -> Result<(usize, &'a MicroBatch), ExecError> {
+        let slot = self
+            .worker
+            .stages
+            .iter()
+            .position(|h| h.stage == a.stage)
+            .ok_or_else(|| self.bad(format!("{a} on a stage this worker does not hold")))?;
+        let mb = self
+            .input
+            .batches
+            .get(a.mb)
+            .ok_or_else(|| self.bad(format!("{a}: no micro-batch {}", a.mb)))?;
+        Ok((slot, mb))
+    }
+
+    fn recv(&self, from: usize, kind: Kind, a: &Action) -> Result<Payload, ExecError> {
+        let tag = Tag {
+            kind,
+            stage: a.stage,
+            mb: a.mb,
+        };
+        Ok(self.transport.recv(self.worker.rank, from, tag)?)
+    }
+
+    fn send(&self, to: Hop, kind: Kind, mb: usize, t: &Tensor<3>) {
+        let tag = Tag {
+            kind,
+            stage: to.stage,
+            mb,
+        };
+        self.transport
+            .send(self.worker.rank, to.worker, tag, to_payload(t));
+    }
+
+    /// F: receive the activation (or embed the tokens), run the stage keeping the graph, and
+    /// send the output on, or take the loss where the route ends.
+    fn forward(&mut self, a: &Action) -> Result<f64, ExecError> {
+        let (slot, mb) = self.locate(a)?;
+        let prev = self.routes.prev(self.plan, a.mb, a.stage);
+        let next = self.routes.next(self.plan, a.mb, a.stage);
+        let received = match prev {
+            None => None,
+            Some(p) => Some(self.recv(p.worker, Kind::Activation, a)?),
+        };
+        let _guard = autodiff_lock();
+        let start = self.clock.elapsed().as_secs_f64();
+        let input = received.map(|p| from_payload(p).require_grad());
+        let (x, run) = self.stage_input(a, slot, mb, &input)?;
+        let mut deferred = self
+            .split
+            .contains(&(a.stage, a.mb))
+            .then(Deferred::default);
+        let y = match deferred.as_mut() {
+            Some(d) => run.forward_split(x, d),
+            None => run.try_forward(x),
+        }
+        .map_err(|e| self.bad(format!("{a}: {e}")))?;
+        let output = match next {
+            Some(n) => {
+                self.send(n, Kind::Activation, a.mb, &y);
+                Out::Hidden(y)
+            }
+            None if !self.worker.stages[slot].module.has_head() => {
+                return Err(self.bad(format!(
+                    "{a}: the route of mb {} ends at stage {}, which does not hold the head",
+                    a.mb, a.stage
+                )))
+            }
+            None => {
+                let l = loss(y, mb.ids(&mb.targets));
+                let v = l.clone().into_scalar::<f32>() as f64;
+                if !v.is_finite() {
+                    return Err(ExecError::NonFinite(v));
+                }
+                self.loss_sum += v;
+                Out::Loss(l * self.input.scale)
+            }
+        };
+        let saved = Saved {
+            input,
+            deferred,
+            output,
+        };
+        self.saved.insert((a.stage, a.mb), saved);
+        Ok(start)
+    }
+
+    /// What the stage's forward takes (tokens, the received activation, or the frozen prefix's
+    /// output as a constant), and the module that runs on it.
+    fn stage_input(
+        &self,
+        a: &Action,
+        slot: usize,
+        mb: &MicroBatch,
+        input: &Option<Tensor<3>>,
+    ) -> Result<(StageInput, &Stage), ExecError> {
+        let held: &'a HeldStage = &self.worker.stages[slot];
+        let stage = &held.module;
+        let k = self
+            .worker
+            .frozen
+            .saturating_sub(held.first_layer)
+            .min(stage.layers.len());
+        match (input, k, &self.frozen_split[slot]) {
+            (None, 0, _) => Ok((StageInput::Tokens(mb.ids(&mb.tokens)), stage)),
+            (Some(h), 0, _) => Ok((StageInput::Hidden(h.clone()), stage)),
+            (None, _, Some((pre, rest))) => {
+                // The frozen prefix: forward without autodiff (or read from the cache); its
+                // output enters the graph as a constant.
+                let h = match self.input.cache {
+                    Some(c) => c
+                        .prefix_output(pre, mb)
+                        .map_err(|e| self.bad(format!("{a}: {e}")))?,
+                    None => pre.forward(StageInput::Tokens(mb.ids_on(&mb.tokens, &plain_device()))),
+                };
+                let h = Tensor::<3>::from_data(h.to_data(), &train_device());
+                Ok((StageInput::Hidden(h), rest))
+            }
+            _ => Err(self.bad(format!(
+                "{a}: {k} frozen layer blocks of stage {} (the frozen prefix must stay inside stage 0, with a layer that trains after it)",
+                a.stage
+            ))),
+        }
+    }
+
+    /// BW: the full backward of (stage, mb), every weight gradient included.
+    fn backward(&mut self, a: &Action) -> Result<f64, ExecError> {
+        self.backprop(a)
+    }
+
+    /// B: the input gradient, and every weight gradient but the Linear layers' (kept for W).
+    fn backward_input(&mut self, a: &Action) -> Result<f64, ExecError> {
+        self.backprop(a)
+    }
+
+    /// What B and BW share: receive the output's gradient, backpropagate, send the input
+    /// gradient back, accumulate weight gradients; B keeps what its forward deferred for W.
+    fn backprop(&mut self, a: &Action) -> Result<f64, ExecError> {
+        let (slot, _) = self.locate(a)?;
+        let prev = self.routes.prev(self.plan, a.mb, a.stage);
+        let next = self.routes.next(self.plan, a.mb, a.stage);
+        let s = self
+            .saved
+            .remove(&(a.stage, a.mb))
+            .ok_or_else(|| self.bad(format!("{a} before its forward")))?;
+        let received = match (&s.output, next) {
+            (Out::Hidden(_), Some(n)) => Some(self.recv(n.worker, Kind::Gradient, a)?),
+            _ => None,
+        };
+        let _guard = autodiff_lock();
+        let start = self.clock.elapsed().as_secs_f64();
+        let g = match (s.output, received.map(from_payload)) {
+            (Out::Loss(l), _) => l.backward(),
+            (Out::Hidden(y), Some(dy)) => (y * dy).sum().backward(),
+            (Out::Hidden(_), None) => unreachable!("gradient received above"),
+        };
+        if let (Some(pv), Some(x)) = (prev, &s.input) {
+            let dx = x
+                .grad(&g)
+                .ok_or_else(|| self.bad(format!("{a}: no input gradient")))?;
+            self.send(pv, Kind::Gradient, a.mb, &dx);
+        }
+        self.accumulate(slot, &GradSource::Autodiff(&g));
+        match (a.op, s.deferred) {
+            (Op::B, Some(d)) => {
+                self.waiting_w.insert((a.stage, a.mb), d);
+            }
+            (Op::B, None) => {
+                return Err(self.bad(format!("{a}: forward did not defer weight gradients")))
+            }
+            (_, Some(_)) => {
+                return Err(self.bad(format!("{a}: a fused backward after a split forward")))
+            }
+            _ => {}
+        }
+        Ok(start)
+    }
+
+    /// W: the Linear layers' weight gradients that B deferred.
+    fn backward_weight(&mut self, a: &Action) -> Result<f64, ExecError> {
+        let (slot, _) = self.locate(a)?;
+        let d = self
+            .waiting_w
+            .remove(&(a.stage, a.mb))
+            .ok_or_else(|| self.bad(format!("{a} before its B")))?;
+        let _guard = autodiff_lock();
+        let start = self.clock.elapsed().as_secs_f64();
+        let w = d.weight_grads();
+        self.accumulate(slot, &GradSource::Deferred(&w));
+        Ok(start)
+    }
+
+    fn accumulate(&mut self, slot: usize, src: &GradSource) {
+        let stage = &self.worker.stages[slot].module;
+        for (layer, out) in stage.layers.iter().zip(self.grads[slot].iter_mut()) {
+            add_grads(layer, src, out);
+        }
+    }
+
+    fn finish(mut self) -> WorkerOutput {
+        for (held, g) in self.worker.stages.iter().zip(self.grads.iter_mut()) {
             // A layer no micro-batch reached still has (zero) gradients of the right size.
             for (layer, out) in held.module.layers.iter().zip(g.iter_mut()) {
                 out.resize(burn::module::Module::num_params(layer), 0.0);
             }
         }
-        Ok(WorkerOutput {
-            grads,
-            loss_sum,
-            actions,
-        })
+        WorkerOutput {
+            grads: self.grads,
+            loss_sum: self.loss_sum,
+            actions: self.actions,
+        }
     }
+}
+
+/// Each held stage's frozen prefix (as a non-autodiff copy) and the layers after it.
+fn frozen_splits(worker: &Worker) -> Vec<Option<(Stage, Stage)>> {
+    let _guard = autodiff_lock();
+    worker
+        .stages
+        .iter()
+        .map(|h| {
+            let k = worker.frozen.saturating_sub(h.first_layer);
+            (k > 0 && k < h.module.layers.len()).then(|| {
+                let pre = Stage {
+                    layers: h.module.layers[..k].to_vec(),
+                };
+                let rest = Stage {
+                    layers: h.module.layers[k..].to_vec(),
+                };
+                (pre.valid(), rest)
+            })
+        })
+        .collect()
 }

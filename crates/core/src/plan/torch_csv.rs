@@ -129,13 +129,15 @@ pub fn from_torch_csv(file: &str, text: &str) -> Result<Plan> {
     for (w, acts) in workers.iter().enumerate() {
         for a in acts {
             match hosts[a.stage] {
-                Some(h) if h != w => return Err(Error::input(
-                    file,
-                    format!(
+                Some(h) if h != w => {
+                    return Err(Error::input(
+                        file,
+                        format!(
                         "stage {} runs on ranks {h} and {w}; torch's CSV gives each stage one rank",
                         a.stage
                     ),
-                )),
+                    ))
+                }
                 _ => hosts[a.stage] = Some(w),
             }
         }

@@ -1,0 +1,69 @@
+//! `--format torch-csv` against PyTorch itself: each exported schedule's cells parse with
+//! torch's `_Action.from_str` (what its `_load_csv` calls per cell) and pass
+//! `_validate_schedule` (every stage's F and B, or I and W, once per micro-batch, in order).
+//! Runs where `python3 -c "import torch"` works; says it is skipped elsewhere.
+
+use std::process::{Command, Output};
+
+fn pw(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_pipewright"))
+        .args(args)
+        .output()
+        .expect("runs")
+}
+
+const CHECK: &str = r#"
+import csv, sys
+from torch.distributed.pipelining.schedules import _Action, _validate_schedule
+rows = [r for r in csv.reader(open(sys.argv[1])) if r]
+actions = {rank: [_Action.from_str(c) for c in row] for rank, row in enumerate(rows)}
+print(_validate_schedule(actions, len(rows), int(sys.argv[2]), int(sys.argv[3])))
+"#;
+
+fn torch() -> Option<String> {
+    let python = std::env::var("PIPEWRIGHT_TORCH_PYTHON").unwrap_or_else(|_| "python3".into());
+    let ok = Command::new(&python)
+        .args(["-c", "import torch.distributed.pipelining"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    ok.then_some(python)
+}
+
+#[test]
+fn torch_accepts_1f1b_and_zbh1_exports() {
+    let Some(python) = torch() else {
+        eprintln!("skipped: torch is not importable (set PIPEWRIGHT_TORCH_PYTHON to a Python that has it)");
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("pw-torch-csv-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for kind in ["1f1b", "zbh1", "gpipe"] {
+        let o = pw(&[
+            "schedule",
+            "--kind",
+            kind,
+            "--stages",
+            "4",
+            "--microbatches",
+            "8",
+            "--format",
+            "torch-csv",
+        ]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let f = dir.join(format!("{kind}.csv"));
+        std::fs::write(&f, &o.stdout).unwrap();
+        let r = Command::new(&python)
+            .args(["-c", CHECK, f.to_str().unwrap(), "4", "8"])
+            .output()
+            .unwrap();
+        let out = String::from_utf8_lossy(&r.stdout);
+        assert!(
+            r.status.success(),
+            "{kind}: {}",
+            String::from_utf8_lossy(&r.stderr)
+        );
+        // Stage s on rank s.
+        assert_eq!(out.trim(), "{0: 0, 1: 1, 2: 2, 3: 3}", "{kind}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
