@@ -9,7 +9,7 @@ use pipewright_core::cluster::Cluster;
 use pipewright_core::job::planner::search;
 use pipewright_core::profile::{Profile, StageCost};
 use pipewright_core::schedule::{generate, ScheduleKind};
-use pipewright_core::search::partition::{partition, Objective, PartitionProblem};
+use pipewright_core::search::partition::{partition, Assignment, Objective, PartitionProblem};
 use pipewright_core::sim::memory_peaks;
 use serde_json::json;
 use std::path::PathBuf;
@@ -201,6 +201,13 @@ pub fn cmd_partition(a: PartitionArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&j)?);
         return Ok(());
     }
+    print_partition(&a, &profile, &r, &names);
+    Ok(())
+}
+
+/// The partition as a table: a row per stage with its layers, device and cost.
+fn print_partition(a: &PartitionArgs, profile: &Profile, r: &Assignment, names: &[&str]) {
+    let objective = a.objective;
     let unit = if objective == Objective::Params {
         "bytes of parameters"
     } else {
@@ -236,5 +243,4 @@ pub fn cmd_partition(a: PartitionArgs) -> Result<()> {
             r.split.stage_cost[st]
         );
     }
-    Ok(())
 }

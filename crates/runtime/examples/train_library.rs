@@ -12,30 +12,19 @@ impl RunSink for Print {
         eprintln!("{text}");
     }
     fn step(&mut self, row: &StepRow) -> Result<()> {
-        let r = row.report;
-        println!(
-            "step {:>2}: loss {:.3}, {:.0} tokens/s",
-            r.step,
-            r.loss,
-            row.tokens_per_s()
-        );
+        let (r, tps) = (row.report, row.tokens_per_s());
+        println!("step {:>2}: loss {:.3}, {tps:.0} tokens/s", r.step, r.loss);
         Ok(())
     }
 }
 
 fn main() -> Result<()> {
-    let cfg = TrainConfig {
-        stages: 2,
-        microbatches: 4,
-        steps: 10,
-        ..TrainConfig::default()
-    };
+    let mut cfg = TrainConfig::default(); // the default GPT on 2 stages, 1F1B, 4 micro-batches
+    cfg.steps = 10;
     let plan = cfg.plan()?;
     let trainer = Trainer::new(cfg, plan)?;
-    let settings = RunConfig {
-        eval_every: 5,
-        ..RunConfig::default()
-    };
+    let mut settings = RunConfig::default();
+    settings.eval_every = 5;
     let mut run = TrainingRun::new(trainer, Corpus::builtin(), settings)?;
     let s = run.run(&mut Print)?;
     println!(
