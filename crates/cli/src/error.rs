@@ -9,3 +9,85 @@ impl std::fmt::Display for BadInput {
     }
 }
 impl std::error::Error for BadInput {}
+
+use pipewright_core::error::Field;
+use pipewright_core::Error as CoreError;
+use pipewright_runtime::error::Error as RunError;
+
+/// How a command names the parts of a job's shape on its command line.
+#[derive(Clone, Copy)]
+pub enum Flags {
+    /// `schedule`, `simulate`, `train`, `partition`: --stages, --chunks, --replicas, ...
+    Pipeline,
+    /// `skip-plan`: data nodes are `--data-nodes`.
+    SkipPlan,
+    /// `plan`: `--global-batch`.
+    Planner,
+    /// `elastic-sim`: replicas are `--pipelines`.
+    ElasticSim,
+    /// Commands whose flags name no part of a shape.
+    None,
+}
+
+impl Flags {
+    fn flag(self, field: Field) -> Option<&'static str> {
+        Some(match (self, field) {
+            (Flags::None, _) => return None,
+            (Flags::SkipPlan, Field::Replicas) => "--data-nodes",
+            (Flags::ElasticSim, Field::Replicas) => "--pipelines",
+            (_, Field::Depth) => "--stages",
+            (_, Field::Chunks) => "--chunks",
+            (_, Field::Replicas) => "--replicas",
+            (_, Field::Microbatches) => "--microbatches",
+            (_, Field::Skip) => "--skip",
+            (_, Field::GlobalBatch) => "--global-batch",
+        })
+    }
+}
+
+/// The core error inside `e`, if it is one (directly or as the runtime carries it).
+fn core_error<'a>(e: &'a (dyn std::error::Error + 'static)) -> Option<&'a CoreError> {
+    e.downcast_ref::<CoreError>()
+        .or(match e.downcast_ref::<RunError>() {
+            Some(RunError::Core(c)) => Some(c),
+            _ => None,
+        })
+}
+
+/// One link of an error chain as the user reads it: a shape error names this command's flag.
+fn link_text(e: &(dyn std::error::Error + 'static), flags: Flags) -> String {
+    match core_error(e) {
+        Some(CoreError::Shape { field, value, msg }) => match flags.flag(*field) {
+            Some(flag) => format!("{flag} {value}: {msg}"),
+            None => e.to_string(),
+        },
+        _ => e.to_string(),
+    }
+}
+
+/// The whole error as one line.
+pub fn message(e: &anyhow::Error, flags: Flags) -> String {
+    let links: Vec<String> = e.chain().map(|c| link_text(c, flags)).collect();
+    links.join(": ")
+}
+
+/// Exit 2 for input the user can fix (flags, files, plans, checkpoints), 1 for failures
+/// (a worker or peer failed, an internal fault, a write that failed).
+pub fn exit_code(e: &anyhow::Error) -> i32 {
+    let internal = e
+        .chain()
+        .any(|c| matches!(core_error(c), Some(CoreError::Internal(_))));
+    let bad = e.chain().any(|c| {
+        c.is::<BadInput>()
+            || core_error(c).is_some()
+            || matches!(
+                c.downcast_ref::<RunError>(),
+                Some(RunError::Config(_) | RunError::Checkpoint { .. })
+            )
+    });
+    if bad && !internal {
+        2
+    } else {
+        1
+    }
+}

@@ -163,32 +163,25 @@ fn main() {
             std::process::exit(2);
         }
     };
+    let flags = match &cli.cmd {
+        Cmd::SkipPlan(_) => error::Flags::SkipPlan,
+        Cmd::Plan(_) => error::Flags::Planner,
+        Cmd::ElasticSim(_) => error::Flags::ElasticSim,
+        Cmd::Eval(_) | Cmd::Profile(_) | Cmd::Validate { .. } => error::Flags::None,
+        _ => error::Flags::Pipeline,
+    };
     if let Err(e) = run(cli) {
-        let bad = e.chain().any(|c| {
-            c.is::<pipewright_core::Error>()
-                || c.is::<BadInput>()
-                || matches!(
-                    c.downcast_ref::<pipewright_runtime::error::Error>(),
-                    Some(
-                        pipewright_runtime::error::Error::Config(_)
-                            | pipewright_runtime::error::Error::Checkpoint { .. }
-                    )
-                )
-        });
-        let text = e
-            .chain()
-            .map(|c| c.to_string())
-            .collect::<Vec<_>>()
-            .join(": ");
+        let code = error::exit_code(&e);
+        let text = error::message(&e, flags);
         match RANK.get() {
             // Every rank sees the same bad input; one message is enough.
-            Some(&r) if bad && r > 0 => {}
+            Some(&r) if code == 2 && r > 0 => {}
             Some(&r) if text.contains(&format!("rank {r}:")) => say_error(&text),
             Some(&r) => say_error(&format!("rank {r}: {text}")),
             None => say_error(&text),
         }
         // Over MPI, exit without finalising: a peer may be dead.
-        std::process::exit(if bad { 2 } else { 1 });
+        std::process::exit(code);
     }
 }
 

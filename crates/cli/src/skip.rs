@@ -98,7 +98,7 @@ pub fn cmd_skip_plan(a: SkipPlanArgs) -> Result<()> {
         }),
         ..JobSpec::new(ScheduleKind::Custom, shape).with_layers(LayerCut::Profile(&profile))
     };
-    let r = build_skip(&spec).map_err(|e| BadInput(e.to_string()))?;
+    let r = build_skip(&spec)?;
     let reduction = 1.0 - r.skip_time / r.full_pipeline_time;
     if let Some(f) = &a.out {
         write_file(f, &r.plan.to_json())?;

@@ -708,7 +708,7 @@ fn skip_train_plan(cfg: &TrainConfig, skip: f64, cluster: Option<&Path>) -> Resu
         }),
         ..cfg.job_spec(&profile)
     };
-    let plan = build(&spec).map_err(|e| BadInput(e.to_string()))?;
+    let plan = build(&spec)?;
     cfg.check_plan(&plan)?;
     Ok(plan)
 }

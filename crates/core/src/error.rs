@@ -2,8 +2,46 @@
 
 use thiserror::Error;
 
+/// A part of a job's shape. Library messages name it in words; each command names it by its
+/// own flag (`train --replicas` is `skip-plan --data-nodes`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Field {
+    /// Stages (workers) per pipeline.
+    Depth,
+    /// Stage chunks per worker.
+    Chunks,
+    /// Data-parallel replicas; SkipPipe's data nodes.
+    Replicas,
+    /// Micro-batches per replica.
+    Microbatches,
+    /// Stages each micro-batch skips.
+    Skip,
+    /// Micro-batches per iteration over all replicas.
+    GlobalBatch,
+}
+
+impl Field {
+    pub fn name(self) -> &'static str {
+        match self {
+            Field::Depth => "stages",
+            Field::Chunks => "chunks per worker",
+            Field::Replicas => "replicas",
+            Field::Microbatches => "micro-batches",
+            Field::Skip => "skipped stages",
+            Field::GlobalBatch => "global batch",
+        }
+    }
+}
+
 #[derive(Debug, Error, Clone, PartialEq)]
 pub enum Error {
+    /// A value of the job's shape that cannot work: `field` was `value`.
+    #[error("{} {value}: {msg}", field.name())]
+    Shape {
+        field: Field,
+        value: String,
+        msg: String,
+    },
     /// A profile, cluster or plan file is malformed or inconsistent.
     #[error("{file}: {msg}")]
     Input { file: String, msg: String },
@@ -25,6 +63,14 @@ pub enum Error {
 pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
+    pub fn shape(field: Field, value: impl ToString, msg: impl Into<String>) -> Self {
+        Error::Shape {
+            field,
+            value: value.to_string(),
+            msg: msg.into(),
+        }
+    }
+
     pub fn input(file: impl Into<String>, msg: impl Into<String>) -> Self {
         Error::Input {
             file: file.into(),

@@ -263,7 +263,7 @@ impl Sampler {
         }
         match n / batch {
             0 => Err(format!(
-                "the training text holds {n} samples of {} bytes, fewer than one step's {batch} ({microbatches} micro-batches of {} sequences); use a longer text, fewer micro-batches or rows, or --sampling windows",
+                "the training text holds {n} samples of {} bytes, fewer than one step's {batch} ({microbatches} micro-batches of {} sequences); use a longer text, fewer micro-batches or rows, or window sampling",
                 self.seq_len + 1,
                 self.rows
             )),

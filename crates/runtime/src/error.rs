@@ -10,6 +10,9 @@ pub enum Error {
     /// A checkpoint that cannot be written or read.
     #[error("{}: {msg}", path.display())]
     Checkpoint { path: PathBuf, msg: String },
+    /// A plan, profile or cluster error from core, kept typed (the CLI names its flag).
+    #[error(transparent)]
+    Core(#[from] pipewright_core::Error),
     /// A worker failed during a step.
     #[error(transparent)]
     Exec(#[from] crate::exec::ExecError),
@@ -30,12 +33,6 @@ impl Error {
             path: path.into(),
             msg: msg.into(),
         }
-    }
-}
-
-impl From<pipewright_core::Error> for Error {
-    fn from(e: pipewright_core::Error) -> Self {
-        Error::Config(e.to_string())
     }
 }
 

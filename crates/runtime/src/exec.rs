@@ -24,7 +24,7 @@ pub enum ExecError {
     #[error("worker {worker}: {msg}")]
     Plan { worker: usize, msg: String },
     #[error(
-        "loss is not finite ({0}) at this step: training diverged (lower --lr or check the data)"
+        "loss is not finite ({0}) at this step: training diverged (lower the learning rate or check the data)"
     )]
     NonFinite(f64),
 }

@@ -2,7 +2,7 @@
 //! layout; rank candidates by simulated iteration time under memory limits.
 
 use crate::cluster::Cluster;
-use crate::error::{Error, Result};
+use crate::error::{Error, Field, Result};
 use crate::job::spec::{build, JobSpec, LayerCut, PipelineShape};
 use crate::plan::ir::Plan;
 use crate::plan::ScheduleKind;
@@ -64,8 +64,10 @@ pub fn search(profile: &Profile, cluster: &Cluster, global_batch: usize) -> Resu
     let d = cluster.len();
     let n = profile.layers.len();
     if global_batch == 0 {
-        return Err(Error::Infeasible(
-            "--global-batch must be at least 1 micro-batch".into(),
+        return Err(Error::shape(
+            Field::GlobalBatch,
+            0,
+            "must be at least 1 micro-batch",
         ));
     }
     let mut out = Vec::new();

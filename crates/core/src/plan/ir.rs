@@ -8,7 +8,7 @@
 //! summed; classic data parallelism is the case where replica `r`'s micro-batches run through
 //! replica `r`'s workers. Ranks and groups are derived in one place, [`Topology`].
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Field, Result};
 use crate::limits::check_size;
 use crate::plan::ScheduleKind;
 use crate::profile::StageCost;
@@ -263,9 +263,7 @@ impl Plan {
     /// and micro-batches `r M .. (r + 1) M`; each stage is hosted once per replica.
     pub fn replicate(&self, d: usize) -> Result<Plan> {
         if d == 0 {
-            return Err(Error::Schedule(
-                "needs at least 1 replica (got --replicas 0)".into(),
-            ));
+            return Err(Error::shape(Field::Replicas, 0, "needs at least 1 replica"));
         }
         let (p, m) = (self.num_workers(), self.num_microbatches);
         let chunks = self.num_stages().div_ceil(p.max(1)).max(1);

@@ -6,7 +6,7 @@
 //! runs `B` first (it is on the critical path), then `F` while memory allows, and fills the
 //! remaining idle time with deferred `W`s.
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Field, Result};
 use crate::plan::ir::{Action, Op, Plan};
 pub use crate::plan::ScheduleKind;
 use std::cmp::Reverse;
@@ -44,25 +44,32 @@ pub fn check_request(
     chunks: usize,
 ) -> Result<()> {
     let err = |m: String| Err(Error::Schedule(format!("{kind}: {m}")));
+    let shape = |f: Field, v: usize, m: String| Err(Error::shape(f, v, format!("{kind} {m}")));
     if workers == 0 {
-        return err("needs at least 1 stage (got --stages 0)".into());
+        return shape(Field::Depth, 0, "needs at least 1 stage".into());
     }
     if microbatches == 0 {
-        return err("needs at least 1 micro-batch (got --microbatches 0)".into());
+        return shape(
+            Field::Microbatches,
+            0,
+            "needs at least 1 micro-batch".into(),
+        );
     }
     if chunks == 0 {
-        return err("needs at least 1 chunk per worker (got --chunks 0)".into());
+        return shape(Field::Chunks, 0, "needs at least 1 chunk per worker".into());
     }
     crate::limits::check_size(workers, chunks, 1, microbatches)?;
     match kind {
         ScheduleKind::Custom => err("is not a generator: custom plans are written by hand or by a planner".into()),
         ScheduleKind::GPipe | ScheduleKind::OneFOneB | ScheduleKind::ZbH1 | ScheduleKind::ZbAuto if chunks != 1 => {
-            err(format!("places one stage per worker; --chunks {chunks} needs interleaved or zbv"))
+            shape(Field::Chunks, chunks, "places one stage per worker; more chunks need interleaved or zbv".into())
         }
-        ScheduleKind::ZbV if chunks != 2 => err(format!("places exactly 2 chunks per worker in a V; got --chunks {chunks}")),
-        ScheduleKind::Interleaved if !microbatches.is_multiple_of(workers) => err(format!(
-            "needs --microbatches to be a multiple of --stages (micro-batches go round in groups of P); got M={microbatches}, P={workers}"
-        )),
+        ScheduleKind::ZbV if chunks != 2 => shape(Field::Chunks, chunks, "places exactly 2 chunks per worker in a V".into()),
+        ScheduleKind::Interleaved if !microbatches.is_multiple_of(workers) => shape(
+            Field::Microbatches,
+            microbatches,
+            format!("needs the micro-batches to be a multiple of the stages (they go round in groups of P = {workers})"),
+        ),
         _ => Ok(()),
     }
 }
@@ -416,10 +423,12 @@ mod tests {
     #[test]
     fn bad_combinations_are_errors() {
         let e = |k, p, m, v| generate(k, p, m, v).unwrap_err().to_string();
-        assert!(e(ScheduleKind::Interleaved, 4, 6, 2).contains("multiple of --stages"));
+        assert!(e(ScheduleKind::Interleaved, 4, 6, 2).contains(
+            "micro-batches 6: interleaved needs the micro-batches to be a multiple of the stages"
+        ));
         assert!(e(ScheduleKind::ZbV, 4, 8, 3).contains("exactly 2 chunks"));
         assert!(e(ScheduleKind::OneFOneB, 4, 8, 2).contains("one stage per worker"));
-        assert!(e(ScheduleKind::GPipe, 0, 8, 1).contains("--stages 0"));
+        assert!(e(ScheduleKind::GPipe, 0, 8, 1).contains("stages 0: gpipe needs at least 1 stage"));
         assert!("pipedream"
             .parse::<ScheduleKind>()
             .unwrap_err()

@@ -10,7 +10,7 @@
 //! micro-batches: the full pipeline, searched the same way, and network-blind random skipping.
 
 use crate::cluster::Cluster;
-use crate::error::{Error, Result};
+use crate::error::{Error, Field, Result};
 use crate::plan::ir::{Action, Hop, Op, Plan, StagePlan};
 use crate::profile::Profile;
 use crate::rng::Lcg;
@@ -446,19 +446,31 @@ pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Res
     let n = profile.layers.len();
     let middle = s.saturating_sub(1);
     if s < 2 || n < s + 1 {
-        return Err(Error::Invalid(format!(
-            "--stages {s}: needs at least 2 stages and more layers ({n}) than stages, the last layer being the head"
-        )));
+        return Err(Error::shape(
+            Field::Depth,
+            s,
+            format!("needs at least 2 stages and more layers ({n}) than stages, the last layer being the head"),
+        ));
     }
     if setup.skip >= middle {
-        return Err(Error::Invalid(format!(
-            "--skip: cannot skip {} of the {middle} middle stages (stage 0 and the head are always visited)",
-            setup.skip
-        )));
+        return Err(Error::shape(
+            Field::Skip,
+            setup.skip,
+            format!("cannot skip that many of the {middle} middle stages (stage 0 and the head are always visited)"),
+        ));
     }
-    if setup.data_nodes == 0 || setup.microbatches == 0 {
-        return Err(Error::Invalid(
-            "--data-nodes and --microbatches must be at least 1".into(),
+    if setup.data_nodes == 0 {
+        return Err(Error::shape(
+            Field::Replicas,
+            0,
+            "SkipPipe needs at least 1 data node",
+        ));
+    }
+    if setup.microbatches == 0 {
+        return Err(Error::shape(
+            Field::Microbatches,
+            0,
+            "SkipPipe needs at least 1 micro-batch per data node",
         ));
     }
     // Each micro-batch runs a forward and a backward on each of its hops.

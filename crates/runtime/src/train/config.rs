@@ -192,11 +192,10 @@ impl TrainConfig {
         let blocks = self.model.num_blocks();
         if plan.num_layers() != blocks {
             return Err(Error::Config(format!(
-                "the plan holds {} layers (per stage {:?}) but the model has {blocks} layer blocks (embedding, {} transformer blocks, head); plan for this model, or train a model of {} transformer blocks (--layers {})",
+                "the plan holds {} layers (per stage {:?}) but the model has {blocks} layer blocks (embedding, {} transformer blocks, head); plan for this model, or train a model of {} transformer blocks",
                 plan.num_layers(),
                 plan.layers_per_stage(),
                 self.model.layers,
-                plan.num_layers().saturating_sub(2),
                 plan.num_layers().saturating_sub(2)
             )));
         }

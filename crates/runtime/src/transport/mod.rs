@@ -52,7 +52,7 @@ impl Payload {
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
 pub enum TransportError {
     /// A point-to-point message did not come: its sender died, hangs, or the plan is wrong.
-    #[error("{unit} {at}: waited {secs} s for the {tag} from {unit} {from}, in vain ({unit} {from} died or is stuck; --peer-timeout sets the bound)")]
+    #[error("{unit} {at}: waited {secs} s for the {tag} from {unit} {from}, in vain ({unit} {from} died or is stuck; the peer timeout bounds the wait)")]
     Timeout {
         unit: &'static str,
         at: usize,
@@ -61,7 +61,7 @@ pub enum TransportError {
         secs: u64,
     },
     /// A collective did not complete: a member died or is stuck.
-    #[error("{unit} {at}: {what} over {unit}s {group:?} did not complete in {secs} s (one of them died or is stuck; --peer-timeout sets the bound)")]
+    #[error("{unit} {at}: {what} over {unit}s {group:?} did not complete in {secs} s (one of them died or is stuck; the peer timeout bounds the wait)")]
     Collective {
         unit: &'static str,
         at: usize,
