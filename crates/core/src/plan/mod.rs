@@ -2,6 +2,7 @@
 //! (`kind`), the checks every plan passes before anything runs it (`validate`), and the
 //! per-rank action CSV of `torch.distributed.pipelining` (`torch_csv`).
 
+pub mod deps;
 pub mod ir;
 pub mod kind;
 pub mod torch_csv;

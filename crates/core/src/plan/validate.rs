@@ -2,6 +2,7 @@
 //! worker, the position in its list and the action.
 
 use crate::error::{Error, Result};
+use crate::plan::deps::{needs, Need};
 use crate::plan::ir::{Action, Op, Plan, RouteIndex};
 
 /// Where an action sits: worker and step in its list.
@@ -11,28 +12,11 @@ pub struct Site {
     pub step: usize,
 }
 
-/// Dependency slot of an action's result: F done, input-gradient done (B or BW), W-or-BW done.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Slot {
-    F,
-    Grad,
-}
-
-/// What `a` waits for (besides its worker reaching it): a list of (slot, stage).
-pub(crate) fn deps(plan: &Plan, routes: &RouteIndex, a: &Action) -> [Option<(Slot, usize)>; 2] {
-    match a.op {
-        Op::F => [
-            routes.prev(plan, a.mb, a.stage).map(|p| (Slot::F, p.stage)),
-            None,
-        ],
-        Op::B | Op::BW => [
-            Some((Slot::F, a.stage)),
-            routes
-                .next(plan, a.mb, a.stage)
-                .map(|n| (Slot::Grad, n.stage)),
-        ],
-        Op::W => [Some((Slot::Grad, a.stage)), None],
-    }
+/// What `a` waits for (besides its worker reaching it), by the IR's one dependency rule.
+fn needs_of(plan: &Plan, routes: &RouteIndex, a: &Action) -> [Option<Need>; 2] {
+    let prev = routes.prev(plan, a.mb, a.stage).map(|h| h.stage);
+    let next = routes.next(plan, a.mb, a.stage).map(|h| h.stage);
+    needs(a.op, a.stage, prev, next)
 }
 
 /// The rules a plan must keep, each named in its error message.
@@ -261,21 +245,25 @@ fn check_runs(plan: &Plan, sites: &Sites) -> Result<()> {
     let mut done_grad = vec![false; s * m];
     let routes = RouteIndex::new(plan);
     let mut head = vec![0usize; p];
-    // Worker waiting on (slot, stage, mb), if any.
+    // Worker waiting on a result of micro-batch mb, if any.
     let mut waiting: Vec<Option<usize>> = vec![None; 2 * s * m];
-    let key = |slot: Slot, st: usize, mb: usize| (slot as usize) * s * m + st * m + mb;
+    let key = |n: Need, mb: usize| match n {
+        Need::Forward(st) => st * m + mb,
+        Need::InputGrad(st) => s * m + st * m + mb,
+    };
+    let met = |done_f: &[bool], done_grad: &[bool], n: Need, mb: usize| match n {
+        Need::Forward(st) => done_f[st * m + mb],
+        Need::InputGrad(st) => done_grad[st * m + mb],
+    };
     let mut queue: Vec<usize> = (0..p).collect();
     while let Some(w) = queue.pop() {
         while let Some(a) = plan.workers[w].get(head[w]) {
-            let missing = deps(plan, &routes, a)
+            let missing = needs_of(plan, &routes, a)
                 .into_iter()
                 .flatten()
-                .find(|&(slot, st)| {
-                    let d = if slot == Slot::F { &done_f } else { &done_grad };
-                    !d[st * m + a.mb]
-                });
-            if let Some((slot, st)) = missing {
-                waiting[key(slot, st, a.mb)] = Some(w);
+                .find(|&n| !met(&done_f, &done_grad, n, a.mb));
+            if let Some(n) = missing {
+                waiting[key(n, a.mb)] = Some(w);
                 break;
             }
             match a.op {
@@ -283,15 +271,15 @@ fn check_runs(plan: &Plan, sites: &Sites) -> Result<()> {
                 Op::B | Op::BW => done_grad[a.stage * m + a.mb] = true,
                 Op::W => {}
             }
-            let slot = if a.op == Op::F {
-                Some(Slot::F)
+            let result = if a.op == Op::F {
+                Some(Need::Forward(a.stage))
             } else if a.op.sends_grad() {
-                Some(Slot::Grad)
+                Some(Need::InputGrad(a.stage))
             } else {
                 None
             };
-            if let Some(slot) = slot {
-                if let Some(v) = waiting[key(slot, a.stage, a.mb)].take() {
+            if let Some(n) = result {
+                if let Some(v) = waiting[key(n, a.mb)].take() {
                     queue.push(v);
                 }
             }
@@ -307,17 +295,15 @@ fn check_runs(plan: &Plan, sites: &Sites) -> Result<()> {
     // What each stuck head needs, and where that action sits.
     let need = |w: usize| {
         let a = plan.workers[w][head[w]];
-        let (slot, st) = deps(plan, &routes, &a)
+        let n = needs_of(plan, &routes, &a)
             .into_iter()
             .flatten()
-            .find(|&(slot, st)| {
-                !(if slot == Slot::F { &done_f } else { &done_grad })[st * m + a.mb]
-            })
+            .find(|&n| !met(&done_f, &done_grad, n, a.mb))
             .expect("a stuck action has a missing dependency");
-        let op = match slot {
-            Slot::F => Op::F,
-            Slot::Grad if sites.get(Op::BW, st, a.mb).is_some() => Op::BW,
-            Slot::Grad => Op::B,
+        let (op, st) = match n {
+            Need::Forward(st) => (Op::F, st),
+            Need::InputGrad(st) if sites.get(Op::BW, st, a.mb).is_some() => (Op::BW, st),
+            Need::InputGrad(st) => (Op::B, st),
         };
         let need = Action::new(op, st, a.mb);
         (

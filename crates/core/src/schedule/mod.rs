@@ -7,6 +7,7 @@
 //! remaining idle time with deferred `W`s.
 
 use crate::error::{Error, Field, Result};
+use crate::plan::deps::{need_count, unblocks, Pending, Waiter};
 use crate::plan::ir::{Action, Op, Plan};
 pub use crate::plan::ScheduleKind;
 use std::cmp::Reverse;
@@ -212,6 +213,7 @@ pub fn greedy(
     let mut mbs_in_flight = vec![0usize; p];
     let mut chunks_total = vec![0usize; p];
     let mut busy = vec![false; p];
+    let mut pending = Pending::new(3 * s_count * m);
     let mut workers: Vec<Vec<Action>> = vec![Vec::new(); p];
     for (mb, r) in routes.iter().enumerate() {
         ready_f[placement[r[0]]].insert((mb, r[0]));
@@ -277,29 +279,36 @@ pub fn greedy(
             done += 1;
             let a = workers[w][i];
             let r = &routes[a.mb];
-            let at = pos(a.mb, a.stage);
-            match a.op {
-                Op::F => match r.get(at + 1) {
-                    Some(&n) => {
-                        ready_f[placement[n]].insert((a.mb, n));
-                    }
-                    None => {
-                        ready_b[w].insert((a.mb, Reverse(a.stage)));
-                    }
-                },
-                Op::B => {
-                    pending_w[w].insert((a.mb, a.stage));
-                    if at > 0 {
-                        let prev = r[at - 1];
-                        ready_b[placement[prev]].insert((a.mb, Reverse(prev)));
-                    }
+            let around = |at: usize| ((at > 0).then(|| r[at - 1]), r.get(at + 1).copied());
+            let (prev, next) = around(pos(a.mb, a.stage));
+            // What this completion makes ready, by the IR's dependency rule.
+            for waiter in unblocks(a.op, a.stage, prev, next).into_iter().flatten() {
+                let (Waiter::Forward(st) | Waiter::Backward(st) | Waiter::Weight(st)) = waiter;
+                let (p2, n2) = around(pos(a.mb, st));
+                let class = match waiter {
+                    Waiter::Forward(_) => 0,
+                    Waiter::Backward(_) => 1,
+                    Waiter::Weight(_) => 2,
+                };
+                if !pending.meet(
+                    (class * s_count + st) * m + a.mb,
+                    need_count(waiter, p2, n2),
+                ) {
+                    continue;
                 }
-                Op::W | Op::BW => {
-                    chunks_total[w] -= 1;
-                    chunks_in_flight[w * m + a.mb] -= 1;
-                    if chunks_in_flight[w * m + a.mb] == 0 {
-                        mbs_in_flight[w] -= 1;
-                    }
+                let host = placement[st];
+                match waiter {
+                    Waiter::Forward(_) => ready_f[host].insert((a.mb, st)),
+                    Waiter::Backward(_) => ready_b[host].insert((a.mb, Reverse(st))),
+                    Waiter::Weight(_) => pending_w[host].insert((a.mb, st)),
+                };
+            }
+            // A micro-batch's activations on a stage are freed by its last backward part.
+            if matches!(a.op, Op::W | Op::BW) {
+                chunks_total[w] -= 1;
+                chunks_in_flight[w * m + a.mb] -= 1;
+                if chunks_in_flight[w * m + a.mb] == 0 {
+                    mbs_in_flight[w] -= 1;
                 }
             }
         }

@@ -11,6 +11,7 @@
 
 use crate::cluster::Cluster;
 use crate::error::{Error, Field, Result};
+use crate::plan::deps::{need_count, unblocks, Pending, Waiter};
 use crate::plan::ir::{Action, Hop, Op, Plan, StagePlan};
 use crate::profile::Profile;
 use crate::rng::Lcg;
@@ -82,6 +83,9 @@ pub fn route_schedule(
     let mut ready_f: Vec<BTreeSet<(usize, usize)>> = vec![BTreeSet::new(); num_workers];
     let mut ready_b: Vec<BTreeSet<(usize, usize)>> = vec![BTreeSet::new(); num_workers];
     let mut events: BinaryHeap<Event> = BinaryHeap::new();
+    let longest = routes.iter().map(Vec::len).max().unwrap_or(0);
+    let slot = |mb: usize, at: usize, fwd: bool| (mb * longest + at) * 2 + usize::from(fwd);
+    let mut pending = Pending::new(2 * m * longest);
     for (mb, r) in routes.iter().enumerate() {
         events.push(Reverse((Time(0.0), 1, r.first()?.worker, true, mb, 0)));
     }
@@ -104,35 +108,59 @@ pub fn route_schedule(
             if !touched.contains(&w) {
                 touched.push(w);
             }
+            let r = &routes[mb];
             if kind == 1 {
-                if fwd {
-                    ready_f[w].insert((mb, at));
+                // An input arrived: one need met (an action with none arrives at time 0).
+                let (prev, next) = (
+                    (at > 0).then(|| r[at - 1].stage),
+                    r.get(at + 1).map(|h| h.stage),
+                );
+                let waiter = if fwd {
+                    Waiter::Forward(r[at].stage)
                 } else {
-                    ready_b[w].insert((mb, at));
+                    Waiter::Backward(r[at].stage)
+                };
+                if pending.meet(slot(mb, at, fwd), need_count(waiter, prev, next)) {
+                    if fwd {
+                        ready_f[w].insert((mb, at));
+                    } else {
+                        ready_b[w].insert((mb, at));
+                    }
                 }
                 continue;
             }
             running[w] = None;
             done += 1;
-            let r = &routes[mb];
-            if fwd {
-                if at + 1 < r.len() {
-                    let to = r[at + 1].worker;
-                    let arrive = now + transfer(w, to, Op::F, r[at].stage);
-                    events.push(Reverse((Time(arrive), 1, to, true, mb, at + 1)));
-                } else {
-                    ready_b[w].insert((mb, at));
-                }
-            } else {
+            if !fwd {
                 held[w * m + mb] -= 1;
                 if held[w * m + mb] == 0 {
                     in_flight[w] -= 1;
                 }
-                if at > 0 {
-                    let to = r[at - 1].worker;
-                    let arrive = now + transfer(w, to, Op::BW, r[at].stage);
-                    events.push(Reverse((Time(arrive), 1, to, false, mb, at - 1)));
+            }
+            // What this completion counts towards, by the IR's dependency rule: a need met on
+            // this worker now, or on a neighbour's once the result has travelled there.
+            let op = if fwd { Op::F } else { Op::BW };
+            let (prev, next) = (
+                (at > 0).then(|| r[at - 1].stage),
+                r.get(at + 1).map(|h| h.stage),
+            );
+            for waiter in unblocks(op, r[at].stage, prev, next).into_iter().flatten() {
+                let (to_at, to_fwd) = match waiter {
+                    Waiter::Forward(_) => (at + 1, true),
+                    Waiter::Backward(st) if st == r[at].stage => (at, false),
+                    Waiter::Backward(_) => (at - 1, false),
+                    Waiter::Weight(_) => unreachable!("route schedules run fused backwards"),
+                };
+                if to_at == at {
+                    // Its own backward, on this worker: no message to wait for.
+                    if pending.meet(slot(mb, at, false), need_count(waiter, prev, next)) {
+                        ready_b[w].insert((mb, at));
+                    }
+                    continue;
                 }
+                let to = r[to_at].worker;
+                let arrive = now + transfer(w, to, op, r[at].stage);
+                events.push(Reverse((Time(arrive), 1, to, to_fwd, mb, to_at)));
             }
         }
         touched.sort_unstable();
@@ -456,7 +484,7 @@ pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Res
         return Err(Error::shape(
             Field::Skip,
             setup.skip,
-            format!("cannot skip that many of the {middle} middle stages (stage 0 and the head are always visited)"),
+            format!("cannot skip {} of the {middle} middle stages (stage 0 and the head are always visited)", setup.skip),
         ));
     }
     if setup.data_nodes == 0 {

@@ -8,6 +8,7 @@
 
 use crate::cluster::Cluster;
 use crate::error::{Error, Result};
+use crate::plan::deps::{needs, Need};
 use crate::plan::ir::{Action, Hop, Op, Plan, RouteIndex, Topology};
 use crate::profile::StageCost;
 use crate::sim::timeline::{TimedAction, TimedTransfer, Timeline};
@@ -264,11 +265,19 @@ impl<'a> State<'a> {
             return;
         };
         let k = a.stage * self.m + a.mb;
-        let ready = match a.op {
-            Op::F => self.input_at[k],
-            Op::B | Op::BW => self.grad_at[k].max(self.f_done[k]),
-            Op::W => self.b_done[k],
-        };
+        let prev = self.routes.prev(self.plan, a.mb, a.stage).map(|h| h.stage);
+        let next = self.routes.next(self.plan, a.mb, a.stage).map(|h| h.stage);
+        // When each need of the IR's dependency rule is met here (received, for a neighbour's).
+        let ready = needs(a.op, a.stage, prev, next)
+            .into_iter()
+            .flatten()
+            .map(|n| match n {
+                Need::Forward(st) if st == a.stage => self.f_done[k],
+                Need::Forward(_) => self.input_at[k],
+                Need::InputGrad(st) if st == a.stage => self.b_done[k],
+                Need::InputGrad(_) => self.grad_at[k],
+            })
+            .fold(0.0, f64::max);
         if ready == UNKNOWN {
             self.waiting[k].push(w);
             return;
