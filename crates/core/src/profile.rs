@@ -4,6 +4,16 @@ use crate::error::{parse_toml, read_file, Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
+/// Copies of a stage's parameters that training keeps: weights, gradients and AdamW's two
+/// moments. The one memory model's static part (the simulator, the planners, the profile
+/// checks and the runtime's estimate all use it).
+pub const STATE_COPIES: u64 = 4;
+
+/// Bytes a stage holds besides activations, for `param_bytes` bytes of parameters.
+pub fn static_bytes(param_bytes: u64) -> u64 {
+    STATE_COPIES * param_bytes
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Profile {
@@ -155,7 +165,9 @@ impl Profile {
         // MAX_ACTIONS micro-batch passes: keep every such sum inside u64, or refuse.
         let limit: u64 = 1 << 60;
         let static_bytes = self.layers.iter().try_fold(0u64, |acc, l| {
-            l.params.checked_mul(4).and_then(|b| acc.checked_add(b))
+            l.params
+                .checked_mul(STATE_COPIES)
+                .and_then(|b| acc.checked_add(b))
         });
         let act = self
             .layers

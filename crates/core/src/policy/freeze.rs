@@ -109,9 +109,37 @@ impl FreezePolicy {
     }
 }
 
+/// The most layer blocks `plan` lets freeze: a prefix inside stage 0 (whose input is tokens,
+/// so the prefix runs forward only, outside autodiff) with a layer that trains after it. The
+/// one frozen-prefix rule: the trainer, the freeze controller and resume all ask it.
+pub fn max_frozen(plan: &crate::plan::ir::Plan) -> usize {
+    plan.layers_per_stage()
+        .first()
+        .map_or(0, |first| first.saturating_sub(1))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_frozen_prefix_stays_inside_stage_0_with_a_training_layer_after() {
+        use crate::plan::ir::Plan;
+        let mut p = Plan::pipeline(
+            crate::plan::ScheduleKind::Custom,
+            vec![0, 1],
+            1,
+            vec![vec![], vec![]],
+        );
+        p.set_layers(&[3, 2]);
+        assert_eq!(max_frozen(&p), 2);
+        p.set_layers(&[1, 4]);
+        assert_eq!(
+            max_frozen(&p),
+            0,
+            "a stage 0 of one layer block freezes nothing"
+        );
+    }
 
     fn adaptive() -> FreezePolicy {
         FreezePolicy {

@@ -10,16 +10,12 @@ use crate::cluster::Cluster;
 use crate::error::{Error, Result};
 use crate::plan::deps::{needs, Need};
 use crate::plan::ir::{Action, Hop, Op, Plan, RouteIndex, Topology};
+use crate::profile::static_bytes;
 use crate::profile::StageCost;
 use crate::sim::timeline::{TimedAction, TimedTransfer, Timeline};
 use serde::Serialize;
 use std::cmp::{Ordering, Reverse};
 use std::collections::BinaryHeap;
-
-/// Bytes of weights, gradients and the two AdamW moments: what a stage holds besides activations.
-pub fn static_memory_bytes(params: u64) -> u64 {
-    4 * params
-}
 
 /// In-flight activations of one worker at their peak.
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
@@ -70,7 +66,7 @@ pub fn memory_peaks(plan: &Plan, stages: &[StageCost]) -> Vec<MemoryPeak> {
             peak.static_bytes = plan
                 .stages_of(w)
                 .iter()
-                .map(|&s| stages.get(s).map_or(0, |c| static_memory_bytes(c.params)))
+                .map(|&s| stages.get(s).map_or(0, |c| static_bytes(c.params)))
                 .sum();
             peak
         })

@@ -8,7 +8,7 @@ use pipewright_core::job::{build, JobSpec, LayerCut, PipelineShape};
 use pipewright_core::plan::ir::Plan;
 use pipewright_core::plan::validate::validate;
 use pipewright_core::plan::ScheduleKind;
-use pipewright_core::profile::Profile;
+use pipewright_core::profile::{Profile, STATE_COPIES};
 use serde::{Deserialize, Serialize};
 
 /// Everything that decides a training run (also written into checkpoints).
@@ -135,8 +135,8 @@ impl TrainConfig {
         Ok(())
     }
 
-    /// Bytes training needs at least, roughly: 16 per parameter (weights, gradients, two AdamW
-    /// moments) and per micro-batch in flight about (12 d_model + 3 heads seq_len) floats per
+    /// Bytes training needs at least, roughly: the static bytes of every parameter (4 bytes
+    /// each, kept [`STATE_COPIES`] times: weights, gradients, two AdamW moments) and per micro-batch in flight about (12 d_model + 3 heads seq_len) floats per
     /// token per block. `None` if it overflows u64.
     pub fn memory_estimate(&self) -> Option<u64> {
         let m = &self.model;
@@ -153,7 +153,7 @@ impl TrainConfig {
             .checked_mul(m.layers.max(1) as u64)?
             .checked_mul(4)?
             .checked_mul(self.microbatches.max(1) as u64)?;
-        params.checked_mul(16)?.checked_add(acts)
+        params.checked_mul(4 * STATE_COPIES)?.checked_add(acts)
     }
 
     /// The whole-job plan of these settings: `replicas` copies of a `stages`-deep pipeline, its

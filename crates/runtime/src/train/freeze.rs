@@ -10,7 +10,7 @@ use pipewright_core::plan::ScheduleKind;
 use pipewright_core::policy::elastic::{
     elastic_layout, peak_memory, ElasticChoice, GlobalBatch, Shape,
 };
-use pipewright_core::policy::freeze::FreezePolicy;
+use pipewright_core::policy::freeze::{max_frozen, FreezePolicy};
 use pipewright_core::profile::Profile;
 
 /// What freezes when, and whether the layout follows.
@@ -213,15 +213,8 @@ impl FreezeController {
                 }
             }
         }
-        // Without a re-plan the frozen prefix must fit inside stage 0.
-        let stage0 = next
-            .as_ref()
-            .unwrap_or(&trainer.plan)
-            .layers_per_stage()
-            .first()
-            .copied()
-            .unwrap_or(1);
-        want = want.min(stage0.saturating_sub(1));
+        // The frozen prefix must fit the plan it will run under.
+        want = want.min(max_frozen(next.as_ref().unwrap_or(&trainer.plan)));
         if want <= before {
             return Ok(None);
         }

@@ -4,6 +4,7 @@
 mod checkpoint;
 mod config;
 pub mod freeze;
+mod layers;
 mod plain;
 pub mod run;
 pub mod store;

@@ -2,7 +2,7 @@
 //! thread; each micro-batch runs the layer sequence its route in the plan visits (skipped and
 //! swapped stages included), and one backward covers all micro-batches at once.
 
-use super::trainer::{fresh_state, LayerState};
+use super::layers::{fresh_state, LayerState};
 use super::TrainConfig;
 use crate::data::{Corpus, MicroBatch, Sampler};
 use crate::grads::{add_grads, clip_factor, flat_params, grads_params, sum_squares, GradSource};

@@ -2,17 +2,17 @@
 //! all-reduce per stage group, global grad-norm clipping, AdamW with warmup + cosine LR, and
 //! re-planning between steps. State is kept per layer block, so any plan can take it over.
 
+use super::layers::{fresh_state, LayerState};
 use super::TrainConfig;
-use crate::backend::{autodiff_lock, plain_device, train_device};
+use crate::backend::{autodiff_lock, plain_device};
 use crate::cache::{CacheStats, PrefixCache};
 use crate::data::{micro_batch, Corpus, MicroBatch, Sampler, Sampling};
 use crate::error::{Error, Result};
 use crate::exec::{ExecError, HeldStage, StepInput, Worker, WorkerOutput};
 use crate::grads::{clip_factor, flat_params, grads_params, sum_squares};
-use crate::model::{fresh_copy, loss, LayerBlock, Layers, Stage, StageInput};
+use crate::model::{fresh_copy, loss, LayerBlock, Stage, StageInput};
 use crate::transport::{InProcess, Transport, DEFAULT_TIMEOUT};
 use burn::module::Module;
-use burn::optim::{AdamWConfig, ModuleOptimizer};
 use pipewright_core::cluster::Cluster;
 use pipewright_core::plan::ir::{Plan, RouteIndex, Topology};
 use pipewright_core::sim::devices_for_plan;
@@ -43,15 +43,6 @@ pub struct ReplanReport {
     pub before: String,
     pub after: String,
     pub seconds: f64,
-}
-
-/// A layer block with its optimizer: the unit of state that moves between plans.
-pub(crate) type LayerState = (LayerBlock, ModuleOptimizer);
-
-pub(crate) fn optimizer(cfg: &TrainConfig) -> ModuleOptimizer {
-    AdamWConfig::new()
-        .with_weight_decay(cfg.weight_decay)
-        .init()
 }
 
 /// One line about a plan, for logs.
@@ -211,12 +202,12 @@ impl Trainer {
                     .map(|(k, (l, o))| (h.first_layer + k, (l.clone(), o.clone())))
             })
             .collect();
-        let part = super::checkpoint::encode_layers(&mine, self.cfg.model.layers)?;
+        let part = super::layers::encode_layers(&mine, self.cfg.model.layers)?;
         let parts = self
             .transport
             .all_gather(rank, part)
             .map_err(ExecError::from)?;
-        super::checkpoint::decode_layers(&parts, &self.cfg)
+        super::layers::decode_layers(&parts, &self.cfg)
     }
 
     /// Put `state` (model order) onto this plan's workers.
@@ -635,20 +626,12 @@ fn transport_for(
 /// tokens) with at least one training layer after them.
 fn check_frozen(plan: &Plan, k: usize) -> Result<()> {
     let first = plan.layers_per_stage().first().copied().unwrap_or(0);
-    if k > 0 && k >= first {
+    if k > pipewright_core::policy::freeze::max_frozen(plan) {
         return Err(Error::Config(format!(
             "{k} frozen layer blocks do not fit inside stage 0 ({first} layer blocks) with one that trains after them; re-plan so that stage 0 holds more"
         )));
     }
     Ok(())
-}
-
-pub(crate) fn fresh_state(cfg: &TrainConfig) -> Vec<LayerState> {
-    Layers::new(&cfg.model, cfg.seed, &train_device())
-        .into_blocks()
-        .into_iter()
-        .map(|b| (b, optimizer(cfg)))
-        .collect()
 }
 
 /// Workers for `plan` (all, or only `rank`), each with copies of the layer blocks (and

@@ -1,0 +1,217 @@
+//! Layer state, the unit that moves between plans, checkpoints and processes: a layer block
+//! with its optimizer, fresh or as bytes (safetensors weights and the optimizer's record).
+
+use super::TrainConfig;
+use crate::backend::train_device;
+use crate::error::{Error, Result};
+use crate::model::{layer_name, LayerBlock, Layers};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::optim::{AdamWConfig, ModuleOptimizer};
+use burn::tensor::{Tensor, TensorData};
+
+/// A layer block with its optimizer: the unit of state that moves between plans.
+pub(crate) type LayerState = (LayerBlock, ModuleOptimizer);
+
+pub(crate) fn optimizer(cfg: &TrainConfig) -> ModuleOptimizer {
+    AdamWConfig::new()
+        .with_weight_decay(cfg.weight_decay)
+        .init()
+}
+
+pub(crate) fn fresh_state(cfg: &TrainConfig) -> Vec<LayerState> {
+    Layers::new(&cfg.model, cfg.seed, &train_device())
+        .into_blocks()
+        .into_iter()
+        .map(|b| (b, optimizer(cfg)))
+        .collect()
+}
+
+/// Visit the module inside a layer block, so names start at the block's own fields.
+fn visit_inner<V: ModuleVisitor>(b: &LayerBlock, v: &mut V) {
+    match b {
+        LayerBlock::Embed(m) => m.visit(v),
+        LayerBlock::Block(m) => m.visit(v),
+        LayerBlock::Head(m) => m.visit(v),
+    }
+}
+
+fn map_inner<M: ModuleMapper>(b: LayerBlock, m: &mut M) -> LayerBlock {
+    match b {
+        LayerBlock::Embed(x) => LayerBlock::Embed(x.map(m)),
+        LayerBlock::Block(x) => LayerBlock::Block(x.map(m)),
+        LayerBlock::Head(x) => LayerBlock::Head(x.map(m)),
+    }
+}
+
+/// (name, shape, values) of every parameter, names prefixed.
+struct Named {
+    prefix: String,
+    path: Vec<String>,
+    out: Vec<(String, Vec<usize>, Vec<f32>)>,
+}
+impl ModuleVisitor for Named {
+    fn enter_module(&mut self, name: &str, _: &str) {
+        self.path.push(name.to_string());
+    }
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.path.pop();
+    }
+    fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+        let t = p.val();
+        self.out.push((
+            format!("{}{}", self.prefix, self.path.join(".")),
+            t.dims().to_vec(),
+            t.to_data().try_to_vec::<f32>().expect("f32"),
+        ));
+    }
+}
+
+struct Load<'a> {
+    tensors: &'a safetensors::SafeTensors<'a>,
+    prefix: String,
+    path: Vec<String>,
+    error: Option<String>,
+}
+impl ModuleMapper for Load<'_> {
+    fn enter_module(&mut self, name: &str, _: &str) {
+        self.path.push(name.to_string());
+    }
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.path.pop();
+    }
+    fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let name = format!("{}{}", self.prefix, self.path.join("."));
+        let shape = p.val().dims().to_vec();
+        match self.tensors.tensor(&name) {
+            Ok(view)
+                if view.shape() == shape.as_slice() && view.dtype() == safetensors::Dtype::F32 =>
+            {
+                let vals: Vec<f32> = view
+                    .data()
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect();
+                p.map(|_| {
+                    Tensor::<D>::from_data(TensorData::new(vals, shape), &train_device())
+                        .require_grad()
+                })
+            }
+            Ok(view) => {
+                self.error.get_or_insert(format!(
+                    "tensor {name}: shape {:?} {:?}, the model wants {shape:?} F32",
+                    view.shape(),
+                    view.dtype()
+                ));
+                p
+            }
+            Err(e) => {
+                self.error.get_or_insert(format!("tensor {name}: {e}"));
+                p
+            }
+        }
+    }
+}
+
+/// (name, shape, little-endian f32 bytes) of every parameter of the given layers.
+pub(super) fn named_params<'a>(
+    layers: impl IntoIterator<Item = (usize, &'a LayerBlock)>,
+    num_blocks: usize,
+) -> Vec<(String, Vec<usize>, Vec<u8>)> {
+    let mut named = Named {
+        prefix: String::new(),
+        path: Vec::new(),
+        out: Vec::new(),
+    };
+    for (i, block) in layers {
+        named.prefix = format!("{}.", layer_name(i, num_blocks));
+        visit_inner(block, &mut named);
+    }
+    named
+        .out
+        .into_iter()
+        .map(|(n, shape, v)| (n, shape, v.iter().flat_map(|x| x.to_le_bytes()).collect()))
+        .collect()
+}
+
+/// Serialise tensors (name, dtype, shape, bytes) as safetensors.
+pub(super) fn to_safetensors(
+    entries: &[(String, safetensors::Dtype, Vec<usize>, Vec<u8>)],
+) -> std::result::Result<Vec<u8>, String> {
+    let views = entries
+        .iter()
+        .map(|(n, dt, shape, b)| {
+            safetensors::tensor::TensorView::new(*dt, shape.clone(), b)
+                .map(|v| (n.clone(), v))
+                .map_err(|e| format!("tensor {n}: {e}"))
+        })
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    safetensors::serialize(views, None).map_err(|e| e.to_string())
+}
+
+/// Load layer `i` of the model into `template` from `tensors`.
+pub(super) fn load_layer(
+    template: LayerBlock,
+    tensors: &safetensors::SafeTensors,
+    i: usize,
+    num_blocks: usize,
+) -> std::result::Result<LayerBlock, String> {
+    let mut l = Load {
+        tensors,
+        prefix: format!("{}.", layer_name(i, num_blocks)),
+        path: Vec::new(),
+        error: None,
+    };
+    let block = map_inner(template, &mut l);
+    match l.error {
+        Some(e) => Err(e),
+        None => Ok(block),
+    }
+}
+
+/// Some layers (model index, block, optimizer) as one safetensors blob: parameters by layer
+/// name, optimizer state as `optimizer/<layer>` bytes. What processes exchange to move state.
+pub(crate) fn encode_layers(layers: &[(usize, LayerState)], num_blocks: usize) -> Result<Vec<u8>> {
+    let mut entries: Vec<_> = named_params(layers.iter().map(|(i, (b, _))| (*i, b)), num_blocks)
+        .into_iter()
+        .map(|(n, shape, b)| (n, safetensors::Dtype::F32, shape, b))
+        .collect();
+    for (i, (_, o)) in layers {
+        let b = o
+            .into_bytes()
+            .map_err(|e| Error::Config(format!("optimizer state: {e:?}")))?
+            .to_vec();
+        entries.push((
+            format!("optimizer/{}", layer_name(*i, num_blocks)),
+            safetensors::Dtype::U8,
+            vec![b.len()],
+            b,
+        ));
+    }
+    to_safetensors(&entries).map_err(Error::Config)
+}
+
+/// The whole model's state from blobs of [`encode_layers`] that together hold every layer.
+pub(crate) fn decode_layers(parts: &[Vec<u8>], cfg: &TrainConfig) -> Result<Vec<LayerState>> {
+    let bad = |m: String| Error::Config(format!("layer state from a peer: {m}"));
+    let tensors = parts
+        .iter()
+        .map(|p| safetensors::SafeTensors::deserialize(p).map_err(|e| bad(e.to_string())))
+        .collect::<Result<Vec<_>>>()?;
+    let num_blocks = cfg.model.layers;
+    fresh_state(cfg)
+        .into_iter()
+        .enumerate()
+        .map(|(i, (template, _))| {
+            let key = format!("optimizer/{}", layer_name(i, num_blocks));
+            let (t, view) = tensors
+                .iter()
+                .find_map(|t| t.tensor(&key).ok().map(|v| (t, v)))
+                .ok_or_else(|| bad(format!("no part holds {}", layer_name(i, num_blocks))))?;
+            let block = load_layer(template, t, i, num_blocks).map_err(bad)?;
+            let optim = optimizer(cfg)
+                .from_bytes(burn::tensor::Bytes::from_bytes_vec(view.data().to_vec()))
+                .map_err(|e| bad(format!("optimizer state: {e:?}")))?;
+            Ok((block, optim))
+        })
+        .collect()
+}
