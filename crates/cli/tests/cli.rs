@@ -992,30 +992,19 @@ fn freeze_and_elastic_training() {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
+    // The flags reach the run (what it does with them is tested on the library, in
+    // crates/runtime/tests/run.rs): frozen blocks in the metrics, the transition in the trace.
     let last = rows.last().unwrap();
     assert!(last["frozen_layers"].as_u64().unwrap() >= 3, "{last}");
-    assert!(last["stages"].as_u64().unwrap() < 4, "{last}");
-    assert!(last["replicas"].as_u64().unwrap() >= 2, "{last}");
     assert_eq!(rows[1]["frozen_layers"], 0);
-    // The trace covers the whole run, transitions marked.
     let trace: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("t.json")).unwrap()).unwrap();
-    let events = trace["traceEvents"].as_array().unwrap();
-    let marks: Vec<&str> = events
+    let marked = trace["traceEvents"]
+        .as_array()
+        .unwrap()
         .iter()
-        .filter(|e| e["ph"] == "i")
-        .map(|e| e["name"].as_str().unwrap())
-        .collect();
-    assert!(
-        marks.iter().any(|m| m.contains("froze layer blocks 0..2")),
-        "{marks:?}"
-    );
-    let fwd = events.iter().filter(|e| e["cat"] == "F").count();
-    let want: u64 = rows[1..]
-        .iter()
-        .map(|r| 8 * r["stages"].as_u64().unwrap())
-        .sum();
-    assert_eq!(fwd as u64, want, "every step's forwards");
+        .any(|e| e["ph"] == "i" && e["name"].as_str().unwrap().contains("froze layer blocks"));
+    assert!(marked, "the trace marks the freeze");
     let _ = std::fs::remove_dir_all(&dir);
     bad(
         &[&["train", "--elastic", "--steps", "1"][..], &model].concat(),
@@ -1165,13 +1154,7 @@ fn cached_elastic_training_resumes_frozen_and_elastic_sim() {
         3,
         "only m.jsonl, text.txt and ck remain"
     );
-    let o = run("10", true);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "{err}");
-    assert!(err.contains("frozen again on"), "{err}");
-    let after: Vec<_> = rows(&m).into_iter().filter(|r| r["step"] == 9).collect();
-    assert_eq!(after.len(), 1, "one row per step after the resume");
-    assert!(after[0]["frozen_layers"].as_u64().unwrap() >= frozen);
+    // Resuming it frozen again is tested on the library (crates/runtime/tests/run.rs).
     // Flags that cannot work together, and a text too short for one step of epochs.
     let model = TINY_L4;
     fn t<'a>(extra: &[&'a str], model: &[&'a str]) -> Vec<&'a str> {
@@ -1260,62 +1243,10 @@ fn cached_elastic_training_resumes_frozen_and_elastic_sim() {
     }
 }
 
-/// `--elastic-batch scale`: freed workers add replicas that keep their micro-batches, so the
-/// global batch and the learning rate double where `keep` splits the same batch.
+/// `--elastic-batch` needs `--elastic` (what `scale` does is tested on the library, in
+/// crates/runtime/tests/run.rs).
 #[test]
-fn elastic_batch_scale_grows_batch_and_learning_rate() {
-    let run = |mode: &str| -> Vec<serde_json::Value> {
-        let dir = fresh_dir(&format!("scale-{mode}"));
-        let m = dir.join("m.jsonl");
-        let o = pw(&[
-            &[
-                "train",
-                "--stages",
-                "4",
-                "--microbatches",
-                "8",
-                "--steps",
-                "14",
-                "--freeze",
-                "schedule",
-                "--freeze-every",
-                "4",
-                "--freeze-alpha",
-                "0.5",
-                "--elastic",
-                "--elastic-batch",
-                mode,
-                "--no-checkpoint",
-                "--metrics",
-                m.to_str().unwrap(),
-            ][..],
-            &TINY_L4,
-        ]
-        .concat());
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        let rows = std::fs::read_to_string(&m)
-            .unwrap()
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
-        let _ = std::fs::remove_dir_all(&dir);
-        rows
-    };
-    let (keep, scale) = (run("keep"), run("scale"));
-    let per_step = |r: &serde_json::Value| {
-        (r["samples_per_s"].as_f64().unwrap() * r["seconds"].as_f64().unwrap()).round()
-    };
-    // Step 13: two replicas in both runs.
-    let (k, s) = (&keep[13], &scale[13]);
-    assert_eq!(
-        (k["replicas"].as_u64(), s["replicas"].as_u64()),
-        (Some(2), Some(2)),
-        "{k} {s}"
-    );
-    assert_eq!((per_step(k), per_step(s)), (32.0, 64.0));
-    let ratio = s["lr"].as_f64().unwrap() / k["lr"].as_f64().unwrap();
-    assert!((ratio - 2.0).abs() < 1e-9, "{ratio}");
-    assert_eq!(keep[5]["lr"], scale[5]["lr"]);
+fn elastic_batch_needs_elastic() {
     bad(
         &["train", "--elastic-batch", "scale", "--steps", "1"],
         "--elastic",

@@ -78,6 +78,11 @@ impl Corpus {
         Ok(Self::from_bytes(&path.display().to_string(), bytes))
     }
 
+    /// A corpus of `text` named `name` (the last 10% held out), for library users and tests.
+    pub fn from_text(name: &str, text: &str) -> Self {
+        Self::from_bytes(name, text.as_bytes().to_vec())
+    }
+
     fn from_bytes(name: &str, bytes: Vec<u8>) -> Self {
         let cut = bytes.len() - bytes.len() / 10;
         Corpus {

@@ -299,3 +299,180 @@ fn settings_that_cannot_work_are_refused_before_any_step() {
         "the model has 4 layer blocks",
     );
 }
+
+/// PipeTransformer on the default model (6 layer blocks, 4 stages, 8 micro-batches), as the
+/// E-elastic acceptance script runs it: the freeze schedule every 3 steps frees workers, the
+/// layout gets shallower with more replicas, and the whole run's trace marks each transition
+/// and holds every step's forwards.
+#[test]
+fn elastic_freezing_frees_workers_and_the_trace_covers_the_run() {
+    let c = TrainConfig {
+        stages: 4,
+        microbatches: 8,
+        steps: 9,
+        ..TrainConfig::default()
+    };
+    let mut f = freeze(true);
+    f.every = Some(3);
+    let settings = RunConfig {
+        eval_batches: 1,
+        freeze: Some(f),
+        trace: true,
+        ..RunConfig::default()
+    };
+    let mut run = run_of(c, settings).unwrap();
+    let mut seen = Seen::default();
+    let s = run.run(&mut seen).unwrap();
+    assert!(
+        seen.notes
+            .iter()
+            .any(|n| n.contains("froze layer blocks 0..2")),
+        "{:?}",
+        seen.notes
+    );
+    assert!(run.trainer.frozen() >= 3, "{}", run.trainer.frozen());
+    assert!(
+        run.trainer.plan.num_stages() < 4,
+        "{:?}",
+        run.trainer.plan.layers_per_stage()
+    );
+    assert!(run.trainer.plan.replicas() >= 2);
+    assert_eq!(seen.frozen[0], 0);
+    let tl = s.timeline.expect("asked for");
+    assert!(
+        tl.marks
+            .iter()
+            .any(|(_, m)| m.contains("froze layer blocks 0..2")),
+        "{:?}",
+        tl.marks
+    );
+    let forwards = tl
+        .actions
+        .iter()
+        .filter(|a| a.action.op == pipewright_core::plan::ir::Op::F)
+        .count();
+    let want: usize = seen.stages.iter().map(|s| 8 * s).sum();
+    assert_eq!(forwards, want, "every step's forwards");
+}
+
+/// AutoCache with elastic freezing: later epochs read the frozen prefix's output back, the
+/// cache stays within its budget (the rest spilled), and a resume freezes the prefix again.
+#[test]
+fn cached_elastic_run_reads_back_and_resumes_frozen() {
+    use pipewright_runtime::cache::PrefixCache;
+    use pipewright_runtime::data::Sampling;
+    let d = dir("cache");
+    std::fs::create_dir_all(&d).unwrap();
+    // 1150 bytes: 1035 to train on = 64 samples of 16 = 2 steps of 32 an epoch.
+    let text: String = "the quick brown fox jumps over the lazy dog. "
+        .repeat(30)
+        .chars()
+        .take(1150)
+        .collect();
+    let corpus = Corpus::from_text("fox", &text);
+    let c = |steps| TrainConfig {
+        model: GptConfig {
+            seq_len: 16,
+            ..cfg(4, 4, steps).model
+        },
+        stages: 4,
+        microbatches: 8,
+        rows: 4,
+        sampling: Sampling::Epochs,
+        ..cfg(4, 4, steps)
+    };
+    let settings = |resume: bool| RunConfig {
+        eval_batches: 1,
+        checkpoints: Some(Checkpointing {
+            dir: d.join("ck"),
+            every: 0,
+            keep: 2,
+        }),
+        resume_from: resume.then(|| d.join("ck")),
+        freeze: Some(FreezeSettings {
+            every: Some(4),
+            ..freeze(true)
+        }),
+        cache: Some(std::sync::Arc::new(PrefixCache::new(4096, false, &d))),
+        ..RunConfig::default()
+    };
+    let run = |steps, resume| {
+        let c: TrainConfig = c(steps);
+        let plan = c.plan().unwrap();
+        TrainingRun::new(
+            Trainer::new(c, plan).unwrap(),
+            corpus.clone(),
+            settings(resume),
+        )
+        .unwrap()
+    };
+    let mut first = run(8, false);
+    assert_eq!(first.epoch_steps(), 2);
+    let s = first.run(&mut Seen::default()).unwrap();
+    let frozen = first.trainer.frozen();
+    assert!(frozen >= 2, "{frozen}");
+    let cache = s.cache.expect("cache on");
+    assert!(
+        cache.hits > 0 && cache.disk_bytes > 0 && cache.memory_bytes <= 4096,
+        "{cache:?}"
+    );
+    drop(first);
+    let mut second = run(10, true);
+    let mut seen = Seen::default();
+    second.run(&mut seen).unwrap();
+    assert!(
+        seen.notes.iter().any(|n| n.contains("frozen again on")),
+        "{:?}",
+        seen.notes
+    );
+    assert_eq!(seen.steps, vec![9, 10]);
+    assert!(seen.frozen[0] >= frozen);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// `scale_batch`: the replicas that freezing frees keep their micro-batches, so the global batch
+/// and the learning rate double, where keeping the batch splits the same micro-batches.
+#[test]
+fn a_scaled_batch_grows_with_the_replicas_and_the_learning_rate_with_it() {
+    let run = |scale_batch: bool| {
+        let c = TrainConfig {
+            microbatches: 8,
+            ..cfg(4, 4, 14)
+        };
+        let f = FreezeSettings {
+            every: Some(4),
+            scale_batch,
+            ..freeze(true)
+        };
+        let settings = RunConfig {
+            eval_batches: 1,
+            freeze: Some(f),
+            ..RunConfig::default()
+        };
+        let mut rows = Rows::default();
+        run_of(c, settings).unwrap().run(&mut rows).unwrap();
+        rows.0
+    };
+    let (keep, scale) = (run(false), run(true));
+    // (replicas, micro-batches a step, lr) of step 14: two replicas in both runs.
+    let (k, s) = (keep[13], scale[13]);
+    assert_eq!((k.0, s.0), (2, 2), "{k:?} {s:?}");
+    assert_eq!((k.1, s.1), (8, 16));
+    assert!((s.2 / k.2 - 2.0).abs() < 1e-9, "{k:?} {s:?}");
+    assert_eq!(
+        keep[5].2, scale[5].2,
+        "the same learning rate before any freeze"
+    );
+}
+
+/// (replicas, micro-batches, lr) of every step.
+#[derive(Default)]
+struct Rows(Vec<(usize, usize, f64)>);
+
+impl RunSink for Rows {
+    fn step(&mut self, row: &StepRow) -> Result<()> {
+        let mbs = (row.samples_per_s * row.report.seconds / 2.0).round() as usize;
+        self.0.push((row.replicas, mbs, row.report.lr));
+        Ok(())
+    }
+}
