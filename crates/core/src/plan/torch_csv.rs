@@ -6,7 +6,7 @@
 //! torch's format has no routes or replica groups: a plan exports only if every micro-batch
 //! visits every stage in model order and every stage has one host.
 
-use super::ir::{Action, Hop, Op, Plan, StagePlan};
+use super::ir::{Action, Op, Plan};
 use super::ScheduleKind;
 use crate::error::{Error, Result};
 
@@ -147,32 +147,12 @@ pub fn from_torch_csv(file: &str, text: &str) -> Result<Plan> {
         .enumerate()
         .map(|(s, h)| h.ok_or_else(|| Error::input(file, format!("stage {s} has no actions"))))
         .collect::<Result<_>>()?;
-    Ok(Plan {
-        kind: ScheduleKind::Custom,
-        num_microbatches: microbatches,
-        stages: hosts
-            .iter()
-            .map(|&h| StagePlan {
-                layers: 1,
-                hosts: vec![h],
-                cost: None,
-            })
-            .collect(),
-        routes: (0..microbatches)
-            .map(|_| {
-                hosts
-                    .iter()
-                    .enumerate()
-                    .map(|(s, &w)| Hop {
-                        stage: s,
-                        worker: w,
-                    })
-                    .collect()
-            })
-            .collect(),
+    Ok(Plan::pipeline(
+        ScheduleKind::Custom,
+        hosts,
+        microbatches,
         workers,
-        devices: Vec::new(),
-    })
+    ))
 }
 
 #[cfg(test)]
