@@ -122,7 +122,44 @@ impl Format {
     }
 }
 
+/// When the linked OpenBLAS picked kernels narrower than this CPU's vectors (an OpenBLAS older
+/// than the CPU falls back to SSE3), run this same command again with `OPENBLAS_CORETYPE` set to
+/// the kernels that fit: the library reads it only as it initialises, before `main`.
+fn fit_blas_kernels() {
+    use pipewright_runtime::kernels::blas_lib::{kernel_fit, KernelFit, CHOSEN_CORETYPE};
+    let KernelFit::Restart(core) = kernel_fit() else {
+        return;
+    };
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::CommandExt;
+        let mut args = std::env::args_os();
+        let arg0 = args.next().unwrap_or_default();
+        let err = std::process::Command::new("/proc/self/exe")
+            .arg0(arg0)
+            .args(args)
+            .env("OPENBLAS_CORETYPE", core)
+            .env(CHOSEN_CORETYPE, core)
+            .exec();
+        eprintln!("warning: could not restart with OPENBLAS_CORETYPE={core} for this CPU's kernels ({err}); set it yourself for up to 3x faster matrix products");
+    }
+}
+
+/// Say once when the matrix products run on kernels narrower than the CPU's, and the fix.
+fn warn_slow_kernels() {
+    use pipewright_runtime::kernels::blas_lib::{kernel_fit, KernelFit};
+    if let KernelFit::Slow { core, best } = kernel_fit() {
+        let fix = if std::env::var_os("OPENBLAS_CORETYPE").is_some() {
+            format!("unset OPENBLAS_CORETYPE, or set it to {best}")
+        } else {
+            format!("set OPENBLAS_CORETYPE={best} (OpenBLAS), or use a BLAS that knows this CPU")
+        };
+        eprintln!("warning: the BLAS runs {core} kernels, narrower than this CPU's vectors: matrix products may run up to 3x slower; {fix}");
+    }
+}
+
 fn main() {
+    fit_blas_kernels();
     keep_freed_memory();
     // Die quietly on a closed pipe (`pipewright ... | head`) like other command-line tools.
     #[cfg(unix)]
@@ -197,6 +234,9 @@ fn run(cli: Cli) -> Result<()> {
         // A PIPEWRIGHT_BLAS that cannot be used stops the commands that multiply matrices
         // before any work, rather than quietly running on another library.
         pipewright_runtime::kernels::blas_lib::blas().map_err(|e| BadInput(e.to_string()))?;
+        if ranks::RANK.get().is_none_or(|&r| r == 0) {
+            warn_slow_kernels();
+        }
     }
     match cli.cmd {
         Cmd::Schedule {

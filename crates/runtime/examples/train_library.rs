@@ -1,5 +1,4 @@
-//! Train a 2-stage 1F1B pipeline through the library: settings, the plan core builds for
-//! them, a trainer, and a `TrainingRun` that reports each step to a sink of our own.
+//! Train a 2-stage 1F1B pipeline through the library, reporting to a sink of our own.
 use pipewright_runtime::data::Corpus;
 use pipewright_runtime::error::Result;
 use pipewright_runtime::train::{RunConfig, RunSink, StepRow, TrainConfig, Trainer, TrainingRun};
@@ -19,12 +18,17 @@ impl RunSink for Print {
 }
 
 fn main() -> Result<()> {
-    let mut cfg = TrainConfig::default(); // the default GPT on 2 stages, 1F1B, 4 micro-batches
-    cfg.steps = 10;
+    // The default GPT on 2 stages, 1F1B, 4 micro-batches.
+    let cfg = TrainConfig {
+        steps: 10,
+        ..TrainConfig::default()
+    };
     let plan = cfg.plan()?;
     let trainer = Trainer::new(cfg, plan)?;
-    let mut settings = RunConfig::default();
-    settings.eval_every = 5;
+    let settings = RunConfig {
+        eval_every: 5,
+        ..RunConfig::default()
+    };
     let mut run = TrainingRun::new(trainer, Corpus::builtin(), settings)?;
     let s = run.run(&mut Print)?;
     println!(

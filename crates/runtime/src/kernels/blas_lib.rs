@@ -59,16 +59,70 @@ pub struct BlasError {
     pub why: String,
 }
 
-fn system() -> Blas {
+/// The linked system OpenBLAS's build description ("OpenBLAS 0.3.21 ... Prescott ...").
+fn system_config() -> String {
     // SAFETY: OpenBLAS returns a static NUL-terminated string.
-    let config = unsafe { CStr::from_ptr(openblas_get_config()) };
+    unsafe { CStr::from_ptr(openblas_get_config()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn system() -> Blas {
+    let chosen = match std::env::var(CHOSEN_CORETYPE) {
+        Ok(c) => {
+            format!("; kernels {c} chosen by pipewright for this CPU, OPENBLAS_CORETYPE overrides")
+        }
+        Err(_) => String::new(),
+    };
     Blas {
         sgemm: cblas_sys::cblas_sgemm,
         threads: Some(Threads {
             get: openblas_get_num_threads,
             set: openblas_set_num_threads,
         }),
-        description: format!("{} (system library)", config.to_string_lossy()),
+        description: format!("{} (system library{chosen})", system_config()),
+    }
+}
+
+/// Set in a process that pipewright restarted with `OPENBLAS_CORETYPE` of its choosing (its
+/// value): says so in the description, and stops a second restart.
+pub const CHOSEN_CORETYPE: &str = "PIPEWRIGHT_CORETYPE_CHOSEN";
+
+/// How the BLAS kernels in use fit this CPU.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KernelFit {
+    /// They use its widest vectors (or cannot be judged: another library, another CPU).
+    Fits,
+    /// The linked OpenBLAS chose narrower kernels by itself: start again with
+    /// `OPENBLAS_CORETYPE` set to this, before the library initialises.
+    Restart(&'static str),
+    /// Narrower kernels that the user's settings chose (`OPENBLAS_CORETYPE`, `PIPEWRIGHT_BLAS`)
+    /// or that a restart could not change: say so once, with the fix.
+    Slow { core: String, best: &'static str },
+}
+
+/// Judge the BLAS in use against this CPU (see [`super::coretype`]).
+pub fn kernel_fit() -> KernelFit {
+    use super::coretype::{better_coretype, core_in_config, CpuFeatures};
+    let system = std::env::var_os("PIPEWRIGHT_BLAS").is_none_or(|v| v.is_empty() || v == "system");
+    let config = match (system, blas()) {
+        (true, _) => system_config(),
+        (false, Ok(b)) => b.description.clone(),
+        (false, Err(_)) => return KernelFit::Fits,
+    };
+    let Some(core) = core_in_config(&config) else {
+        return KernelFit::Fits;
+    };
+    let Some(best) = better_coretype(core, &CpuFeatures::detect()) else {
+        return KernelFit::Fits;
+    };
+    let asked = std::env::var_os("OPENBLAS_CORETYPE").is_some();
+    if system && !asked && std::env::var_os(CHOSEN_CORETYPE).is_none() {
+        return KernelFit::Restart(best);
+    }
+    KernelFit::Slow {
+        core: core.to_string(),
+        best,
     }
 }
 

@@ -20,6 +20,7 @@ use burn::tensor::{Tensor, TensorData};
 mod attention;
 mod blas;
 pub mod blas_lib;
+pub mod coretype;
 mod cpu;
 
 #[backend_extension(Flex, Autodiff)]

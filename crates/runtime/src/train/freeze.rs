@@ -57,7 +57,7 @@ impl FreezeController {
         epoch_steps: u64,
         mpi: bool,
     ) -> Result<Self> {
-        let policy = a.policy.clone();
+        let policy = a.policy;
         policy
             .check()
             .map_err(|e| Error::Config(format!("freeze policy: {e}")))?;

@@ -1,0 +1,82 @@
+//! The BLAS kernels fit the CPU by default: where the linked OpenBLAS picks kernels narrower
+//! than the CPU's vectors, pipewright restarts with `OPENBLAS_CORETYPE` set to ones that fit;
+//! a user's own `OPENBLAS_CORETYPE` is respected, and a run on narrow kernels says so once,
+//! with the fix.
+
+use pipewright_runtime::kernels::coretype::{core_in_config, core_level, CpuFeatures};
+use std::process::{Command, Output};
+
+fn pw(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_pipewright"));
+    c.args(args)
+        .env_remove("OPENBLAS_CORETYPE")
+        .env_remove("PIPEWRIGHT_BLAS")
+        .env_remove("PIPEWRIGHT_CORETYPE_CHOSEN");
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().expect("runs")
+}
+
+/// The core name `--version` reports.
+fn core(env: &[(&str, &str)]) -> Option<String> {
+    let out = String::from_utf8(pw(&["--version"], env).stdout).unwrap();
+    let blas = out.lines().find(|l| l.starts_with("BLAS: "))?.to_string();
+    core_in_config(&blas).map(str::to_string)
+}
+
+#[test]
+fn by_default_the_kernels_use_the_cpus_widest_vectors() {
+    let cpu = CpuFeatures::detect();
+    let Some(best) = cpu.best_coretype() else {
+        eprintln!("skipped: not an x86-64 CPU with AVX");
+        return;
+    };
+    let Some(got) = core(&[]) else {
+        eprintln!("skipped: the BLAS names no known x86-64 core");
+        return;
+    };
+    assert_eq!(
+        core_level(&got),
+        core_level(best),
+        "kernels {got} on a CPU for {best}"
+    );
+}
+
+#[test]
+fn a_users_core_type_is_kept_and_a_run_on_narrow_kernels_says_so_once() {
+    let cpu = CpuFeatures::detect();
+    if cpu.level() == 0 {
+        eprintln!("skipped: no vectors wider than SSE here");
+        return;
+    }
+    let narrow = [("OPENBLAS_CORETYPE", "Prescott")];
+    if core(&narrow).as_deref() != Some("Prescott") {
+        eprintln!("skipped: this BLAS does not take OPENBLAS_CORETYPE");
+        return;
+    }
+    let tiny = [
+        "--d-model",
+        "16",
+        "--heads",
+        "2",
+        "--layers",
+        "2",
+        "--seq-len",
+        "16",
+    ];
+    let args = [&["train", "--steps", "1", "--no-checkpoint"][..], &tiny].concat();
+    let o = pw(&args, &narrow);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    let warnings: Vec<&str> = err
+        .lines()
+        .filter(|l| l.contains("runs Prescott kernels"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "{err}");
+    let best = cpu.best_coretype().unwrap();
+    assert!(
+        warnings[0].contains(&format!("unset OPENBLAS_CORETYPE, or set it to {best}")),
+        "{err}"
+    );
+}

@@ -1,0 +1,187 @@
+//! Which OpenBLAS kernels fit this CPU. A distribution's OpenBLAS built with DYNAMIC_ARCH picks
+//! its kernels from the CPU model it knows; one older than the CPU falls back to SSE3
+//! ("Prescott") kernels. Debian's 0.3.21 does so on Sapphire Rapids: training ran at a third of
+//! the speed of the SkylakeX (AVX-512) kernels the CPU can run. Here the CPU's features and the
+//! library's core name, as plain data, decide which core type to ask for instead.
+
+/// The CPU features that decide a kernel family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CpuFeatures {
+    pub x86_64: bool,
+    /// AMD (its AVX2 kernels are OpenBLAS's `Zen`).
+    pub amd: bool,
+    pub avx: bool,
+    /// AVX2 with FMA.
+    pub avx2: bool,
+    /// AVX-512 F, BW, VL and DQ (what OpenBLAS's SkylakeX kernels use).
+    pub avx512: bool,
+}
+
+impl CpuFeatures {
+    /// This machine's.
+    pub fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            CpuFeatures {
+                x86_64: true,
+                amd: is_amd(),
+                avx: has!("avx"),
+                avx2: has!("avx2") && has!("fma"),
+                avx512: has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512dq"),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        CpuFeatures::default()
+    }
+
+    /// The widest vector level: 3 AVX-512, 2 AVX2, 1 AVX, 0 SSE (or not x86-64).
+    pub fn level(&self) -> u8 {
+        match *self {
+            CpuFeatures { x86_64: false, .. } => 0,
+            CpuFeatures { avx512: true, .. } => 3,
+            CpuFeatures { avx2: true, .. } => 2,
+            CpuFeatures { avx: true, .. } => 1,
+            _ => 0,
+        }
+    }
+
+    /// The OpenBLAS core type whose kernels use this CPU's widest vectors.
+    pub fn best_coretype(&self) -> Option<&'static str> {
+        match self.level() {
+            3 => Some("SkylakeX"),
+            2 if self.amd => Some("Zen"),
+            2 => Some("Haswell"),
+            1 => Some("Sandybridge"),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn is_amd() -> bool {
+    // CPUID leaf 0: the vendor string, on every x86-64 CPU.
+    let r = std::arch::x86_64::__cpuid(0);
+    let vendor: Vec<u8> = [r.ebx, r.edx, r.ecx]
+        .iter()
+        .flat_map(|x| x.to_le_bytes())
+        .collect();
+    vendor == b"AuthenticAMD"
+}
+
+/// The vector level of an x86-64 OpenBLAS core name (as `openblas_get_corename` or its config
+/// string gives it); `None` if unknown.
+pub fn core_level(core: &str) -> Option<u8> {
+    const SSE: &[&str] = &[
+        "katmai",
+        "coppermine",
+        "northwood",
+        "prescott",
+        "banias",
+        "core2",
+        "penryn",
+        "dunnington",
+        "nehalem",
+        "atom",
+        "athlon",
+        "opteron",
+        "opteron_sse3",
+        "barcelona",
+        "nano",
+        "bobcat",
+    ];
+    const AVX: &[&str] = &[
+        "sandybridge",
+        "bulldozer",
+        "piledriver",
+        "steamroller",
+        "excavator",
+    ];
+    const AVX2: &[&str] = &["haswell", "zen"];
+    const AVX512: &[&str] = &["skylakex", "cooperlake", "sapphirerapids"];
+    let c = core.to_ascii_lowercase();
+    [(SSE, 0), (AVX, 1), (AVX2, 2), (AVX512, 3)]
+        .iter()
+        .find(|(names, _)| names.contains(&c.as_str()))
+        .map(|&(_, l)| l)
+}
+
+/// The core type to ask the library for, when the kernels it chose (`core`) use narrower
+/// vectors than the CPU has; `None` when they fit (or the name is unknown).
+pub fn better_coretype(core: &str, cpu: &CpuFeatures) -> Option<&'static str> {
+    let have = core_level(core)?;
+    (have < cpu.level()).then(|| cpu.best_coretype()).flatten()
+}
+
+/// The core name inside an OpenBLAS config string (`OpenBLAS 0.3.21 ... DYNAMIC_ARCH
+/// NO_AFFINITY Prescott MAX_THREADS=64`): the word that names a known core.
+pub fn core_in_config(config: &str) -> Option<&str> {
+    config.split_whitespace().find(|w| core_level(w).is_some())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SPR: CpuFeatures = CpuFeatures {
+        x86_64: true,
+        amd: false,
+        avx: true,
+        avx2: true,
+        avx512: true,
+    };
+
+    #[test]
+    fn generic_kernels_on_a_wide_cpu_are_replaced() {
+        // Debian's 0.3.21 on Sapphire Rapids.
+        assert_eq!(better_coretype("Prescott", &SPR), Some("SkylakeX"));
+        // AVX2 kernels on an AVX-512 CPU: still narrower than it can run.
+        assert_eq!(better_coretype("Haswell", &SPR), Some("SkylakeX"));
+        let zen3 = CpuFeatures {
+            avx512: false,
+            amd: true,
+            ..SPR
+        };
+        assert_eq!(better_coretype("Nehalem", &zen3), Some("Zen"));
+        let haswell = CpuFeatures {
+            avx512: false,
+            ..SPR
+        };
+        assert_eq!(better_coretype("core2", &haswell), Some("Haswell"));
+        let sandy = CpuFeatures {
+            avx2: false,
+            avx512: false,
+            ..SPR
+        };
+        assert_eq!(better_coretype("Prescott", &sandy), Some("Sandybridge"));
+    }
+
+    #[test]
+    fn fitting_or_unknown_kernels_are_kept() {
+        assert_eq!(better_coretype("SkylakeX", &SPR), None);
+        assert_eq!(better_coretype("SapphireRapids", &SPR), None);
+        let haswell = CpuFeatures {
+            avx512: false,
+            ..SPR
+        };
+        assert_eq!(better_coretype("Haswell", &haswell), None);
+        assert_eq!(
+            better_coretype("SkylakeX", &haswell),
+            None,
+            "never narrower"
+        );
+        assert_eq!(better_coretype("NEOVERSEN1", &SPR), None, "not an x86 core");
+        assert_eq!(better_coretype("Prescott", &CpuFeatures::default()), None);
+    }
+
+    #[test]
+    fn the_core_is_found_in_the_config_string() {
+        let cfg = "OpenBLAS 0.3.21 NO_LAPACKE DYNAMIC_ARCH NO_AFFINITY Prescott MAX_THREADS=64";
+        assert_eq!(core_in_config(cfg), Some("Prescott"));
+        assert_eq!(
+            core_in_config("OpenBLAS 0.3.26 DYNAMIC_ARCH SkylakeX"),
+            Some("SkylakeX")
+        );
+        assert_eq!(core_in_config("Intel MKL"), None);
+    }
+}
