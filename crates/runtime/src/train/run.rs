@@ -199,6 +199,8 @@ pub struct TrainingRun {
     profiler: Option<Profiler>,
     /// And the measured actions after warm-up, to set beside the profile's costs.
     action_seconds: ActionSeconds,
+    /// The checkpoint directory, held for this run (the root process's).
+    _lock: Option<super::store::DirLock>,
 }
 
 impl TrainingRun {
@@ -230,8 +232,12 @@ impl TrainingRun {
             }
             None => None,
         };
+        let mut lock = None;
         if let Some(c) = &cfg.checkpoints {
             trainer.keep_checkpoints = c.keep;
+            if trainer.is_root() {
+                lock = Some(super::store::lock(&c.dir)?);
+            }
         }
         trainer.set_cache(cfg.cache.clone())?;
         let profiler = cfg
@@ -248,6 +254,7 @@ impl TrainingRun {
             step_seconds: Vec::new(),
             profiler,
             action_seconds: ActionSeconds::new(),
+            _lock: lock,
         })
     }
 
@@ -314,6 +321,14 @@ impl TrainingRun {
             return Ok(None);
         };
         let r = self.trainer.load_checkpoint(dir)?;
+        let steps = self.trainer.cfg.steps;
+        if r.step >= steps {
+            return Err(Error::Config(format!(
+                "{} is at step {}, at or past this run's last step {steps}: nothing to train, nothing written (ask for more steps)",
+                r.path.display(),
+                r.step
+            )));
+        }
         if let Some(why) = &r.fallback {
             sink.note(&format!(
                 "warning: {why}; resuming from the newest checkpoint that verifies"

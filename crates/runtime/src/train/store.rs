@@ -17,6 +17,53 @@ const MANIFEST: &str = "manifest.json";
 /// The manifest's own SHA-256, so a flipped byte in the manifest is named as such.
 const MANIFEST_SUM: &str = "manifest.sha256";
 const LATEST: &str = "latest";
+/// The lock file of a checkpoint directory (see [`lock`]).
+const LOCK: &str = ".lock";
+
+/// One run's hold on a checkpoint directory: an advisory lock on its `.lock` file, released
+/// when this is dropped or the process ends (a killed run leaves no stale lock).
+#[derive(Debug)]
+pub struct DirLock {
+    _file: File,
+}
+
+/// Take `dir` for this run, or refuse at once, naming the run that holds it: two runs writing
+/// one directory would delete each other's checkpoints in progress.
+pub fn lock(dir: &Path) -> Result<DirLock> {
+    std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
+    let path = dir.join(LOCK);
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(|e| io(&path, e))?;
+    if let Err(e) = file.try_lock() {
+        let holder = std::fs::read_to_string(&path).unwrap_or_default();
+        let holder = holder.trim();
+        let who = if holder.is_empty() {
+            "another run"
+        } else {
+            holder
+        };
+        return Err(Error::checkpoint(
+            dir,
+            format!("in use by {who} ({e}); wait for it to end, or give this run another checkpoint directory"),
+        ));
+    }
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let me = format!(
+        "the run of process {} on host {}",
+        std::process::id(),
+        host.trim()
+    );
+    file.set_len(0)
+        .and_then(|_| file.write_all(me.as_bytes()))
+        .and_then(|_| file.flush())
+        .map_err(|e| io(&path, e))?;
+    Ok(DirLock { _file: file })
+}
 
 #[derive(Debug, Serialize, Deserialize)]
 struct Manifest {
