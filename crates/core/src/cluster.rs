@@ -103,10 +103,26 @@ impl Link {
 }
 
 /// A resolved cluster: devices in file order and a full link matrix.
+/// Devices and the links between them, stored sparsely (memory linear in the devices and the
+/// links a file names): a default link, links between regions, and links between devices, the
+/// most specific winning.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Cluster {
     pub devices: Vec<Device>,
-    links: Vec<Link>,
+    /// Every pair's link unless a region pair or a device pair says otherwise.
+    default_link: Link,
+    /// Each device's region, numbered.
+    region_of: Vec<u32>,
+    /// Links between two regions, keyed (low, high); they apply both ways.
+    region_links: HashMap<(u32, u32), Link>,
+    /// Links between two devices, keyed (low, high); they apply both ways.
+    device_links: HashMap<(u32, u32), Link>,
+}
+
+/// A pair's key, low index first (links apply both ways).
+fn pair(a: usize, b: usize) -> (u32, u32) {
+    let (a, b) = (a as u32, b as u32);
+    (a.min(b), a.max(b))
 }
 
 impl Cluster {
@@ -133,21 +149,19 @@ impl Cluster {
             .collect();
         Cluster {
             devices,
-            links: vec![Link::FREE; n * n],
+            default_link: Link::FREE,
+            region_of: vec![0; n],
+            region_links: HashMap::new(),
+            device_links: HashMap::new(),
         }
     }
 
     /// `n` identical devices sharing one link model between every pair.
     pub fn homogeneous(n: usize, link: Link) -> Self {
-        let mut c = Self::uniform(n);
-        for i in 0..n {
-            for j in 0..n {
-                if i != j {
-                    c.links[i * n + j] = link;
-                }
-            }
+        Cluster {
+            default_link: link,
+            ..Self::uniform(n)
         }
-        c
     }
 
     pub fn resolve(file: &str, f: &ClusterFile) -> Result<Self> {
@@ -189,19 +203,22 @@ impl Cluster {
                 memory_microbatches: s.memory_microbatches.or(d.memory_microbatches),
             });
         }
-        let regions: std::collections::HashSet<&str> =
-            devices.iter().map(|d| d.region.as_str()).collect();
+        let mut region_ids: HashMap<&str, u32> = HashMap::new();
+        let region_of: Vec<u32> = devices
+            .iter()
+            .map(|d| {
+                let next = region_ids.len() as u32;
+                *region_ids.entry(d.region.as_str()).or_insert(next)
+            })
+            .collect();
         let default_link = Link {
             latency: d.latency,
             bandwidth: d.bandwidth,
             overhead: d.overhead,
         };
-        let n = devices.len();
-        let mut links = vec![default_link; n * n];
-        // Region-pair links first, then device-pair links, which are more specific.
         for (k, l) in f.links.iter().enumerate() {
             for end in [&l.a, &l.b] {
-                if !regions.contains(end.as_str()) && !seen.contains_key(end.as_str()) {
+                if !region_ids.contains_key(end.as_str()) && !seen.contains_key(end.as_str()) {
                     return Err(Error::input(
                         file,
                         format!("links[{k}]: \"{end}\" is neither a device nor a region"),
@@ -209,54 +226,55 @@ impl Cluster {
                 }
             }
         }
+        let mut region_links = HashMap::new();
+        let mut device_links = HashMap::new();
         let mut set_by: HashMap<(String, String), usize> = HashMap::new();
-        for device_pass in [false, true] {
-            for (k, l) in f.links.iter().enumerate() {
-                let is_dev = seen.contains_key(l.a.as_str()) && seen.contains_key(l.b.as_str());
-                if device_pass != is_dev {
-                    continue;
-                }
-                let key = if l.a <= l.b {
-                    (l.a.clone(), l.b.clone())
-                } else {
-                    (l.b.clone(), l.a.clone())
-                };
-                if let Some(first) = set_by.insert(key, k) {
-                    return Err(Error::input(
+        for (k, l) in f.links.iter().enumerate() {
+            let key = if l.a <= l.b {
+                (l.a.clone(), l.b.clone())
+            } else {
+                (l.b.clone(), l.a.clone())
+            };
+            if let Some(first) = set_by.insert(key, k) {
+                return Err(Error::input(
+                    file,
+                    format!(
+                        "links[{k}]: link {}-{} is given twice (first at links[{first}])",
+                        l.a, l.b
+                    ),
+                ));
+            }
+            let at = format!("links[{k}] ({}-{})", l.a, l.b);
+            let link = Link {
+                latency: l.latency.unwrap_or(d.latency),
+                bandwidth: l.bandwidth.unwrap_or(d.bandwidth),
+                overhead: l.overhead.unwrap_or(d.overhead),
+            };
+            check_num(file, &format!("{at}.latency"), link.latency, false)?;
+            check_num(file, &format!("{at}.overhead"), link.overhead, false)?;
+            check_bw(file, &format!("{at}.bandwidth"), link.bandwidth)?;
+            // Between two devices, or else between two regions (device links win).
+            let region = |n: &str| region_ids.get(n).map(|&r| r as usize);
+            match (seen.get(l.a.as_str()), seen.get(l.b.as_str())) {
+                (Some(&i), Some(&j)) => device_links.insert(pair(i, j), link),
+                _ => match (region(&l.a), region(&l.b)) {
+                    (Some(x), Some(y)) => region_links.insert(pair(x, y), link),
+                    _ => return Err(Error::input(
                         file,
                         format!(
-                            "links[{k}]: link {}-{} is given twice (first at links[{first}])",
-                            l.a, l.b
+                            "{at}: joins a device and a region; name two devices or two regions"
                         ),
-                    ));
-                }
-                let at = format!("links[{k}] ({}-{})", l.a, l.b);
-                let link = Link {
-                    latency: l.latency.unwrap_or(d.latency),
-                    bandwidth: l.bandwidth.unwrap_or(d.bandwidth),
-                    overhead: l.overhead.unwrap_or(d.overhead),
-                };
-                check_num(file, &format!("{at}.latency"), link.latency, false)?;
-                check_num(file, &format!("{at}.overhead"), link.overhead, false)?;
-                check_bw(file, &format!("{at}.bandwidth"), link.bandwidth)?;
-                for i in 0..n {
-                    for j in 0..n {
-                        let (ki, kj) = if is_dev {
-                            (&devices[i].name, &devices[j].name)
-                        } else {
-                            (&devices[i].region, &devices[j].region)
-                        };
-                        if (ki == &l.a && kj == &l.b) || (ki == &l.b && kj == &l.a) {
-                            links[i * n + j] = link;
-                        }
-                    }
-                }
-            }
+                    )),
+                },
+            };
         }
-        for i in 0..n {
-            links[i * n + i] = Link::FREE;
-        }
-        Ok(Cluster { devices, links })
+        Ok(Cluster {
+            devices,
+            default_link,
+            region_of,
+            region_links,
+            device_links,
+        })
     }
 
     pub fn len(&self) -> usize {
@@ -266,8 +284,20 @@ impl Cluster {
         self.devices.is_empty()
     }
 
+    /// The link from device `from` to device `to` (free to itself, or to a copy of itself
+    /// in a subset).
     pub fn link(&self, from: usize, to: usize) -> Link {
-        self.links[from * self.devices.len() + to]
+        if from == to || self.devices[from].name == self.devices[to].name {
+            return Link::FREE;
+        }
+        if let Some(l) = self.device_links.get(&pair(from, to)) {
+            return *l;
+        }
+        let regions = pair(self.region_of[from] as usize, self.region_of[to] as usize);
+        self.region_links
+            .get(&regions)
+            .copied()
+            .unwrap_or(self.default_link)
     }
 
     /// Seconds to move `bytes` from device `from` to `to` (zero on the same device).
@@ -282,12 +312,30 @@ impl Cluster {
     /// The cluster restricted to the given devices, in that order.
     pub fn subset(&self, ids: &[usize]) -> Cluster {
         let devices = ids.iter().map(|&i| self.devices[i].clone()).collect();
-        let links = ids
-            .iter()
-            .flat_map(|&i| ids.iter().map(move |&j| (i, j)))
-            .map(|(i, j)| self.link(i, j))
-            .collect();
-        Cluster { devices, links }
+        // Each original device's places in the subset, for its device links.
+        let mut places: HashMap<usize, Vec<usize>> = HashMap::new();
+        for (new, &old) in ids.iter().enumerate() {
+            places.entry(old).or_default().push(new);
+        }
+        let mut device_links = HashMap::new();
+        for (&(a, b), l) in &self.device_links {
+            let (Some(pa), Some(pb)) = (places.get(&(a as usize)), places.get(&(b as usize)))
+            else {
+                continue;
+            };
+            for &x in pa {
+                for &y in pb {
+                    device_links.insert(pair(x, y), *l);
+                }
+            }
+        }
+        Cluster {
+            devices,
+            default_link: self.default_link,
+            region_of: ids.iter().map(|&i| self.region_of[i]).collect(),
+            region_links: self.region_links.clone(),
+            device_links,
+        }
     }
 }
 
@@ -318,6 +366,36 @@ fn check_bw(file: &str, key: &str, v: f64) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Links are sparse: a device pair beats its regions' pair, which beats the default; a
+    /// cluster of 100,000 devices costs memory linear in its devices, not their pairs.
+    #[test]
+    fn links_resolve_most_specific_first_in_linear_memory() {
+        let mut toml = String::from("[defaults]\nlatency = 1.0\n");
+        for i in 0..100_000 {
+            toml += &format!("[[devices]]\nname = \"d{i}\"\nregion = \"r{}\"\n", i % 2);
+        }
+        toml += "[[links]]\na = \"r0\"\nb = \"r1\"\nlatency = 2.0\n";
+        toml += "[[links]]\na = \"d0\"\nb = \"d1\"\nlatency = 3.0\n";
+        toml += "[[links]]\na = \"r0\"\nb = \"r0\"\nlatency = 0.5\n";
+        let c = Cluster::parse("big.toml", &toml).unwrap();
+        assert_eq!(c.link(0, 1).latency, 3.0, "device pair");
+        assert_eq!(c.link(1, 0).latency, 3.0, "both ways");
+        assert_eq!(c.link(2, 3).latency, 2.0, "region pair");
+        assert_eq!(c.link(0, 2).latency, 0.5, "within region r0");
+        assert_eq!(c.link(1, 3).latency, 1.0, "default");
+        assert_eq!(c.link(5, 5), Link::FREE);
+        let sub = c.subset(&[1, 0, 0]);
+        assert_eq!(
+            sub.link(0, 1).latency,
+            3.0,
+            "device links follow the subset"
+        );
+        assert_eq!(sub.link(1, 2), Link::FREE, "a device twice is one device");
+        let e =
+            Cluster::parse("m.toml", &(toml + "[[links]]\na = \"d0\"\nb = \"r1\"\n")).unwrap_err();
+        assert!(e.to_string().contains("joins a device and a region"), "{e}");
+    }
 
     const TWO_NODES: &str = r#"
 [defaults]

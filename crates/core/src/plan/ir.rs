@@ -357,6 +357,21 @@ impl Plan {
             .filter(|&s| self.stages[s].hosts.contains(&w))
             .collect()
     }
+    /// The stages of every worker, in model order: [`Plan::stages_of`] for all workers in one
+    /// pass over the stages (linear in the plan, where asking each worker would be quadratic).
+    pub fn stages_by_worker(&self) -> Vec<Vec<usize>> {
+        let mut out = vec![Vec::new(); self.num_workers()];
+        for (s, st) in self.stages.iter().enumerate() {
+            for &h in &st.hosts {
+                if let Some(v) = out.get_mut(h) {
+                    if v.last() != Some(&s) {
+                        v.push(s);
+                    }
+                }
+            }
+        }
+        out
+    }
     /// The default route: every stage in model order.
     pub fn full_routes(num_stages: usize, num_microbatches: usize) -> Vec<Vec<usize>> {
         vec![(0..num_stages).collect(); num_microbatches]
@@ -367,7 +382,7 @@ impl Plan {
     }
     /// Does any worker host several stages (cells then name the stage)?
     fn multi_stage(&self) -> bool {
-        (0..self.num_workers()).any(|w| self.stages_of(w).len() > 1)
+        self.stages_by_worker().iter().any(|v| v.len() > 1)
     }
 
     // ---- views ----

@@ -35,6 +35,7 @@ pub struct MemoryPeak {
 pub fn memory_peaks(plan: &Plan, stages: &[StageCost]) -> Vec<MemoryPeak> {
     let m = plan.num_microbatches;
     let mut per_mb = vec![0usize; m];
+    let hosted = plan.stages_by_worker();
     plan.workers
         .iter()
         .enumerate()
@@ -63,8 +64,7 @@ pub fn memory_peaks(plan: &Plan, stages: &[StageCost]) -> Vec<MemoryPeak> {
                     }
                 }
             }
-            peak.static_bytes = plan
-                .stages_of(w)
+            peak.static_bytes = hosted[w]
                 .iter()
                 .map(|&s| stages.get(s).map_or(0, |c| static_bytes(c.params)))
                 .sum();
@@ -165,9 +165,9 @@ struct State<'a> {
     head: Vec<usize>,
     free_at: Vec<f64>,
     busy: Vec<f64>,
-    link_free: Vec<f64>,
-    link_bytes: Vec<u64>,
-    link_busy: Vec<f64>,
+    /// Per directed link used: when it is next free, bytes carried, time busy. Sparse: a plan
+    /// uses few of the P x P pairs, and P may be large.
+    link_use: std::collections::BTreeMap<(usize, usize), (f64, u64, f64)>,
     timeline: Timeline,
     events: BinaryHeap<Reverse<(Time, usize)>>,
     /// Workers whose next action waits on (stage, mb)'s results.
@@ -229,9 +229,7 @@ impl<'a> State<'a> {
             head: vec![0; p],
             free_at: vec![0.0; p],
             busy: vec![0.0; p],
-            link_free: vec![0.0; p * p],
-            link_bytes: vec![0; p * p],
-            link_busy: vec![0.0; p * p],
+            link_use: std::collections::BTreeMap::new(),
             timeline: Timeline {
                 worker_names: (0..p).map(|w| cluster.devices[w].name.clone()).collect(),
                 actions: Vec::with_capacity(plan.workers.iter().map(Vec::len).sum()),
@@ -307,17 +305,16 @@ impl<'a> State<'a> {
         bytes: u64,
         gradient: bool,
     ) -> usize {
-        let p = self.plan.num_workers();
         let (to_stage, to) = (dest.stage, dest.worker);
         let at = if to == w {
             t
         } else {
-            let l = w * p + to;
-            let start = t.max(self.link_free[l]);
+            let (free, carried, busy) = self.link_use.entry((w, to)).or_insert((0.0, 0, 0.0));
+            let start = t.max(*free);
             let end = start + self.cluster.transfer_time(w, to, bytes);
-            self.link_free[l] = end;
-            self.link_bytes[l] += bytes;
-            self.link_busy[l] += end - start;
+            *free = end;
+            *carried += bytes;
+            *busy += end - start;
             self.timeline.transfers.push(TimedTransfer {
                 from: w,
                 to,
@@ -450,8 +447,7 @@ pub fn simulate_with(setup: &SimSetup, options: SimOptions) -> Result<SimResult>
     let State {
         head,
         busy,
-        link_bytes,
-        link_busy,
+        link_use,
         timeline,
         shared,
         ..
@@ -518,13 +514,14 @@ pub fn simulate_with(setup: &SimSetup, options: SimOptions) -> Result<SimResult>
         0.0
     };
     let peaks = memory_peaks(plan, stages);
-    let links = (0..p * p)
-        .filter(|&l| link_bytes[l] > 0 || link_busy[l] > 0.0)
-        .map(|l| LinkUse {
-            from: l / p,
-            to: l % p,
-            bytes: link_bytes[l],
-            busy: link_busy[l],
+    let links = link_use
+        .into_iter()
+        .filter(|(_, (_, bytes, busy))| *bytes > 0 || *busy > 0.0)
+        .map(|((from, to), (_, bytes, busy))| LinkUse {
+            from,
+            to,
+            bytes,
+            busy,
         })
         .collect();
     Ok(SimResult {
@@ -609,20 +606,22 @@ pub fn devices_for_plan(plan: &Plan, cluster: &Cluster) -> Result<Cluster> {
         }
         return Ok(cluster.subset(&(0..p).collect::<Vec<_>>()));
     }
+    let index: std::collections::HashMap<&str, usize> = cluster
+        .devices
+        .iter()
+        .enumerate()
+        .map(|(i, d)| (d.name.as_str(), i))
+        .collect();
     let ids = plan
         .devices
         .iter()
         .enumerate()
         .map(|(w, name)| {
-            cluster
-                .devices
-                .iter()
-                .position(|d| &d.name == name)
-                .ok_or_else(|| {
-                    Error::Invalid(format!(
-                        "the plan puts worker {w} on device {name:?}, which the cluster does not have"
-                    ))
-                })
+            index.get(name.as_str()).copied().ok_or_else(|| {
+                Error::Invalid(format!(
+                    "the plan puts worker {w} on device {name:?}, which the cluster does not have"
+                ))
+            })
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(cluster.subset(&ids))
