@@ -35,6 +35,15 @@ pub fn cluster_for_plan(path: &Path, plan: &Plan) -> Result<pipewright_core::clu
 /// An output path may be missing or a regular file; anything else (a directory, a symlink, a
 /// FIFO, a device) is refused rather than replaced by the rename that writes it.
 pub fn check_output(path: &Path) -> Result<()> {
+    let parent = path.parent().filter(|p| !p.as_os_str().is_empty());
+    if let Some(dir) = parent.filter(|d| !d.is_dir()) {
+        return Err(BadInput(format!(
+            "{}: its directory {} does not exist (create it first)",
+            path.display(),
+            dir.display()
+        ))
+        .into());
+    }
     match std::fs::symlink_metadata(path) {
         Ok(m) if !m.file_type().is_file() => Err(BadInput(format!(
             "{}: exists and is not a regular file (a directory, link, FIFO or device); refusing to replace it",

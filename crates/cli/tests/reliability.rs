@@ -109,3 +109,121 @@ fn runs_sharing_a_checkpoint_directory_one_trains_the_others_are_refused() {
     assert_eq!(listing(&ck), before);
     let _ = std::fs::remove_dir_all(&d);
 }
+
+fn pw(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_pipewright"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn refused(args: &[&str], want: &str) {
+    let o = pw(args);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+    assert!(err.contains(want), "{args:?}: {err:?} lacks {want:?}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+/// Links that never deliver, and outputs that cannot be written, are refused before any work
+/// with a message naming them (no panic, no `inf s`, no output lost at the end of a run).
+#[test]
+fn impossible_links_and_unwritable_outputs_are_refused_up_front() {
+    let d = scratch("links");
+    let cluster = |name: &str, defaults: &str| {
+        let p = d.join(name);
+        std::fs::write(
+            &p,
+            format!(
+                "[defaults]\n{defaults}\n[[devices]]\nname = \"a\"\n[[devices]]\nname = \"b\"\n"
+            ),
+        )
+        .unwrap();
+        p.to_str().unwrap().to_string()
+    };
+    let slow = cluster("slow.toml", "latency = 1e20");
+    let never = cluster("never.toml", "latency = 1e308\noverhead = 1e308");
+    let tiny = &TINY[..8];
+    refused(
+        &[
+            &[
+                "train",
+                "--steps",
+                "1",
+                "--no-checkpoint",
+                "--cluster",
+                &slow,
+            ][..],
+            tiny,
+        ]
+        .concat(),
+        "beyond the peer timeout",
+    );
+    refused(
+        &[
+            "simulate",
+            "--stages",
+            "2",
+            "--cost-f",
+            "1",
+            "--cluster",
+            &never,
+        ],
+        "messages on it never arrive",
+    );
+    let geo = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../examples/geo20_skippipe.toml"
+    ))
+    .unwrap();
+    let zero = d.join("geo-zero.toml");
+    let mut crafted = String::new();
+    let mut done = false;
+    for line in geo.lines() {
+        if !done && line.trim_start().starts_with("bandwidth") {
+            crafted.push_str("bandwidth = 1e-300\n");
+            done = true;
+        } else {
+            crafted.push_str(line);
+            crafted.push('\n');
+        }
+    }
+    std::fs::write(&zero, crafted).unwrap();
+    let profile = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../examples/llama500m_skippipe.toml"
+    );
+    refused(
+        &[
+            "skip-plan",
+            "--profile",
+            profile,
+            "--cluster",
+            zero.to_str().unwrap(),
+            "--stages",
+            "6",
+            "--skip",
+            "1",
+            "--moves",
+            "50",
+        ],
+        "too slow for any time to be finite",
+    );
+    let missing = d.join("no-such-dir/t.json");
+    refused(
+        &[
+            &[
+                "train",
+                "--steps",
+                "1",
+                "--no-checkpoint",
+                "--trace",
+                missing.to_str().unwrap(),
+            ][..],
+            tiny,
+        ]
+        .concat(),
+        "does not exist (create it first)",
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -259,12 +259,14 @@ impl Cluster {
                 (Some(&i), Some(&j)) => device_links.insert(pair(i, j), link),
                 _ => match (region(&l.a), region(&l.b)) {
                     (Some(x), Some(y)) => region_links.insert(pair(x, y), link),
-                    _ => return Err(Error::input(
-                        file,
-                        format!(
+                    _ => {
+                        return Err(Error::input(
+                            file,
+                            format!(
                             "{at}: joins a device and a region; name two devices or two regions"
                         ),
-                    )),
+                        ))
+                    }
                 },
             };
         }

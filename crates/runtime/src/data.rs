@@ -296,9 +296,10 @@ impl Sampler {
             Some(p) if p.step == step => (p.epoch, p.offset),
             _ => (step / per_epoch, (step % per_epoch) as usize * batch),
         };
-        // The rest of an epoch too small for this step's batch is left out.
-        if first + batch > n {
-            (epoch, first) = (epoch + 1, 0);
+        // The rest of an epoch too small for this step's batch is left out (and an offset from
+        // a crafted checkpoint past the samples starts the next epoch, not a panic).
+        if first.checked_add(batch).is_none_or(|end| end > n) {
+            (epoch, first) = (epoch.saturating_add(1), 0);
         }
         self.pos = Some(SamplerPos {
             step: step + 1,

@@ -289,3 +289,51 @@ fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
         }
     }
 }
+
+/// Crafted files that verify their own checksums but lie inside: a non-ASCII checksum in the
+/// manifest, and a sampler offset past every sample in the state. Neither panics; the
+/// checksum is refused naming the file, and the offset starts the next epoch.
+#[test]
+fn crafted_manifest_and_sampler_state_do_not_panic() {
+    use sha2::{Digest, Sha256};
+    let hex = |b: &[u8]| -> String {
+        Sha256::digest(b)
+            .iter()
+            .map(|x| format!("{x:02x}"))
+            .collect()
+    };
+    let d = dir("crafted");
+    let mut t = Trainer::from_config(TrainConfig { steps: 4, ..cfg() }).unwrap();
+    t.train_step(&Corpus::builtin()).unwrap();
+    let ck = t.save_checkpoint(&d).unwrap();
+    let manifest = ck.join("manifest.json");
+    let text = std::fs::read_to_string(&manifest).unwrap();
+    let mut m: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let first = m["files"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .next()
+        .unwrap()
+        .clone();
+    m["files"][&first][0] = serde_json::json!("é".repeat(32));
+    let text = serde_json::to_vec_pretty(&m).unwrap();
+    std::fs::write(&manifest, &text).unwrap();
+    std::fs::write(ck.join("manifest.sha256"), hex(&text)).unwrap();
+    let mut again = Trainer::from_config(TrainConfig { steps: 4, ..cfg() }).unwrap();
+    let e = again.load_checkpoint(&d).unwrap_err().to_string();
+    assert!(e.contains("does not match the manifest"), "{e}");
+    let _ = std::fs::remove_dir_all(&d);
+    // The sampler at an offset no epoch has.
+    use pipewright_runtime::data::{Sampler, SamplerPos, Sampling};
+    let corpus = Corpus::builtin();
+    let mut s = Sampler::new(Sampling::Epochs, 8, 2, 1);
+    s.set_position(Some(SamplerPos {
+        step: 3,
+        epoch: 0,
+        offset: usize::MAX,
+    }));
+    let b = s.batches(&corpus.train, 3, 2).unwrap();
+    assert_eq!(b.len(), 2);
+    assert_eq!(s.position().unwrap().epoch, 1, "the next epoch");
+}

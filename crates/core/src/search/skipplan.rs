@@ -607,6 +607,20 @@ pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Res
     };
     check_skip_rules(&plan, &rules)?;
     crate::plan::validate::validate(&plan)?;
+    // A link or a device that never finishes (bandwidth or speed near 0, huge latency) makes
+    // every candidate infinite: say so rather than print `inf s` and `NaN%`.
+    if let Some((what, t)) = [
+        ("skip routes", best_t),
+        ("the full pipeline", full_t),
+        ("random routes", random_t),
+    ]
+    .into_iter()
+    .find(|(_, t)| !t.is_finite())
+    {
+        return Err(Error::Infeasible(format!(
+            "{what} take {t} s per iteration on this cluster: a link or a device is too slow for any time to be finite (check bandwidth, latency and speed)"
+        )));
+    }
     Ok(SkipResult {
         skip_time: best_t,
         full_pipeline_time: full_t,

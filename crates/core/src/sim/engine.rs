@@ -378,6 +378,25 @@ impl<'a> State<'a> {
     }
 }
 
+/// Every message a route sends must arrive in finite time: an infinite link time (bandwidth 0, a
+/// latency past f64) is refused naming the link, not simulated into a plan that never ends.
+fn check_link_times(plan: &Plan, stages: &[StageCost], cluster: &Cluster) -> Result<()> {
+    for route in &plan.routes {
+        for hop in route.windows(2) {
+            let (a, b) = (hop[0].worker, hop[1].worker);
+            let bytes = stages[hop[0].stage].activation_out;
+            let secs = cluster.transfer_time(a, b, bytes);
+            if !secs.is_finite() {
+                return Err(Error::Invalid(format!(
+                    "the link from worker {a} ({}) to worker {b} ({}) takes {secs} s for {bytes} bytes: messages on it never arrive",
+                    cluster.devices[a].name, cluster.devices[b].name
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Simulate; the plan should have been validated (a stuck plan is still reported, not hung).
 /// How the workers' compute is arranged beyond the cluster's devices.
 #[derive(Debug, Clone, Copy, Default)]
@@ -432,6 +451,7 @@ pub fn simulate_with(setup: &SimSetup, options: SimOptions) -> Result<SimResult>
             "the plan's total compute time overflows ({work} s): stage costs too large for f64 seconds"
         )));
     }
+    check_link_times(plan, stages, cluster)?;
     let mut st = State::new(plan, stages, cluster);
     if options.shared_compute {
         st.shared = Some(Vec::new());

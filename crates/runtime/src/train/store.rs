@@ -281,7 +281,7 @@ pub fn verify(ck: &Path) -> Result<Verified> {
                 &p,
                 format!(
                     "does not match the manifest (expected {len} bytes with SHA-256 {}..., found {} bytes with {}...): the file is corrupt",
-                    &hash[..12.min(hash.len())],
+                    hash.chars().take(12).collect::<String>(),
                     bytes.len(),
                     &sha256(&bytes)[..12]
                 ),

@@ -618,7 +618,30 @@ fn transport_for(
         Some(c) => Some(devices_for_plan(plan, c).map_err(Error::from)?),
         None => None,
     };
+    if let Some(c) = &links {
+        check_link_times(plan, c, timeout)?;
+    }
     Ok(InProcess::emulated(plan.num_workers(), links, timeout))
+}
+
+/// Every emulated link a route uses delivers a message within the peer timeout, or the run is
+/// refused before it starts (an infinite or huge link time would only time out mid-run).
+fn check_link_times(plan: &Plan, cluster: &Cluster, timeout: Duration) -> Result<()> {
+    for route in &plan.routes {
+        for hop in route.windows(2) {
+            let (a, b) = (hop[0].worker, hop[1].worker);
+            let secs = cluster.transfer_time(a, b, 1);
+            if !(secs.is_finite() && secs <= timeout.as_secs_f64()) {
+                return Err(Error::Config(format!(
+                    "the emulated link from worker {a} ({}) to worker {b} ({}) takes {secs} s per message, beyond the peer timeout of {} s: the run could not finish",
+                    cluster.devices[a].name,
+                    cluster.devices[b].name,
+                    timeout.as_secs_f64()
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Freshly initialised layer blocks (the model's seed) with fresh optimizers.

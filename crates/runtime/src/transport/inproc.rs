@@ -136,7 +136,7 @@ impl InProcess {
                     at: rank,
                     what,
                     group: group.to_vec(),
-                    secs: self.timeout.as_secs(),
+                    secs: self.timeout.as_secs_f64(),
                 });
             }
             ex = self
@@ -156,7 +156,12 @@ impl Transport for InProcess {
                 let secs = cluster.transfer_time(from, to, payload.bytes());
                 let mut free = free.lock().unwrap();
                 let start = free.get(&(from, to)).copied().unwrap_or(now).max(now);
-                let end = start + Duration::from_secs_f64(secs);
+                // A delay past what an Instant can hold never arrives: the receiver's wait
+                // ends with the peer timeout, naming the link's sender.
+                let end = Duration::try_from_secs_f64(secs)
+                    .ok()
+                    .and_then(|d| start.checked_add(d))
+                    .unwrap_or(start + self.timeout.saturating_mul(2));
                 free.insert((from, to), end);
                 end
             }
@@ -192,7 +197,7 @@ impl Transport for InProcess {
                     at,
                     from,
                     tag,
-                    secs: self.timeout.as_secs(),
+                    secs: self.timeout.as_secs_f64(),
                 });
             }
             msgs = mb
@@ -242,7 +247,18 @@ impl Transport for InProcess {
         if let Some((cluster, _)) = &self.links {
             let bytes = std::mem::size_of_val(data) as u64;
             let secs = pipewright_core::sim::ring_allreduce_time(cluster, group, bytes);
-            std::thread::sleep(Duration::from_secs_f64(secs));
+            match Duration::try_from_secs_f64(secs) {
+                Ok(d) if d <= self.timeout => std::thread::sleep(d),
+                _ => {
+                    return Err(TransportError::Collective {
+                        unit: "worker",
+                        at: rank,
+                        what: "the emulated gradient all-reduce",
+                        group: group.to_vec(),
+                        secs: self.timeout.as_secs_f64(),
+                    })
+                }
+            }
         }
         Ok(())
     }

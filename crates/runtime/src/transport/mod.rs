@@ -58,7 +58,7 @@ pub enum TransportError {
         at: usize,
         from: usize,
         tag: Tag,
-        secs: u64,
+        secs: f64,
     },
     /// A collective did not complete: a member died or is stuck.
     #[error("{unit} {at}: {what} over {unit}s {group:?} did not complete in {secs} s (one of them died or is stuck; the peer timeout bounds the wait)")]
@@ -67,7 +67,7 @@ pub enum TransportError {
         at: usize,
         what: &'static str,
         group: Vec<usize>,
-        secs: u64,
+        secs: f64,
     },
     #[error("aborted: another worker failed")]
     Aborted,

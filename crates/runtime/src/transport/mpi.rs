@@ -125,7 +125,7 @@ impl Mpi {
         &self,
         rx: mpsc::Receiver<T>,
         what: String,
-        on_timeout: impl FnOnce(u64) -> TransportError,
+        on_timeout: impl FnOnce(f64) -> TransportError,
     ) -> Result<T, TransportError> {
         *WAITING.lock().unwrap() = Some(what);
         let step = Duration::from_millis(100);
@@ -139,7 +139,7 @@ impl Mpi {
                 Err(mpsc::RecvTimeoutError::Timeout) => {
                     waited += step;
                     if waited >= self.timeout {
-                        break Err(on_timeout(self.timeout.as_secs()));
+                        break Err(on_timeout(self.timeout.as_secs_f64()));
                     }
                 }
                 Err(mpsc::RecvTimeoutError::Disconnected) => {
