@@ -337,3 +337,58 @@ fn crafted_manifest_and_sampler_state_do_not_panic() {
     assert_eq!(b.len(), 2);
     assert_eq!(s.position().unwrap().epoch, 1, "the next epoch");
 }
+
+/// `latest` is a name in the directory, not a path: one naming another directory's checkpoint
+/// is passed over with a warning. FIFOs in place of `latest` or a weights file, and a manifest
+/// naming a file outside its checkpoint, are refused without reading them (no hang).
+#[test]
+fn latest_is_a_name_and_odd_files_are_refused_without_reading() {
+    let d = dir("latest-a");
+    let other = dir("latest-b");
+    let mut t = Trainer::from_config(cfg()).unwrap();
+    let corpus = Corpus::builtin();
+    t.train_step(&corpus).unwrap();
+    t.save_checkpoint(&d).unwrap();
+    t.train_step(&corpus).unwrap();
+    let foreign = t.save_checkpoint(&other).unwrap();
+    // `latest` pointing outside: the directory's own checkpoint (step 1) is resumed.
+    std::fs::write(d.join("latest"), foreign.to_str().unwrap()).unwrap();
+    let mut r = Trainer::from_config(cfg()).unwrap();
+    let got = r.load_checkpoint(&d).unwrap();
+    assert_eq!(got.step, 1);
+    assert!(got
+        .fallback
+        .unwrap()
+        .contains("not a checkpoint of this directory"));
+    let fifo = |p: &std::path::Path| {
+        let _ = std::fs::remove_file(p);
+        assert!(std::process::Command::new("mkfifo")
+            .arg(p)
+            .status()
+            .unwrap()
+            .success());
+    };
+    // A FIFO as `latest`: passed over.
+    fifo(&d.join("latest"));
+    let got = Trainer::from_config(cfg())
+        .unwrap()
+        .load_checkpoint(&d)
+        .unwrap();
+    assert_eq!(got.step, 1);
+    // A FIFO as the weights of the only checkpoint: refused, naming it.
+    let ck = got.path.clone();
+    fifo(&ck.join("weights.safetensors"));
+    let e = Trainer::from_config(cfg())
+        .unwrap()
+        .load_checkpoint(&d)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("no checkpoint to resume"), "{e}");
+    let v = match pipewright_runtime::train::store::verify(&ck) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("a FIFO verified"),
+    };
+    assert!(v.contains("is not a regular file"), "{v}");
+    let _ = std::fs::remove_dir_all(&d);
+    let _ = std::fs::remove_dir_all(&other);
+}

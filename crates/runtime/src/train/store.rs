@@ -259,11 +259,44 @@ pub struct Verified {
 }
 
 /// Read `ck` and check every file against the manifest; the error names the file that fails.
+/// The bytes of `p` if it is a regular file of at most `max` bytes. A FIFO, a device or a
+/// directory is refused without opening it (a read would block or never end), and a file larger
+/// than expected without reading it (a crafted size cannot take the memory).
+fn read_regular(p: &Path, max: u64) -> Result<Vec<u8>> {
+    let m = std::fs::symlink_metadata(p).map_err(|e| io(p, e))?;
+    if !m.file_type().is_file() {
+        return Err(Error::checkpoint(
+            p,
+            "is not a regular file (a FIFO, device, link or directory)",
+        ));
+    }
+    if m.len() > max {
+        return Err(Error::checkpoint(
+            p,
+            format!("holds {} bytes, more than the {max} expected", m.len()),
+        ));
+    }
+    std::fs::read(p).map_err(|e| io(p, e))
+}
+
+/// Largest manifest read (a checkpoint's lists its files: a few KiB).
+const MANIFEST_MAX: u64 = 16 << 20;
+
+/// Is `name` a checkpoint's own name in its directory (`step-N` or `step-N.K`)?
+fn is_checkpoint_name(name: &str) -> bool {
+    let Some(rest) = name.strip_prefix("step-") else {
+        return false;
+    };
+    let (step, k) = rest.split_once('.').unwrap_or((rest, "0"));
+    let digits = |x: &str| !x.is_empty() && x.bytes().all(|b| b.is_ascii_digit());
+    digits(step) && digits(k)
+}
+
 pub fn verify(ck: &Path) -> Result<Verified> {
     let mp = ck.join(MANIFEST);
-    let text = std::fs::read(&mp).map_err(|e| io(&mp, e))?;
+    let text = read_regular(&mp, MANIFEST_MAX)?;
     let sp = ck.join(MANIFEST_SUM);
-    let sum = std::fs::read_to_string(&sp).map_err(|e| io(&sp, e))?;
+    let sum = String::from_utf8_lossy(&read_regular(&sp, 1024)?).into_owned();
     if sum.trim() != sha256(&text) {
         return Err(Error::checkpoint(
             &mp,
@@ -274,8 +307,18 @@ pub fn verify(ck: &Path) -> Result<Verified> {
         .map_err(|e| Error::checkpoint(&mp, format!("corrupt manifest: {e}")))?;
     let mut files = BTreeMap::new();
     for (rel, (hash, len)) in &m.files {
+        // Files inside the checkpoint only: a crafted `../` cannot read elsewhere.
+        let inside = Path::new(rel)
+            .components()
+            .all(|c| matches!(c, std::path::Component::Normal(_)));
+        if !inside {
+            return Err(Error::checkpoint(
+                &mp,
+                format!("names {rel:?}, outside the checkpoint"),
+            ));
+        }
         let p = ck.join(rel);
-        let bytes = std::fs::read(&p).map_err(|e| io(&p, e))?;
+        let bytes = read_regular(&p, *len)?;
         if bytes.len() as u64 != *len || sha256(&bytes) != *hash {
             return Err(Error::checkpoint(
                 &p,
@@ -300,15 +343,27 @@ pub fn verify(ck: &Path) -> Result<Verified> {
 /// does. The second value says why `latest` was passed over, if it was.
 pub fn newest_verified(dir: &Path) -> Result<(Verified, Option<String>)> {
     let lp = dir.join(LATEST);
-    let first = match std::fs::read_to_string(&lp) {
-        Ok(name) => {
-            let ck = dir.join(name.trim());
-            match verify(&ck) {
-                Ok(v) => return Ok((v, None)),
-                Err(e) => (e.to_string(), Some(ck)),
+    // `latest` only names a checkpoint of this directory; anything else is passed over.
+    let first = match read_regular(&lp, 1024) {
+        Ok(bytes) => {
+            let name = String::from_utf8_lossy(&bytes).trim().to_string();
+            if is_checkpoint_name(&name) {
+                let ck = dir.join(&name);
+                match verify(&ck) {
+                    Ok(v) => return Ok((v, None)),
+                    Err(e) => (e.to_string(), Some(ck)),
+                }
+            } else {
+                (
+                    format!(
+                        "{}: names {name:?}, not a checkpoint of this directory",
+                        lp.display()
+                    ),
+                    None,
+                )
             }
         }
-        Err(e) => (format!("{}: {e}", lp.display()), None),
+        Err(e) => (e.to_string(), None),
     };
     for (_, ck) in list(dir).into_iter().rev() {
         if Some(&ck) == first.1.as_ref() {
