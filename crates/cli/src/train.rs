@@ -371,7 +371,7 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
     let procs = start_transport(&a)?;
     let cfg = config(&a)?;
     check_flags(&a, &cfg, procs.is_some())?;
-    let plan = train_plan(&a, &cfg)?;
+    let plan = agree(&procs, train_plan(&a, &cfg)?)?;
     let corpus = match &a.data {
         Some(f) => Corpus::load(f).map_err(BadInput)?,
         None => Corpus::builtin(),
@@ -431,6 +431,32 @@ fn train_plan(a: &TrainArgs, cfg: &TrainConfig) -> Result<Plan> {
         (None, Some(k)) => skip_train_plan(cfg, k, a.cluster.as_deref()),
         (None, None) => Ok(cfg.plan()?),
     }
+}
+
+/// Over MPI every rank trains rank 0's plan: a plan searched under a time limit (`--skip`'s
+/// routes) can differ between ranks that ran the search at different speeds, and ranks with
+/// different plans would wait on each other's collectives for ever.
+fn agree(procs: &Procs, plan: Plan) -> Result<Plan> {
+    let Some(m) = procs else {
+        return Ok(plan);
+    };
+    #[cfg(feature = "mpi")]
+    {
+        use pipewright_runtime::transport::Transport;
+        let rank = m.world().rank;
+        let part = if rank == 0 {
+            plan.to_json().into_bytes()
+        } else {
+            Vec::new()
+        };
+        let parts = m
+            .all_gather(rank, part)
+            .map_err(|e| anyhow!("agreeing on rank 0's plan: {e}"))?;
+        let text = String::from_utf8_lossy(&parts[0]);
+        Ok(Plan::from_json("rank 0's plan", &text)?)
+    }
+    #[cfg(not(feature = "mpi"))]
+    match *m {}
 }
 
 /// `--cluster`'s devices for the plan's workers, whose links the threads emulate.

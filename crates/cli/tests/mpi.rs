@@ -127,6 +127,15 @@ fn four_ranks_two_stages_two_replicas_equal_single_worker_training() {
     );
 }
 
+/// SkipPipe routes over two data nodes: stages share pools of ranks, so several stages have the
+/// same replica group (each rank must split the world once per distinct group, member or not,
+/// or the ranks wait on each other for ever), and every rank trains rank 0's searched plan.
+#[test]
+fn six_ranks_skip_routes_over_two_data_nodes_equal_single_worker_training() {
+    let _one = one_at_a_time();
+    exact_under_mpi(6, &["--skip", "1", "--stages", "3", "--replicas", "2"]);
+}
+
 #[test]
 fn a_rank_count_unlike_the_plan_is_refused_once() {
     let _one = one_at_a_time();

@@ -468,10 +468,14 @@ impl Served {
                 });
             }
             Cmd::Prepare { groups, reply } => {
-                // Collective over the world, in the same order on every rank.
+                // Collective over the world, in the same order on every rank: one split per
+                // distinct group on every rank, members or not (several stages may share a
+                // group, as SkipPipe's pools do; only members keep the communicator, so asking
+                // it whether a group was seen would make non-members split again).
                 self.groups.clear();
+                let mut seen = std::collections::HashSet::new();
                 for g in groups {
-                    if g.len() <= 1 || self.groups.contains_key(&g) {
+                    if g.len() <= 1 || !seen.insert(g.clone()) {
                         continue;
                     }
                     let color = if g.contains(&self.rank) {
