@@ -242,9 +242,16 @@ impl Stages {
         let (model_stages, may_go) = (self.model_stages, &self.may_go);
         let mut rng = Lcg(a.seed);
         let mut sets = Vec::new();
+        let mut done = Vec::new();
         for f in keeps {
             let keep = ((f * model_stages as f64).round() as usize).max(1);
             let k = model_stages - keep.min(model_stages);
+            // The default fractions show what this plan allows: none leaving out nothing,
+            // more than may go, or the same count twice.
+            if a.keep.is_empty() && (k == 0 || k > may_go.len() || done.contains(&k)) {
+                continue;
+            }
+            done.push(k);
             if k > may_go.len() {
                 return Err(BadInput(format!(
                     "--keep {f}: keeping {keep} of {model_stages} stages leaves out {k}, but only {} may go ({may_go:?})",

@@ -227,3 +227,32 @@ fn impossible_links_and_unwritable_outputs_are_refused_up_front() {
     );
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// `eval` with its defaults works on the default 2-stage checkpoint, where no stage may be left
+/// out (each holds the embedding or the head): it reports all stages and no impossible subset.
+#[test]
+fn eval_defaults_fit_the_checkpoints_plan() {
+    let d = scratch("eval");
+    let ck = d.join("ck");
+    let o = train(&["--steps", "1", "--checkpoint-dir", ck.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = pw(&[
+        "eval",
+        "--checkpoint-dir",
+        ck.to_str().unwrap(),
+        "--batches",
+        "1",
+    ]);
+    let (out, err) = (
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+    );
+    assert!(o.status.success(), "{err}");
+    assert!(
+        out.contains("all stages:") && !out.contains("keep "),
+        "{out}"
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}
