@@ -209,6 +209,29 @@ fn impossible_links_and_unwritable_outputs_are_refused_up_front() {
         ],
         "too slow for any time to be finite",
     );
+    // Device memory in bytes binds skip-plan as it binds simulate and plan.
+    let small = d.join("geo-mem0.toml");
+    std::fs::write(
+        &small,
+        geo.replacen("[defaults]\n", "[defaults]\nmemory = 0\n", 1),
+    )
+    .unwrap();
+    refused(
+        &[
+            "skip-plan",
+            "--profile",
+            profile,
+            "--cluster",
+            small.to_str().unwrap(),
+            "--stages",
+            "6",
+            "--skip",
+            "1",
+            "--moves",
+            "50",
+        ],
+        "does not fit device memory",
+    );
     let missing = d.join("no-such-dir/t.json");
     refused(
         &[

@@ -607,6 +607,12 @@ pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Res
     };
     check_skip_rules(&plan, &rules)?;
     crate::plan::validate::validate(&plan)?;
+    // Device memory in bytes, as `simulate` and `plan` check it: a plan that does not fit is
+    // not written.
+    let costs = plan.stage_costs().expect("skip plans carry stage costs");
+    let devices = crate::sim::devices_for_plan(&plan, cluster)?;
+    crate::sim::check_memory(&plan, &costs, &devices)
+        .map_err(|e| Error::Infeasible(format!("the skip plan does not fit device memory: {e}")))?;
     // A link or a device that never finishes (bandwidth or speed near 0, huge latency) makes
     // every candidate infinite: say so rather than print `inf s` and `NaN%`.
     if let Some((what, t)) = [
