@@ -476,3 +476,56 @@ impl RunSink for Rows {
         Ok(())
     }
 }
+
+/// A resume without a freeze policy says what became of the checkpoint's frozen blocks: kept
+/// frozen where the plan has room for them, else trained again, never silently.
+#[test]
+fn resuming_frozen_blocks_without_a_freeze_policy_says_what_happens() {
+    let d = dir("frozen-resume");
+    let ck = Checkpointing {
+        dir: d.clone(),
+        every: 0,
+        keep: 2,
+    };
+    let first = RunConfig {
+        eval_batches: 1,
+        checkpoints: Some(ck.clone()),
+        freeze: Some(FreezeSettings {
+            every: Some(1),
+            ..freeze(false)
+        }),
+        ..RunConfig::default()
+    };
+    let mut run = run_of(cfg(4, 1, 3), first).unwrap();
+    run.run(&mut Seen::default()).unwrap();
+    let frozen = run.trainer.frozen();
+    assert!(frozen > 1, "{frozen}");
+    drop(run);
+    let again = |stages: usize, steps: u64| {
+        let settings = RunConfig {
+            eval_batches: 1,
+            checkpoints: Some(ck.clone()),
+            resume_from: Some(d.clone()),
+            ..RunConfig::default()
+        };
+        let mut run = run_of(cfg(4, stages, steps), settings).unwrap();
+        let mut seen = Seen::default();
+        run.run(&mut seen).unwrap();
+        (run.trainer.frozen(), seen.notes)
+    };
+    // One stage holds every block: the prefix stays frozen, and the run says so.
+    let (kept, notes) = again(1, 4);
+    assert_eq!(kept, frozen);
+    assert!(
+        notes.iter().any(|n| n.contains("they stay frozen")),
+        "{notes:?}"
+    );
+    // Stage 0 of an even 2-stage cut has no room for them: they train again, with a warning.
+    let (kept, notes) = again(2, 5);
+    assert_eq!(kept, 0);
+    assert!(
+        notes.iter().any(|n| n.contains("they train again")),
+        "{notes:?}"
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}

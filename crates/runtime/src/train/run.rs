@@ -339,10 +339,24 @@ impl TrainingRun {
             r.path.display(),
             r.step
         ));
-        if let Some(f) = self.freezer.as_mut() {
-            if let Some(msg) = f.resumed(&mut self.trainer, r.step, r.frozen)? {
-                sink.note(&msg);
+        match self.freezer.as_mut() {
+            Some(f) => {
+                if let Some(msg) = f.resumed(&mut self.trainer, r.step, r.frozen)? {
+                    sink.note(&msg);
+                }
             }
+            // Without a freeze policy nothing freezes further, but what the checkpoint froze is
+            // kept where this plan has room for it, and either way the run says which.
+            None if r.frozen > 0 && self.trainer.frozen() == r.frozen => sink.note(&format!(
+                "the checkpoint had layer blocks 0..{} frozen: they stay frozen",
+                r.frozen
+            )),
+            None if r.frozen > 0 => sink.note(&format!(
+                "warning: the checkpoint had layer blocks 0..{} frozen, but stage 0 of this plan ({:?}) has no room for them with a training layer after; they train again",
+                r.frozen,
+                self.trainer.plan.layers_per_stage()
+            )),
+            None => {}
         }
         Ok(Some(r.step))
     }
