@@ -63,3 +63,29 @@ pub fn watch_signals(rank: usize) {
         std::thread::sleep(std::time::Duration::from_millis(20));
     });
 }
+
+/// Set by SIGUSR1 (Slurm's `--signal`), and by SIGTERM when the workers are threads: the run
+/// stops at its next step boundary and writes a checkpoint, so a preempted or requeued job
+/// continues with `--resume`. A second such signal ends the process at once.
+pub static STOP_REQUESTED: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+extern "C" fn on_stop_request(sig: libc::c_int) {
+    if STOP_REQUESTED.swap(true, std::sync::atomic::Ordering::SeqCst) {
+        // SAFETY: _exit is async-signal-safe.
+        unsafe { libc::_exit(128 + sig) };
+    }
+}
+
+/// Stop at a step boundary on SIGUSR1, and on SIGTERM too unless the workers are MPI ranks
+/// (there the launcher's SIGTERM means a peer failed: see [`watch_signals`]).
+pub fn stop_on_signals(mpi: bool) {
+    #[cfg(unix)]
+    unsafe {
+        let handler = on_stop_request as *const () as libc::sighandler_t;
+        libc::signal(libc::SIGUSR1, handler);
+        if !mpi {
+            libc::signal(libc::SIGTERM, handler);
+        }
+    }
+}

@@ -369,6 +369,7 @@ fn start_transport(a: &TrainArgs) -> Result<Procs> {
 
 pub fn cmd_train(a: TrainArgs) -> Result<()> {
     let procs = start_transport(&a)?;
+    crate::ranks::stop_on_signals(procs.is_some());
     let cfg = config(&a)?;
     check_flags(&a, &cfg, procs.is_some())?;
     let plan = agree(&procs, train_plan(&a, &cfg)?)?;
@@ -488,6 +489,7 @@ fn run_config(a: &TrainArgs, cfg: &TrainConfig, links: Option<&Cluster>) -> Resu
         cache: a.freeze.cache()?,
         compare_sim: a.compare_sim,
         trace: a.trace.is_some(),
+        stop: Some(&crate::ranks::STOP_REQUESTED),
     })
 }
 

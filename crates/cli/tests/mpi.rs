@@ -374,3 +374,65 @@ fn elastic_freezing_under_mpi_turns_freed_ranks_into_replicas() {
     assert!(all.contains("frozen again on"), "{all}");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// Preemption: SIGUSR1 (Slurm's `--signal`) to the launcher reaches every rank; they agree to
+/// stop at the same step boundary, write the checkpoint and exit 0. Resuming continues to the
+/// same parameters as a run that was never stopped.
+#[test]
+fn sigusr1_checkpoints_every_rank_at_one_step_and_resume_continues_exactly() {
+    let _one = one_at_a_time();
+    let d = dir("preempt");
+    let (ck, straight) = (d.join("ck"), d.join("straight"));
+    // A constant learning rate: the schedule then does not depend on --steps, which differs
+    // between the stopped run and the ones compared.
+    let config = d.join("constant-lr.toml");
+    std::fs::write(&config, "lr = 0.003\nmin_lr = 0.003\n").unwrap();
+    let run = |ck: &Path, steps: &str, resume: bool| {
+        let mut c = mpirun(2);
+        c.args(["train", "--transport", "mpi", "--stages", "2", "--config"])
+            .arg(&config)
+            .args(TINY)
+            .args(["--steps", steps, "--eval-batches", "1", "--checkpoint-dir"])
+            .arg(ck);
+        if resume {
+            c.arg("--resume");
+        }
+        c
+    };
+    let mut job = run(&ck, "100000", false)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_secs(4));
+    // SAFETY: sends a signal to the launcher this test started.
+    unsafe { libc::kill(job.id() as i32, libc::SIGUSR1) };
+    let o = job.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    let at: u64 = err
+        .split("stopped on request at step ")
+        .nth(1)
+        .and_then(|r| r.split(':').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no stop message: {err}"));
+    assert_eq!(
+        err.matches("stopped on request").count(),
+        1,
+        "rank 0 speaks: {err}"
+    );
+    let (_, _, _) = checkpoint_params(&ck);
+    let target = (at + 2).to_string();
+    let o = run(&ck, &target, true).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let o = run(&straight, &target, false).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let (a, b) = (checkpoint_params(&ck).2, checkpoint_params(&straight).2);
+    let worst = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
+    assert!(worst <= 1e-6, "resumed after the stop differs by {worst}");
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -279,3 +279,54 @@ fn eval_defaults_fit_the_checkpoints_plan() {
     );
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// SIGTERM to a run of worker threads (a time limit, `kill`): it stops at the next step
+/// boundary, writes that step's checkpoint and exits 0; `--resume` continues from it.
+#[test]
+fn sigterm_stops_a_threads_run_at_a_step_with_its_checkpoint() {
+    let d = scratch("sigterm");
+    let ck = d.join("ck");
+    let job = train(&[
+        "--steps",
+        "100000",
+        "--checkpoint-dir",
+        ck.to_str().unwrap(),
+    ])
+    .stdout(Stdio::null())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    // SAFETY: signals the child this test started.
+    unsafe { libc::kill(job.id() as i32, libc::SIGTERM) };
+    let o = job.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    let at: u64 = err
+        .split("stopped on request at step ")
+        .nth(1)
+        .and_then(|r| r.split(':').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no stop message: {err}"));
+    assert!(
+        listing(&ck).contains(&format!("step-{at:06}")),
+        "{:?}",
+        listing(&ck)
+    );
+    let target = (at + 1).to_string();
+    let o = train(&[
+        "--steps",
+        &target,
+        "--resume",
+        "--checkpoint-dir",
+        ck.to_str().unwrap(),
+    ])
+    .output()
+    .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        o.status.success() && err.contains(&format!("at step {at}")),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}

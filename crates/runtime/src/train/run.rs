@@ -16,6 +16,7 @@ use pipewright_core::sim::{devices_for_plan, simulate, simulate_with, SimOptions
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -50,6 +51,9 @@ pub struct RunConfig {
     pub compare_sim: bool,
     /// Keep the measured timeline: the last step's, or with freezing the whole run's.
     pub trace: bool,
+    /// When this is set (a signal handler's flag: preemption), the run stops at the next step
+    /// boundary, every process at the same one, and writes its checkpoint.
+    pub stop: Option<&'static AtomicBool>,
 }
 
 impl Default for RunConfig {
@@ -64,6 +68,7 @@ impl Default for RunConfig {
             cache: None,
             compare_sim: false,
             trace: false,
+            stop: None,
         }
     }
 }
@@ -147,6 +152,8 @@ pub struct RunSummary {
     pub cache: Option<CacheStats>,
     /// With [`RunConfig::trace`]: the last step's timeline, or the whole run's when freezing.
     pub timeline: Option<Timeline>,
+    /// Stopped on request (see [`RunConfig::stop`]) before the configured steps.
+    pub stopped: bool,
 }
 
 /// The measured actions of every step of a run, on one clock, and its transitions.
@@ -293,7 +300,16 @@ impl TrainingRun {
             workers: self.trainer.plan.num_workers(),
         });
         let mut last_val = first_val;
+        let mut stopped = false;
         while self.trainer.step < self.trainer.cfg.steps {
+            if self.stop_requested()? {
+                stopped = true;
+                sink.note(&format!(
+                    "stopped on request at step {}: writing its checkpoint, from which a resume continues",
+                    self.trainer.step
+                ));
+                break;
+            }
             last_val = self.one_step(sink, last_val)?;
         }
         let checkpoint = match &self.cfg.checkpoints {
@@ -312,7 +328,16 @@ impl TrainingRun {
             checkpoint,
             cache: self.trainer.cache_stats(),
             timeline: self.timeline(),
+            stopped,
         })
+    }
+
+    /// Has any process been asked to stop? (Agreed by all, so they stop at the same step.)
+    fn stop_requested(&self) -> Result<bool> {
+        match self.cfg.stop {
+            Some(flag) => self.trainer.any(flag.load(Ordering::SeqCst)),
+            None => Ok(false),
+        }
     }
 
     /// Load the newest checkpoint that verifies and re-apply its frozen prefix.

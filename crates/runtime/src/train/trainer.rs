@@ -223,6 +223,19 @@ impl Trainer {
         self.rank.is_some()
     }
 
+    /// Whether any process says yes (`local` here). Every process calls it at the same point
+    /// of the run; across processes it is one all-reduce, so all of them agree.
+    pub fn any(&self, local: bool) -> Result<bool> {
+        let Some(rank) = self.rank else {
+            return Ok(local);
+        };
+        let mut v = [f32::from(u8::from(local))];
+        self.transport
+            .all_reduce(rank, &self.topo.everyone, &mut v)
+            .map_err(ExecError::from)?;
+        Ok(v[0] > 0.0)
+    }
+
     /// The emulated links, if any (a cluster whose devices the plan's workers sit on).
     pub fn links(&self) -> Option<&Cluster> {
         self.links.as_ref()
