@@ -171,7 +171,13 @@ fn main() {
         Ok(b) => b.description.clone(),
         Err(e) => format!("unusable: {e}"),
     };
-    let long_version = format!("{}\nBLAS: {blas}", env!("CARGO_PKG_VERSION"));
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let threads = pipewright_runtime::kernels::blas_lib::blas_threads()
+        .map_or("?".to_string(), |t| t.to_string());
+    let long_version = format!(
+        "{}\nBLAS: {blas}\nthreads: BLAS {threads}, cores this process may use {cores}",
+        env!("CARGO_PKG_VERSION")
+    );
     let parsed = Cli::command()
         .long_version(&*Box::leak(long_version.into_boxed_str()))
         .try_get_matches()

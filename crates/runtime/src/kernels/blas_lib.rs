@@ -101,6 +101,13 @@ pub enum KernelFit {
     Slow { core: String, best: &'static str },
 }
 
+/// Threads the BLAS in use runs its products on, if it says.
+pub fn blas_threads() -> Option<i32> {
+    let b = blas().ok()?;
+    // SAFETY: the library's own getter, which takes nothing.
+    b.threads.map(|t| unsafe { (t.get)() })
+}
+
 /// Judge the BLAS in use against this CPU (see [`super::coretype`]).
 pub fn kernel_fit() -> KernelFit {
     use super::coretype::{better_coretype, core_in_config, CpuFeatures};
