@@ -21,11 +21,6 @@ pub struct Outputs {
 }
 
 impl Outputs {
-    /// Whether a timeline is asked for (so it may need simulating).
-    pub fn wants_timeline(&self) -> bool {
-        self.trace.is_some() || self.svg.is_some()
-    }
-
     /// Write `tl` where `--trace` and `--svg` say, the SVG titled `title`.
     pub fn write_timeline(&self, tl: &Timeline, title: &str) -> Result<()> {
         if let Some(f) = &self.trace {

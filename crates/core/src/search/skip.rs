@@ -6,8 +6,11 @@
 //!
 //! - `skip-ends`: a route starts at stage 0 and ends at the head stage, on the same worker.
 //! - `skip-count`: each route visits all middle stages but exactly `skip` of them.
-//! - `skip-swaps`: the middle stages are visited in model order except for swaps of two
-//!   neighbours in the visited sequence, at most `max_swaps` per route.
+//! - `skip-swaps`: the middle stages are visited in model order except for swaps of two stages
+//!   that follow each other in the model (indices differing by exactly 1), each visited right
+//!   after the other in descending order, at most `max_swaps` per route. That is SkipPipe's own
+//!   rule (its A* lets two stages trade places only when their indices differ by 1), which its
+//!   convergence results rest on.
 //! - `skip-balance`: over an iteration, visits per middle stage differ by at most 1.
 //! - `skip-in-flight`: no worker holds activations of more than `max_in_flight` micro-batches.
 
@@ -30,8 +33,8 @@ fn broken(rule: &str, msg: String) -> Error {
     Error::Invalid(format!("{msg} (rule {rule})"))
 }
 
-/// How many swaps of two neighbours turn the sorted order into `v`, or `None` if `v` is not
-/// made of such swaps.
+/// How many swaps of two adjacent stages (indices differing by 1) turn the sorted order into
+/// `v`, or `None` if `v` is not made of such swaps.
 pub fn neighbour_swaps(v: &[usize]) -> Option<usize> {
     let mut sorted = v.to_vec();
     sorted.sort_unstable();
@@ -39,7 +42,11 @@ pub fn neighbour_swaps(v: &[usize]) -> Option<usize> {
     while i < v.len() {
         if v[i] == sorted[i] {
             i += 1;
-        } else if i + 1 < v.len() && v[i] == sorted[i + 1] && v[i + 1] == sorted[i] {
+        } else if i + 1 < v.len()
+            && v[i] == sorted[i + 1]
+            && v[i + 1] == sorted[i]
+            && v[i] == v[i + 1] + 1
+        {
             n += 1;
             i += 2;
         } else {
@@ -195,9 +202,25 @@ mod tests {
 
     #[test]
     fn skipped_and_swapped_routes_follow_the_rules() {
-        let p = skip_plan(&[&[1, 2], &[2, 3], &[1, 3], &[3, 2], &[2, 1], &[3, 1]]);
+        let p = skip_plan(&[&[1, 2], &[2, 3], &[1, 3], &[3, 2], &[2, 1], &[1, 3]]);
         validate(&p).unwrap();
         check_skip_rules(&p, &RULES).unwrap();
+    }
+
+    /// SkipPipe's swap: two stages adjacent in the model, visited one right after the other in
+    /// descending order. Stages 3 then 1 (2 skipped between them) are no swap, as [4, 1, 5] is
+    /// none on a longer route.
+    #[test]
+    fn a_swap_is_between_adjacent_stages_only() {
+        assert_eq!(neighbour_swaps(&[2, 1, 3]), Some(1));
+        assert_eq!(neighbour_swaps(&[1, 3, 2]), Some(1));
+        assert_eq!(neighbour_swaps(&[3, 1]), None, "indices 3 and 1 are not adjacent");
+        assert_eq!(neighbour_swaps(&[4, 1, 5]), None);
+        assert_eq!(neighbour_swaps(&[1, 2, 3]), Some(0));
+        let p = skip_plan(&[&[1, 2], &[3, 1]]);
+        validate(&p).unwrap();
+        let e = check_skip_rules(&p, &RULES).unwrap_err().to_string();
+        assert!(e.contains("[3, 1]") && e.ends_with("(rule skip-swaps)"), "{e}");
     }
 
     #[test]
