@@ -399,7 +399,7 @@ fn sigusr1_checkpoints_every_rank_at_one_step_and_resume_continues_exactly() {
         }
         c
     };
-    let mut job = run(&ck, "100000", false)
+    let job = run(&ck, "100000", false)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn()
