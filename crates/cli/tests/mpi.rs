@@ -410,12 +410,7 @@ fn sigusr1_checkpoints_every_rank_at_one_step_and_resume_continues_exactly() {
     let o = job.wait_with_output().unwrap();
     assert!(o.status.success(), "{}", text(&o));
     let err = String::from_utf8_lossy(&o.stderr);
-    let at: u64 = err
-        .split("stopped on request at step ")
-        .nth(1)
-        .and_then(|r| r.split(':').next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no stop message: {err}"));
+    let at = common::stopped_at(&err);
     assert_eq!(
         err.matches("stopped on request").count(),
         1,

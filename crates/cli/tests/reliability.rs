@@ -2,6 +2,7 @@
 //! directory (one trains, the others are refused at start), and a resume that has nothing
 //! left to train (it says so and writes nothing).
 
+mod common;
 use std::process::{Command, Output, Stdio};
 
 const TINY: [&str; 16] = [
@@ -302,12 +303,7 @@ fn sigterm_stops_a_threads_run_at_a_step_with_its_checkpoint() {
     let o = job.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(0), "{err}");
-    let at: u64 = err
-        .split("stopped on request at step ")
-        .nth(1)
-        .and_then(|r| r.split(':').next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no stop message: {err}"));
+    let at = common::stopped_at(&err);
     assert!(
         listing(&ck).contains(&format!("step-{at:06}")),
         "{:?}",

@@ -1,6 +1,7 @@
 //! What the CLI test suites share.
 
 /// Model flags of a tiny model that trains in moments.
+#[allow(dead_code)]
 pub const TINY: [&str; 8] = [
     "--d-model",
     "16",
@@ -44,4 +45,14 @@ pub fn fresh_dir(tag: &str) -> std::path::PathBuf {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
+}
+
+/// The step at which a run stopped on request (SIGTERM, SIGUSR1), from its log.
+#[allow(dead_code)]
+pub fn stopped_at(log: &str) -> u64 {
+    log.split("stopped on request at step ")
+        .nth(1)
+        .and_then(|r| r.split(':').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no stop message: {log}"))
 }

@@ -214,13 +214,20 @@ mod tests {
     fn a_swap_is_between_adjacent_stages_only() {
         assert_eq!(neighbour_swaps(&[2, 1, 3]), Some(1));
         assert_eq!(neighbour_swaps(&[1, 3, 2]), Some(1));
-        assert_eq!(neighbour_swaps(&[3, 1]), None, "indices 3 and 1 are not adjacent");
+        assert_eq!(
+            neighbour_swaps(&[3, 1]),
+            None,
+            "indices 3 and 1 are not adjacent"
+        );
         assert_eq!(neighbour_swaps(&[4, 1, 5]), None);
         assert_eq!(neighbour_swaps(&[1, 2, 3]), Some(0));
         let p = skip_plan(&[&[1, 2], &[3, 1]]);
         validate(&p).unwrap();
         let e = check_skip_rules(&p, &RULES).unwrap_err().to_string();
-        assert!(e.contains("[3, 1]") && e.ends_with("(rule skip-swaps)"), "{e}");
+        assert!(
+            e.contains("[3, 1]") && e.ends_with("(rule skip-swaps)"),
+            "{e}"
+        );
     }
 
     #[test]
