@@ -5,6 +5,7 @@ mod error;
 mod eval;
 mod files;
 mod freeze;
+mod log;
 mod output;
 mod plan;
 mod ranks;

@@ -131,6 +131,10 @@ pub struct TrainArgs {
     /// Seconds a worker waits for a peer's message before it gives up and names the peer.
     #[arg(long, default_value_t = 60.0)]
     peer_timeout: f64,
+    /// Without a terminal (nohup, Slurm, CI), a timestamped log line every N steps (and the
+    /// last); on a terminal the progress bar shows the same.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    log_every: u64,
     /// How steps draw sequences: random windows of the text, or epochs over fixed samples
     /// (each sample once an epoch; what --cache-budget keys on).
     #[arg(long, value_enum)]
@@ -569,6 +573,8 @@ struct Progress {
     bar: indicatif::ProgressBar,
     metrics_path: Option<PathBuf>,
     metrics: Option<std::io::BufWriter<std::fs::File>>,
+    /// Log lines every this many steps, when stderr is no terminal (the root only).
+    log_every: Option<u64>,
 }
 
 impl Progress {
@@ -582,10 +588,12 @@ impl Progress {
             indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} ETA {eta}")
                 .expect("template"),
         );
+        use std::io::IsTerminal;
         Progress {
             bar,
             metrics_path: a.metrics.clone().filter(|_| root),
             metrics: None,
+            log_every: (root && !std::io::stderr().is_terminal()).then_some(a.log_every),
         }
     }
 
@@ -649,6 +657,13 @@ impl RunSink for Progress {
         self.bar.inc(1);
         if row.report.step == row.steps {
             self.bar.finish();
+        }
+        let step = row.report.step;
+        if self
+            .log_every
+            .is_some_and(|n| step % n == 0 || step == row.steps)
+        {
+            eprintln!("{}", crate::log::step_line(row));
         }
         Ok(())
     }

@@ -326,3 +326,20 @@ fn sigterm_stops_a_threads_run_at_a_step_with_its_checkpoint() {
     );
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// Without a terminal (stderr to a pipe, as under nohup or Slurm), a timestamped line every
+/// `--log-every` steps and at the last.
+#[test]
+fn batch_jobs_get_a_timestamped_line_every_few_steps() {
+    let o = train(&["--steps", "7", "--log-every", "3", "--no-checkpoint"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    let steps: Vec<&str> = err
+        .lines()
+        .filter(|l| l.len() > 20 && l.as_bytes()[4] == b'-' && l[19..].starts_with(" step "))
+        .filter_map(|l| l[20..].split_whitespace().nth(1))
+        .collect();
+    assert_eq!(steps, vec!["3/7", "6/7", "7/7"], "{err}");
+}
