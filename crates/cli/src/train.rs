@@ -35,6 +35,10 @@ pub struct TrainArgs {
     /// TOML with any TrainConfig fields (model, schedule, stages, ...); flags override it.
     #[arg(long)]
     config: Option<PathBuf>,
+    /// Print the resolved settings (the config file with the flags over it, every default
+    /// filled in) as TOML that `--config` takes back, and exit.
+    #[arg(long)]
+    print_config: bool,
     /// Whole-job plan file (from `plan --out`, `schedule --format json`, or by hand).
     #[arg(long, conflicts_with_all = ["schedule", "stages", "chunks", "replicas", "microbatches"])]
     plan: Option<PathBuf>,
@@ -372,6 +376,10 @@ fn start_transport(a: &TrainArgs) -> Result<Procs> {
 }
 
 pub fn cmd_train(a: TrainArgs) -> Result<()> {
+    if a.print_config {
+        print!("{}", toml::to_string(&config(&a)?)?);
+        return Ok(());
+    }
     let procs = start_transport(&a)?;
     crate::ranks::stop_on_signals(procs.is_some());
     let cfg = config(&a)?;

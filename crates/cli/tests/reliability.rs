@@ -343,3 +343,51 @@ fn batch_jobs_get_a_timestamped_line_every_few_steps() {
         .collect();
     assert_eq!(steps, vec!["3/7", "6/7", "7/7"], "{err}");
 }
+
+/// `--print-config` writes the resolved settings as TOML; `--config` on it trains the same run,
+/// loss for loss.
+#[test]
+fn a_printed_config_reproduces_the_run() {
+    let d = scratch("print-config");
+    let o = train(&["--steps", "4", "--print-config"]).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let toml = d.join("run.toml");
+    std::fs::write(&toml, &o.stdout).unwrap();
+    let losses = |m: &std::path::Path| -> Vec<String> {
+        std::fs::read_to_string(m)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].to_string())
+            .collect()
+    };
+    let (m1, m2) = (d.join("m1.jsonl"), d.join("m2.jsonl"));
+    let by_flags = train(&[
+        "--steps",
+        "4",
+        "--no-checkpoint",
+        "--metrics",
+        m1.to_str().unwrap(),
+    ])
+    .output()
+    .unwrap();
+    assert!(by_flags.status.success());
+    let by_file = Command::new(env!("CARGO_BIN_EXE_pipewright"))
+        .args([
+            "train",
+            "--config",
+            toml.to_str().unwrap(),
+            "--no-checkpoint",
+            "--metrics",
+        ])
+        .arg(&m2)
+        .output()
+        .unwrap();
+    assert!(
+        by_file.status.success(),
+        "{}",
+        String::from_utf8_lossy(&by_file.stderr)
+    );
+    assert_eq!(losses(&m1), losses(&m2));
+    assert_eq!(losses(&m1).len(), 5, "the starting row and 4 steps");
+    let _ = std::fs::remove_dir_all(&d);
+}
