@@ -12,7 +12,7 @@ use crate::plan::deps::{needs, Need};
 use crate::plan::ir::{Action, Hop, Op, Plan, RouteIndex, Topology};
 use crate::profile::static_bytes;
 use crate::profile::StageCost;
-use crate::sim::timeline::{TimedAction, TimedTransfer, Timeline};
+use crate::sim::timeline::{SpanKind, TimedAction, TimedSpan, TimedTransfer, Timeline};
 use serde::Serialize;
 use std::cmp::{Ordering, Reverse};
 use std::collections::BinaryHeap;
@@ -235,6 +235,7 @@ impl<'a> State<'a> {
                 actions: Vec::with_capacity(plan.workers.iter().map(Vec::len).sum()),
                 transfers: Vec::new(),
                 marks: Vec::new(),
+                spans: Vec::new(),
             },
             events: BinaryHeap::new(),
             waiting: vec![Vec::new(); s * m],
@@ -514,6 +515,35 @@ pub fn simulate_with(setup: &SimSetup, options: SimOptions) -> Result<SimResult>
             (ready, update / cluster.devices[w].speed)
         })
         .collect();
+    // The iteration past the pipeline's makespan, drawn: each stage's all-reduce on its hosts
+    // (when it has replicas to reduce with), then each worker's optimizer step.
+    let mut timeline = timeline;
+    for (st, group) in topo.groups.iter().enumerate() {
+        if group.len() > 1 && allreduce[st] > 0.0 {
+            for &w in group {
+                timeline.spans.push(TimedSpan {
+                    worker: w,
+                    kind: SpanKind::AllReduce,
+                    stage: Some(st),
+                    start: done[st],
+                    end: done[st] + allreduce[st],
+                });
+            }
+        }
+    }
+    if shared.is_none() {
+        for (w, &(ready, update)) in steps.iter().enumerate() {
+            if update > 0.0 {
+                timeline.spans.push(TimedSpan {
+                    worker: w,
+                    kind: SpanKind::OptimizerStep,
+                    stage: None,
+                    start: ready,
+                    end: ready + update,
+                });
+            }
+        }
+    }
     let iteration_time = match shared {
         None => steps.iter().map(|(r, u)| r + u).fold(makespan, f64::max),
         Some(mut slots) => {

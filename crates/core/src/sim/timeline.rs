@@ -28,6 +28,35 @@ pub struct TimedTransfer {
     pub end: f64,
 }
 
+/// Work on a worker beside the pipeline's actions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SpanKind {
+    /// A stage's gradient all-reduce over its replica group.
+    AllReduce,
+    /// The optimizer step over the worker's stages.
+    OptimizerStep,
+}
+
+impl SpanKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            SpanKind::AllReduce => "all-reduce",
+            SpanKind::OptimizerStep => "optimizer step",
+        }
+    }
+}
+
+/// A span of [`SpanKind`] on a worker (of a stage, for an all-reduce).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct TimedSpan {
+    pub worker: usize,
+    pub kind: SpanKind,
+    pub stage: Option<usize>,
+    pub start: f64,
+    pub end: f64,
+}
+
 /// What happened, in order of start time per worker: the format both the simulator and the
 /// runtime's measurements produce.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -37,6 +66,8 @@ pub struct Timeline {
     pub transfers: Vec<TimedTransfer>,
     /// Moments worth a line across the whole trace (re-plans, freezes), in seconds.
     pub marks: Vec<(f64, String)>,
+    /// All-reduces and optimizer steps: the iteration past the pipeline's makespan.
+    pub spans: Vec<TimedSpan>,
 }
 
 const US: f64 = 1e6;
@@ -47,6 +78,7 @@ impl Timeline {
             .iter()
             .map(|a| a.end)
             .chain(self.transfers.iter().map(|t| t.end))
+            .chain(self.spans.iter().map(|t| t.end))
             .fold(0.0, f64::max)
     }
 
@@ -117,6 +149,20 @@ impl Timeline {
                 }),
             )?;
         }
+        for sp in &self.spans {
+            let name = match sp.stage {
+                Some(st) => format!("{} s{st}", sp.kind.name()),
+                None => sp.kind.name().to_string(),
+            };
+            event(
+                w,
+                json!({
+                    "ph": "X", "pid": 0, "tid": sp.worker, "cat": sp.kind.name(), "name": name,
+                    "ts": sp.start * US, "dur": (sp.end - sp.start) * US,
+                    "args": {"span": sp.kind, "stage": sp.stage},
+                }),
+            )?;
+        }
         for (t, label) in &self.marks {
             event(
                 w,
@@ -155,6 +201,24 @@ impl Timeline {
                 continue;
             }
             let args = &e["args"];
+            if let Some(kind) = args.get("span").and_then(Value::as_str) {
+                let kind = match kind {
+                    "all-reduce" => SpanKind::AllReduce,
+                    _ => SpanKind::OptimizerStep,
+                };
+                let start = e.get("ts").and_then(Value::as_f64).unwrap_or(0.0) / US;
+                tl.spans.push(TimedSpan {
+                    worker: tid,
+                    kind,
+                    stage: args
+                        .get("stage")
+                        .and_then(Value::as_u64)
+                        .map(|x| x as usize),
+                    start,
+                    end: start + e.get("dur").and_then(Value::as_f64).unwrap_or(0.0) / US,
+                });
+                continue;
+            }
             let num = |k: &str| {
                 args.get(k)
                     .and_then(Value::as_u64)
@@ -232,6 +296,8 @@ impl Timeline {
             ("BW full backward", colour(Op::BW), 12.0),
             ("activation transfer", TRANSFER_F, 4.0),
             ("gradient transfer", TRANSFER_B, 4.0),
+            ("all-reduce", ALLREDUCE, 12.0),
+            ("optimizer step", OPTIMIZER, 12.0),
         ] {
             let _ = writeln!(
                 s,
@@ -315,6 +381,24 @@ impl Timeline {
                 t.end
             );
         }
+        for sp in &self.spans {
+            let y = top + sp.worker as f64 * row_h + 2.0;
+            let (x0, x1) = (x(sp.start), x(sp.end));
+            let fill = match sp.kind {
+                SpanKind::AllReduce => ALLREDUCE,
+                SpanKind::OptimizerStep => OPTIMIZER,
+            };
+            let _ = writeln!(
+                s,
+                r#"<rect x="{x0:.2}" y="{y:.1}" width="{:.2}" height="{bar_h}" fill="{fill}"><title>{}{}: {:.6} - {:.6}</title></rect>"#,
+                (x1 - x0).max(0.5),
+                sp.kind.name(),
+                sp.stage
+                    .map_or(String::new(), |st| format!(" of stage {st}")),
+                sp.start,
+                sp.end
+            );
+        }
         // Axis with round ticks.
         let ay = top + p as f64 * row_h + 6.0;
         let _ = writeln!(
@@ -374,6 +458,8 @@ impl Timeline {
 
 const TRANSFER_F: &str = "#555555";
 const TRANSFER_B: &str = "#b07aa1";
+const ALLREDUCE: &str = "#9c755f";
+const OPTIMIZER: &str = "#bab0ac";
 
 fn colour(op: Op) -> &'static str {
     match op {
@@ -421,6 +507,61 @@ mod tests {
     use crate::profile::StageCost;
     use crate::schedule::{generate, ScheduleKind};
     use crate::sim::{simulate, SimSetup};
+
+    /// A replicated plan's timeline draws each stage's all-reduce on its hosts and each
+    /// worker's optimizer step, up to the iteration time, and the trace reads them back.
+    #[test]
+    fn the_all_reduce_and_optimizer_step_are_drawn() {
+        let plan = generate(ScheduleKind::OneFOneB, 2, 2, 1)
+            .unwrap()
+            .replicate(2)
+            .unwrap();
+        let cost = StageCost {
+            params: 1_000_000,
+            update: 0.5,
+            ..StageCost::uniform(1.0, 1.0, 1.0)
+        };
+        let cluster = Cluster::homogeneous(
+            4,
+            Link {
+                latency: 0.1,
+                bandwidth: 1e7,
+                overhead: 0.0,
+            },
+        );
+        let r = simulate(&SimSetup {
+            plan: &plan,
+            stages: &[cost, cost],
+            cluster: &cluster,
+        })
+        .unwrap();
+        let tl = &r.timeline;
+        let ar: Vec<_> = tl
+            .spans
+            .iter()
+            .filter(|s| s.kind == SpanKind::AllReduce)
+            .collect();
+        assert_eq!(ar.len(), 4, "two stages, two hosts each");
+        assert!(ar
+            .iter()
+            .all(|s| s.end > s.start && s.start >= r.makespan - 4.0));
+        let steps = tl
+            .spans
+            .iter()
+            .filter(|s| s.kind == SpanKind::OptimizerStep)
+            .count();
+        assert_eq!(steps, 4, "one per worker");
+        assert!(
+            (tl.makespan() - r.iteration_time).abs() < 1e-9,
+            "drawn to the iteration's end"
+        );
+        let mut trace = Vec::new();
+        tl.write_chrome_trace(&mut trace).unwrap();
+        let back =
+            Timeline::from_chrome_trace("t.json", std::str::from_utf8(&trace).unwrap()).unwrap();
+        assert_eq!(back.spans.len(), tl.spans.len());
+        assert!(tl.to_svg("t").contains("all-reduce of stage 1"));
+    }
 
     #[test]
     fn trace_round_trips_and_svg_has_every_action() {

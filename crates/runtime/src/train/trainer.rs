@@ -617,6 +617,7 @@ impl Trainer {
             actions: report.actions.clone(),
             transfers: Vec::new(),
             marks: Vec::new(),
+            spans: Vec::new(),
         }
     }
 }
