@@ -375,7 +375,28 @@ fn start_transport(a: &TrainArgs) -> Result<Procs> {
     .into())
 }
 
+/// `train`, and when it fails (a worker or peer failed, a write failed: not bad input, which
+/// writes nothing) its last error also in `last-error.txt` beside the checkpoints: a batch job's
+/// log may be gone, the checkpoints are not.
 pub fn cmd_train(a: TrainArgs) -> Result<()> {
+    let dir = (!a.no_checkpoint).then(|| a.checkpoint_dir.clone());
+    let r = train(a);
+    if let (Err(e), Some(dir)) = (&r, dir) {
+        let root = crate::ranks::RANK.get().is_none_or(|&r| r == 0);
+        let failure = crate::error::exit_code(e) == 1;
+        if root && failure && dir.is_dir() {
+            let line = format!(
+                "{} {}\n",
+                crate::log::now(),
+                crate::error::message(e, crate::error::Flags::Pipeline)
+            );
+            let _ = std::fs::write(dir.join("last-error.txt"), line);
+        }
+    }
+    r
+}
+
+fn train(a: TrainArgs) -> Result<()> {
     if a.print_config {
         print!("{}", toml::to_string(&config(&a)?)?);
         return Ok(());

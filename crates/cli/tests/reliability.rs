@@ -391,3 +391,30 @@ fn a_printed_config_reproduces_the_run() {
     assert_eq!(losses(&m1).len(), 5, "the starting row and 4 steps");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// A run that fails (here it diverges) leaves its last error beside its checkpoints, with a
+/// timestamp; bad input writes nothing there.
+#[test]
+fn a_failed_run_leaves_its_last_error_beside_the_checkpoints() {
+    let d = scratch("last-error");
+    let ck = d.join("ck");
+    let o = train(&[
+        "--steps",
+        "3",
+        "--lr",
+        "1e30",
+        "--checkpoint-dir",
+        ck.to_str().unwrap(),
+    ])
+    .output()
+    .unwrap();
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let last = std::fs::read_to_string(ck.join("last-error.txt")).unwrap();
+    assert!(last.contains("loss is not finite"), "{last}");
+    let _ = std::fs::remove_dir_all(&d);
+}
