@@ -690,7 +690,7 @@ impl RunSink for Progress {
         let step = row.report.step;
         if self
             .log_every
-            .is_some_and(|n| step % n == 0 || step == row.steps)
+            .is_some_and(|n| step.is_multiple_of(n) || step == row.steps)
         {
             eprintln!("{}", crate::log::step_line(row));
         }
