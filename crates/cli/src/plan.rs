@@ -6,7 +6,7 @@ use crate::BadInput;
 use anyhow::Result;
 use clap::Args;
 use pipewright_core::cluster::Cluster;
-use pipewright_core::job::planner::search;
+use pipewright_core::job::planner::{search, Candidate};
 use pipewright_core::profile::{Profile, StageCost};
 use pipewright_core::schedule::{generate, ScheduleKind};
 use pipewright_core::search::partition::{partition, Assignment, Objective, PartitionProblem};
@@ -103,11 +103,31 @@ pub fn cmd_plan(a: PlanArgs) -> Result<()> {
         "{} candidates for \"{}\" ({} layers) on {} devices, global batch {} micro-batches ({secs:.2} s)",
         cands.len(), profile.model.name, profile.layers.len(), cluster.len(), a.global_batch
     );
+    print_candidates(&cands, a.top);
+    match best {
+        Some(w) => println!(
+            "winner: layers per stage {:?}; pipeline 0 on {}",
+            w.layers_per_stage,
+            w.devices[0].join(", ")
+        ),
+        None => {
+            return Err(BadInput(format!(
+                "no candidate fits; the smallest: {}",
+                cands[0].reason
+            ))
+            .into())
+        }
+    }
+    Ok(())
+}
+
+/// The best `top` candidates as a table, each with why it lost to the winner.
+fn print_candidates(cands: &[Candidate], top: usize) {
     println!(
         "{:>4} {:>5} {:>4} {:>4} {:>11} {:>14} {:>12} {:>7} {:>10}  lost because",
         "rank", "depth", "dp", "M", "schedule", "layout", "iteration s", "bubble", "peak GiB"
     );
-    for (i, c) in cands.iter().take(a.top).enumerate() {
+    for (i, c) in cands.iter().take(top).enumerate() {
         let it = c
             .iteration_time
             .map_or("-".to_string(), |t| format!("{t:.4}"));
@@ -129,21 +149,6 @@ pub fn cmd_plan(a: PlanArgs) -> Result<()> {
             }
         );
     }
-    match best {
-        Some(w) => println!(
-            "winner: layers per stage {:?}; pipeline 0 on {}",
-            w.layers_per_stage,
-            w.devices[0].join(", ")
-        ),
-        None => {
-            return Err(BadInput(format!(
-                "no candidate fits; the smallest: {}",
-                cands[0].reason
-            ))
-            .into())
-        }
-    }
-    Ok(())
 }
 
 pub fn cmd_partition(a: PartitionArgs) -> Result<()> {
