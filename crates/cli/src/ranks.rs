@@ -89,3 +89,25 @@ pub fn stop_on_signals(mpi: bool) {
         }
     }
 }
+
+/// Say once when this node runs more ranks than it has cores (the launcher's count of local
+/// ranks: Open MPI's or MPICH's), and what that costs.
+pub fn warn_oversubscribed() {
+    let local = [
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+        "MPI_LOCALNRANKS",
+        "SLURM_NTASKS_PER_NODE",
+    ]
+    .iter()
+    .find_map(|k| std::env::var(k).ok()?.trim().parse::<usize>().ok());
+    // SAFETY: sysconf only reads a system setting.
+    let cores = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    if let (Some(ranks), Ok(cores)) = (local, usize::try_from(cores)) {
+        if cores > 0 && ranks > cores {
+            eprintln!(
+                "warning: {ranks} ranks share this node's {cores} cores: each computes at most {:.2} of a core, and waits for its peers' time slices; use at most {cores} ranks per node (more stages per rank: --chunks) for speed",
+                cores as f64 / ranks as f64
+            );
+        }
+    }
+}

@@ -366,6 +366,9 @@ fn start_transport(a: &TrainArgs) -> Result<Procs> {
                 .map_err(|e| anyhow!("{e}"))?;
         crate::ranks::set_rank(m.world().rank);
         crate::ranks::watch_signals(m.world().rank);
+        if m.world().rank == 0 {
+            crate::ranks::warn_oversubscribed();
+        }
         Ok(Some(Arc::new(m)))
     }
     #[cfg(not(feature = "mpi"))]
