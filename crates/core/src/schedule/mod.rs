@@ -204,26 +204,22 @@ pub fn greedy(
 ) -> Result<(Plan, f64)> {
     let s_count = placement.len();
     let p = g.limit.len();
-    let routes = Plan::full_routes(s_count, m);
-    // Ready sets per worker, keyed (mb, stage) for F and W, (mb, Reverse(stage)) for B.
-    let mut ready_f: Vec<BTreeSet<(usize, usize)>> = vec![BTreeSet::new(); p];
-    let mut ready_b: Vec<BTreeSet<(usize, Reverse<usize>)>> = vec![BTreeSet::new(); p];
-    let mut pending_w: Vec<BTreeSet<(usize, usize)>> = vec![BTreeSet::new(); p];
+    let mut ready = Ready {
+        f: vec![BTreeSet::new(); p],
+        b: vec![BTreeSet::new(); p],
+        w: vec![BTreeSet::new(); p],
+        pending: Pending::new(3 * s_count * m),
+        stages: s_count,
+        m,
+    };
     let mut chunks_in_flight = vec![0usize; p * m];
     let mut mbs_in_flight = vec![0usize; p];
     let mut chunks_total = vec![0usize; p];
     let mut busy = vec![false; p];
-    let mut pending = Pending::new(3 * s_count * m);
     let mut workers: Vec<Vec<Action>> = vec![Vec::new(); p];
-    for (mb, r) in routes.iter().enumerate() {
-        ready_f[placement[r[0]]].insert((mb, r[0]));
+    for mb in 0..m {
+        ready.f[placement[0]].insert((mb, 0));
     }
-    let pos = |mb: usize, s: usize| {
-        routes[mb]
-            .iter()
-            .position(|&x| x == s)
-            .expect("stage on route")
-    };
     // (end time, worker, index of the action in the worker's list)
     let mut events: BinaryHeap<Reverse<(Time, usize, usize)>> = BinaryHeap::new();
     let total = 3 * m * s_count;
@@ -234,27 +230,27 @@ pub fn greedy(
             if busy[w] {
                 continue;
             }
-            let admissible = ready_f[w].iter().find(|&&(mb, _)| match g.admit {
+            let admissible = ready.f[w].iter().find(|&&(mb, _)| match g.admit {
                 // A micro-batch already in flight may always continue.
                 Admission::MicroBatches => {
                     chunks_in_flight[w * m + mb] > 0 || mbs_in_flight[w] < g.limit[w]
                 }
                 Admission::Chunks => chunks_total[w] < g.limit[w],
             });
-            let w_first = pending_w[w].len() >= g.w_first_at;
-            let pick = if let Some(&(mb, Reverse(s))) = ready_b[w].iter().next() {
-                ready_b[w].remove(&(mb, Reverse(s)));
+            let w_first = ready.w[w].len() >= g.w_first_at;
+            let pick = if let Some(&(mb, Reverse(s))) = ready.b[w].iter().next() {
+                ready.b[w].remove(&(mb, Reverse(s)));
                 Some(Action::new(Op::B, s, mb))
             } else if let (Some(&(mb, s)), false) = (admissible, w_first) {
-                ready_f[w].remove(&(mb, s));
+                ready.f[w].remove(&(mb, s));
                 chunks_total[w] += 1;
                 if chunks_in_flight[w * m + mb] == 0 {
                     mbs_in_flight[w] += 1;
                 }
                 chunks_in_flight[w * m + mb] += 1;
                 Some(Action::new(Op::F, s, mb))
-            } else if let Some(&(mb, s)) = pending_w[w].iter().next() {
-                pending_w[w].remove(&(mb, s));
+            } else if let Some(&(mb, s)) = ready.w[w].iter().next() {
+                ready.w[w].remove(&(mb, s));
                 Some(Action::new(Op::W, s, mb))
             } else {
                 None
@@ -278,31 +274,7 @@ pub fn greedy(
             busy[w] = false;
             done += 1;
             let a = workers[w][i];
-            let r = &routes[a.mb];
-            let around = |at: usize| ((at > 0).then(|| r[at - 1]), r.get(at + 1).copied());
-            let (prev, next) = around(pos(a.mb, a.stage));
-            // What this completion makes ready, by the IR's dependency rule.
-            for waiter in unblocks(a.op, a.stage, prev, next).into_iter().flatten() {
-                let (Waiter::Forward(st) | Waiter::Backward(st) | Waiter::Weight(st)) = waiter;
-                let (p2, n2) = around(pos(a.mb, st));
-                let class = match waiter {
-                    Waiter::Forward(_) => 0,
-                    Waiter::Backward(_) => 1,
-                    Waiter::Weight(_) => 2,
-                };
-                if !pending.meet(
-                    (class * s_count + st) * m + a.mb,
-                    need_count(waiter, p2, n2),
-                ) {
-                    continue;
-                }
-                let host = placement[st];
-                match waiter {
-                    Waiter::Forward(_) => ready_f[host].insert((a.mb, st)),
-                    Waiter::Backward(_) => ready_b[host].insert((a.mb, Reverse(st))),
-                    Waiter::Weight(_) => pending_w[host].insert((a.mb, st)),
-                };
-            }
+            ready.release(a, &placement);
             // A micro-batch's activations on a stage are freed by its last backward part.
             if matches!(a.op, Op::W | Op::BW) {
                 chunks_total[w] -= 1;
@@ -317,6 +289,44 @@ pub fn greedy(
         return Err(Error::Schedule(format!("{kind}: greedy schedule stalled after {done} of {total} actions (memory limit too tight)")));
     }
     Ok((Plan::pipeline(kind, placement, m, workers), t))
+}
+
+/// The greedy scheduler's ready actions per worker: `F` and `W` keyed (mb, stage), `B` keyed
+/// (mb, Reverse(stage)) so the deepest runs first; with the needs each still waits for.
+struct Ready {
+    f: Vec<BTreeSet<(usize, usize)>>,
+    b: Vec<BTreeSet<(usize, Reverse<usize>)>>,
+    w: Vec<BTreeSet<(usize, usize)>>,
+    pending: Pending,
+    stages: usize,
+    m: usize,
+}
+
+impl Ready {
+    /// `a` completed: what it makes ready, by the IR's dependency rule (every micro-batch
+    /// visits the stages in model order; stage s on worker `placement[s]`).
+    fn release(&mut self, a: Action, placement: &[usize]) {
+        let around = |s: usize| (s.checked_sub(1), (s + 1 < self.stages).then_some(s + 1));
+        let (prev, next) = around(a.stage);
+        for waiter in unblocks(a.op, a.stage, prev, next).into_iter().flatten() {
+            let (class, st) = match waiter {
+                Waiter::Forward(st) => (0, st),
+                Waiter::Backward(st) => (1, st),
+                Waiter::Weight(st) => (2, st),
+            };
+            let (p2, n2) = around(st);
+            let slot = (class * self.stages + st) * self.m + a.mb;
+            if !self.pending.meet(slot, need_count(waiter, p2, n2)) {
+                continue;
+            }
+            let host = placement[st];
+            match waiter {
+                Waiter::Forward(_) => self.f[host].insert((a.mb, st)),
+                Waiter::Backward(_) => self.b[host].insert((a.mb, Reverse(st))),
+                Waiter::Weight(_) => self.w[host].insert((a.mb, st)),
+            };
+        }
+    }
 }
 
 /// ZB-V: the V placement (worker w holds stages w and 2P-1-w) under the greedy list schedule,
