@@ -126,10 +126,10 @@ fn refused(args: &[&str], want: &str) {
     assert!(!err.contains("panicked"), "{err}");
 }
 
-/// Links that never deliver, and outputs that cannot be written, are refused before any work
-/// with a message naming them (no panic, no `inf s`, no output lost at the end of a run).
+/// Links that never deliver, and plans that cannot fit, are refused before any work with a
+/// message naming them (no panic, no `inf s`).
 #[test]
-fn impossible_links_and_unwritable_outputs_are_refused_up_front() {
+fn impossible_links_are_refused_up_front() {
     let d = scratch("links");
     let cluster = |name: &str, defaults: &str| {
         let p = d.join(name);
@@ -233,20 +233,24 @@ fn impossible_links_and_unwritable_outputs_are_refused_up_front() {
         ],
         "does not fit device memory",
     );
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// An output into a missing directory is refused at start, not after the whole run.
+#[test]
+fn outputs_into_missing_directories_are_refused_at_start() {
+    let d = scratch("outputs");
     let missing = d.join("no-such-dir/t.json");
+    let args = [
+        "train",
+        "--steps",
+        "1",
+        "--no-checkpoint",
+        "--trace",
+        missing.to_str().unwrap(),
+    ];
     refused(
-        &[
-            &[
-                "train",
-                "--steps",
-                "1",
-                "--no-checkpoint",
-                "--trace",
-                missing.to_str().unwrap(),
-            ][..],
-            tiny,
-        ]
-        .concat(),
+        &[&args[..], &TINY[..8]].concat(),
         "does not exist (create it first)",
     );
     let _ = std::fs::remove_dir_all(&d);

@@ -468,6 +468,31 @@ impl Plan {
 
     /// Read the CSV view. Files without `stage` rows (pipewright 0.1) get one layer per stage
     /// and hosts taken from the routes and actions.
+    /// The empty plan a CSV's `plan` record declares; every count must be backed by rows, so
+    /// a tiny file (of `limit` bytes) cannot ask for huge tables.
+    fn from_header(r: &CsvRow, limit: usize) -> std::result::Result<Plan, String> {
+        let kind = r.op.parse::<ScheduleKind>().map_err(|e| e.to_string())?;
+        if r.step > limit || r.worker > limit || r.microbatch > limit {
+            return Err(format!(
+                "plan record asks for {} stages, {} workers, {} micro-batches: more than a file of {limit} bytes can describe",
+                r.step, r.worker, r.microbatch
+            ));
+        }
+        let stage = StagePlan {
+            layers: 1,
+            hosts: Vec::new(),
+            cost: None,
+        };
+        Ok(Plan {
+            kind,
+            num_microbatches: r.microbatch,
+            stages: vec![stage; r.step],
+            routes: vec![Vec::new(); r.microbatch],
+            workers: vec![Vec::new(); r.worker],
+            devices: Vec::new(),
+        })
+    }
+
     pub fn from_csv(file: &str, text: &str) -> Result<Self> {
         if super::torch_csv::is_torch_csv(text) {
             return super::torch_csv::from_torch_csv(file, text);
@@ -480,34 +505,7 @@ impl Plan {
             let r = rec.map_err(|e| Error::input(file, format!("line {line}: {e}")))?;
             let bad = |msg: String| Error::input(file, format!("line {line}: {msg}"));
             match (r.record.as_str(), plan.as_mut()) {
-                ("plan", None) => {
-                    let kind =
-                        r.op.parse::<ScheduleKind>()
-                            .map_err(|e| bad(e.to_string()))?;
-                    // Every count must be backed by rows, so a tiny file cannot ask for huge tables.
-                    let limit = text.len();
-                    if r.step > limit || r.worker > limit || r.microbatch > limit {
-                        return Err(bad(format!(
-                            "plan record asks for {} stages, {} workers, {} micro-batches: more than a file of {limit} bytes can describe",
-                            r.step, r.worker, r.microbatch
-                        )));
-                    }
-                    plan = Some(Plan {
-                        kind,
-                        num_microbatches: r.microbatch,
-                        stages: vec![
-                            StagePlan {
-                                layers: 1,
-                                hosts: Vec::new(),
-                                cost: None
-                            };
-                            r.step
-                        ],
-                        routes: vec![Vec::new(); r.microbatch],
-                        workers: vec![Vec::new(); r.worker],
-                        devices: Vec::new(),
-                    })
-                }
+                ("plan", None) => plan = Some(Plan::from_header(&r, text.len()).map_err(bad)?),
                 ("plan", Some(_)) => return Err(bad("a second `plan` record".into())),
                 (_, None) => return Err(bad("the first record must be `plan`".into())),
                 ("stage", Some(p)) => {

@@ -111,21 +111,14 @@ pub fn route_schedule(
             let r = &routes[mb];
             if kind == 1 {
                 // An input arrived: one need met (an action with none arrives at time 0).
-                let (prev, next) = (
-                    (at > 0).then(|| r[at - 1].stage),
-                    r.get(at + 1).map(|h| h.stage),
-                );
-                let waiter = if fwd {
-                    Waiter::Forward(r[at].stage)
+                let (prev, next) = neighbours(r, at);
+                let (waiter, set) = if fwd {
+                    (Waiter::Forward(r[at].stage), &mut ready_f[w])
                 } else {
-                    Waiter::Backward(r[at].stage)
+                    (Waiter::Backward(r[at].stage), &mut ready_b[w])
                 };
                 if pending.meet(slot(mb, at, fwd), need_count(waiter, prev, next)) {
-                    if fwd {
-                        ready_f[w].insert((mb, at));
-                    } else {
-                        ready_b[w].insert((mb, at));
-                    }
+                    set.insert((mb, at));
                 }
                 continue;
             }
@@ -140,10 +133,7 @@ pub fn route_schedule(
             // What this completion counts towards, by the IR's dependency rule: a need met on
             // this worker now, or on a neighbour's once the result has travelled there.
             let op = if fwd { Op::F } else { Op::BW };
-            let (prev, next) = (
-                (at > 0).then(|| r[at - 1].stage),
-                r.get(at + 1).map(|h| h.stage),
-            );
+            let (prev, next) = neighbours(r, at);
             for waiter in unblocks(op, r[at].stage, prev, next).into_iter().flatten() {
                 let (to_at, to_fwd) = match waiter {
                     Waiter::Forward(_) => (at + 1, true),
@@ -168,22 +158,14 @@ pub fn route_schedule(
             if running[w].is_some() {
                 continue;
             }
-            let pick = if let Some(&(mb, at)) = ready_b[w].iter().next() {
-                ready_b[w].remove(&(mb, at));
-                Some((false, mb, at))
-            } else if let Some(&(mb, at)) = ready_f[w]
-                .iter()
-                .find(|&&(mb, _)| held[w * m + mb] > 0 || in_flight[w] < cap[w])
-            {
-                ready_f[w].remove(&(mb, at));
-                if held[w * m + mb] == 0 {
-                    in_flight[w] += 1;
-                }
-                held[w * m + mb] += 1;
-                Some((true, mb, at))
-            } else {
-                None
-            };
+            let pick = pick_next(
+                w,
+                &mut ready_f[w],
+                &mut ready_b[w],
+                &mut held,
+                &mut in_flight,
+                cap[w],
+            );
             if let Some((fwd, mb, at)) = pick {
                 let (op, stage) = (if fwd { Op::F } else { Op::BW }, routes[mb][at].stage);
                 workers[w].push(Action::new(op, stage, mb));
@@ -194,6 +176,41 @@ pub fn route_schedule(
         }
     }
     (done == total).then_some(workers)
+}
+
+/// The stages before and after position `at` of a route.
+fn neighbours(r: &[Hop], at: usize) -> (Option<usize>, Option<usize>) {
+    (
+        (at > 0).then(|| r[at - 1].stage),
+        r.get(at + 1).map(|h| h.stage),
+    )
+}
+
+/// Worker `w`'s next action when idle: a ready backward first, else the earliest ready forward
+/// its in-flight cap admits (a micro-batch it already holds always continues). Counts what it
+/// admits; `(forward?, mb, position on the route)`.
+fn pick_next(
+    w: usize,
+    ready_f: &mut std::collections::BTreeSet<(usize, usize)>,
+    ready_b: &mut std::collections::BTreeSet<(usize, usize)>,
+    held: &mut [usize],
+    in_flight: &mut [usize],
+    cap: usize,
+) -> Option<(bool, usize, usize)> {
+    let m = held.len() / in_flight.len().max(1);
+    if let Some(&(mb, at)) = ready_b.iter().next() {
+        ready_b.remove(&(mb, at));
+        return Some((false, mb, at));
+    }
+    let &(mb, at) = ready_f
+        .iter()
+        .find(|&&(mb, _)| held[w * m + mb] > 0 || in_flight[w] < cap)?;
+    ready_f.remove(&(mb, at));
+    if held[w * m + mb] == 0 {
+        in_flight[w] += 1;
+    }
+    held[w * m + mb] += 1;
+    Some((true, mb, at))
 }
 
 /// The annealing's start temperature, as a fraction of the best iteration time so far.
