@@ -422,3 +422,27 @@ fn a_failed_run_leaves_its_last_error_beside_the_checkpoints() {
     assert!(last.contains("loss is not finite"), "{last}");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// A FIFO or a directory given as a plan, profile or cluster file is refused without reading
+/// it (a read would block for ever).
+#[test]
+fn fifos_and_directories_as_input_files_are_refused() {
+    let d = scratch("fifo-input");
+    let fifo = d.join("plan.csv");
+    assert!(Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+    let f = fifo.to_str().unwrap();
+    let dir = d.to_str().unwrap();
+    for args in [
+        vec!["schedule", "--plan", f],
+        vec!["validate", f],
+        vec!["simulate", "--profile", f],
+        vec!["simulate", "--cost-f", "1", "--cluster", dir],
+    ] {
+        refused(&args, "not a regular file");
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
