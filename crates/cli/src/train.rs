@@ -176,8 +176,7 @@ pub struct ProfileArgs {
 pub fn cmd_profile(a: ProfileArgs) -> Result<()> {
     let model = match &a.model {
         Some(f) => {
-            let text = std::fs::read_to_string(f)
-                .map_err(|e| BadInput(format!("{}: cannot read: {e}", f.display())))?;
+            let text = pipewright_core::error::read_file(f)?;
             pipewright_core::error::parse_toml::<GptConfig>(&f.display().to_string(), &text)?
         }
         None => GptConfig::default(),
@@ -295,8 +294,7 @@ fn print_ops(model: &GptConfig, rows: usize, repeats: usize) {
 fn config(a: &TrainArgs) -> Result<TrainConfig> {
     let mut cfg = match &a.config {
         Some(f) => {
-            let text = std::fs::read_to_string(f)
-                .map_err(|e| BadInput(format!("{}: cannot read: {e}", f.display())))?;
+            let text = pipewright_core::error::read_file(f)?;
             pipewright_core::error::parse_toml::<TrainConfig>(&f.display().to_string(), &text)?
         }
         None => TrainConfig::default(),

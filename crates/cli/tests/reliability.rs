@@ -441,6 +441,9 @@ fn fifos_and_directories_as_input_files_are_refused() {
         vec!["validate", f],
         vec!["simulate", "--profile", f],
         vec!["simulate", "--cost-f", "1", "--cluster", dir],
+        vec!["train", "--config", f],
+        vec!["train", "--data", f, "--steps", "1"],
+        vec!["profile", "--model", f],
     ] {
         refused(&args, "not a regular file");
     }

@@ -71,6 +71,13 @@ impl Corpus {
     }
 
     pub fn load(path: &Path) -> Result<Self, String> {
+        // A FIFO or device would block the read: only regular files are read.
+        if std::fs::metadata(path).is_ok_and(|m| !m.is_file()) {
+            return Err(format!(
+                "{}: cannot read data file: not a regular file (a directory, FIFO or device)",
+                path.display()
+            ));
+        }
         let bytes = std::fs::read(path)
             .map_err(|e| format!("{}: cannot read data file: {e}", path.display()))?;
         std::str::from_utf8(&bytes)
