@@ -117,7 +117,16 @@ pub struct Cluster {
     region_links: HashMap<(u32, u32), Link>,
     /// Links between two devices, keyed (low, high); they apply both ways.
     device_links: HashMap<(u32, u32), Link>,
+    /// Each device's index in the cluster it was loaded as (a subset may hold one twice).
+    origin: Vec<u32>,
+    /// Regions, and with few of them every region pair's link in a table (the hot path of
+    /// the simulator and the skip scheduler, which ask for links millions of times).
+    regions: usize,
+    region_matrix: Vec<Link>,
 }
+
+/// Region tables are kept up to this many regions (a 256 x 256 table of links: 1.5 MB).
+const REGION_TABLE_MAX: usize = 256;
 
 /// A pair's key, low index first (links apply both ways).
 fn pair(a: usize, b: usize) -> (u32, u32) {
@@ -153,7 +162,30 @@ impl Cluster {
             region_of: vec![0; n],
             region_links: HashMap::new(),
             device_links: HashMap::new(),
+            origin: (0..n as u32).collect(),
+            regions: 1,
+            region_matrix: Vec::new(),
         }
+        .with_region_table()
+    }
+
+    /// Fill the region table when there are few regions (see [`Cluster::link`]).
+    fn with_region_table(mut self) -> Self {
+        let r = self.regions;
+        self.region_matrix = if r <= REGION_TABLE_MAX {
+            (0..r * r)
+                .map(|k| {
+                    let key = pair(k / r, k % r);
+                    self.region_links
+                        .get(&key)
+                        .copied()
+                        .unwrap_or(self.default_link)
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        self
     }
 
     /// `n` identical devices sharing one link model between every pair.
@@ -162,6 +194,7 @@ impl Cluster {
             default_link: link,
             ..Self::uniform(n)
         }
+        .with_region_table()
     }
 
     pub fn resolve(file: &str, f: &ClusterFile) -> Result<Self> {
@@ -270,13 +303,19 @@ impl Cluster {
                 },
             };
         }
+        let (n, regions) = (devices.len(), region_ids.len());
+        drop(region_ids);
         Ok(Cluster {
             devices,
             default_link,
             region_of,
             region_links,
             device_links,
-        })
+            origin: (0..n as u32).collect(),
+            regions,
+            region_matrix: Vec::new(),
+        }
+        .with_region_table())
     }
 
     pub fn len(&self) -> usize {
@@ -289,15 +328,20 @@ impl Cluster {
     /// The link from device `from` to device `to` (free to itself, or to a copy of itself
     /// in a subset).
     pub fn link(&self, from: usize, to: usize) -> Link {
-        if from == to || self.devices[from].name == self.devices[to].name {
+        if from == to || self.origin[from] == self.origin[to] {
             return Link::FREE;
         }
-        if let Some(l) = self.device_links.get(&pair(from, to)) {
-            return *l;
+        if !self.device_links.is_empty() {
+            if let Some(l) = self.device_links.get(&pair(from, to)) {
+                return *l;
+            }
         }
-        let regions = pair(self.region_of[from] as usize, self.region_of[to] as usize);
+        let (a, b) = (self.region_of[from] as usize, self.region_of[to] as usize);
+        if !self.region_matrix.is_empty() {
+            return self.region_matrix[a * self.regions + b];
+        }
         self.region_links
-            .get(&regions)
+            .get(&pair(a, b))
             .copied()
             .unwrap_or(self.default_link)
     }
@@ -337,6 +381,9 @@ impl Cluster {
             region_of: ids.iter().map(|&i| self.region_of[i]).collect(),
             region_links: self.region_links.clone(),
             device_links,
+            origin: ids.iter().map(|&i| self.origin[i]).collect(),
+            regions: self.regions,
+            region_matrix: self.region_matrix.clone(),
         }
     }
 }
