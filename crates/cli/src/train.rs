@@ -10,7 +10,7 @@ use pipewright_core::plan::ir::Plan;
 use pipewright_core::schedule::ScheduleKind;
 use pipewright_core::sim::devices_for_plan;
 use pipewright_runtime::data::{Corpus, Sampling};
-use pipewright_runtime::model::GptConfig;
+use pipewright_runtime::model::ModelConfig;
 use pipewright_runtime::train::run::SimComparison;
 use pipewright_runtime::train::{
     Checkpointing, RunConfig, RunSink, RunStart, RunSummary, StepRow, TrainConfig, Trainer,
@@ -177,9 +177,9 @@ pub fn cmd_profile(a: ProfileArgs) -> Result<()> {
     let model = match &a.model {
         Some(f) => {
             let text = pipewright_core::error::read_file(f)?;
-            pipewright_core::error::parse_toml::<GptConfig>(&f.display().to_string(), &text)?
+            pipewright_core::error::parse_toml::<ModelConfig>(&f.display().to_string(), &text)?
         }
-        None => GptConfig::default(),
+        None => ModelConfig::default(),
     };
     model.check().map_err(BadInput)?;
     if a.rows == 0 || a.repeats == 0 || a.repeats > 1000 {
@@ -219,7 +219,7 @@ pub fn cmd_profile(a: ProfileArgs) -> Result<()> {
 
 /// `profile --ops`: where a transformer block's time goes, op by op, beside the whole block
 /// and the alternatives measured but not used.
-fn print_ops(model: &GptConfig, rows: usize, repeats: usize) {
+fn print_ops(model: &ModelConfig, rows: usize, repeats: usize) {
     let ops = pipewright_runtime::profile::op_breakdown(model, rows, repeats);
     let parts = &ops.ops;
     let sum = parts.iter().fold((0.0, 0.0), |(f, b), o| {

@@ -7,7 +7,7 @@ use crate::backend::{autodiff_lock, plain_device, train_device};
 use crate::cache::PrefixCache;
 use crate::data::MicroBatch;
 use crate::grads::{add_grads, GradSource};
-use crate::model::{loss, Deferred, Stage, StageInput};
+use crate::model::{batch_loss, Deferred, Stage, StageInput};
 use crate::transport::{Kind, Payload, Tag, Transport, TransportError};
 use burn::module::Module;
 use burn::optim::ModuleOptimizer;
@@ -262,7 +262,7 @@ impl<'a> Iteration<'a> {
                 )))
             }
             None => {
-                let l = loss(y, mb.ids(&mb.targets));
+                let l = batch_loss(y, mb);
                 let v = l.clone().into_scalar::<f32>() as f64;
                 if !v.is_finite() {
                     return Err(ExecError::NonFinite(v));

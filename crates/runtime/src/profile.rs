@@ -3,7 +3,7 @@
 
 use crate::backend::train_device;
 use crate::grads::{add_grads, grads_params, sum_squares, GradSource};
-use crate::model::{loss, Deferred, GptConfig, Layers, Stage, StageInput};
+use crate::model::{loss, Deferred, Layers, ModelConfig, Stage, StageInput};
 use burn::module::Module;
 use burn::tensor::{Distribution, Int, Tensor, TensorData};
 use pipewright_core::profile::{Layer, ModelInfo, Profile};
@@ -19,7 +19,7 @@ pub fn median(mut xs: Vec<f64>) -> f64 {
 /// (median): forward, the full (fused) backward, and a split backward's two parts as this
 /// runtime runs them: B (input gradients, Linear weight gradients deferred) and W (the
 /// deferred weight matmuls).
-pub fn profile_model(cfg: &GptConfig, rows: usize, repeats: usize, seed: u64) -> Profile {
+pub fn profile_model(cfg: &ModelConfig, rows: usize, repeats: usize, seed: u64) -> Profile {
     let mut p = Profiler::new(cfg, rows, seed);
     for _ in 0..repeats.max(1) + 1 {
         p.sample();
@@ -41,7 +41,7 @@ struct Samples {
 /// (`train --compare-sim` takes one after each step): on a machine whose speed drifts with
 /// other load, the profile and the steps it is compared with then see the same machine.
 pub struct Profiler {
-    cfg: GptConfig,
+    cfg: ModelConfig,
     rows: usize,
     layers: Layers,
     optims: Vec<burn::optim::ModuleOptimizer>,
@@ -49,7 +49,7 @@ pub struct Profiler {
 }
 
 impl Profiler {
-    pub fn new(cfg: &GptConfig, rows: usize, seed: u64) -> Self {
+    pub fn new(cfg: &ModelConfig, rows: usize, seed: u64) -> Self {
         let dev = train_device();
         let blocks = cfg.num_blocks();
         Profiler {
@@ -246,7 +246,7 @@ pub struct Alternative {
 /// the shapes of `cfg` with micro-batches of `rows` sequences, timed alone forward and
 /// forward + backward, then the whole block the same way (the difference is what the ops
 /// cost together beyond alone: graph bookkeeping, allocation, cache effects).
-pub fn op_breakdown(cfg: &GptConfig, rows: usize, repeats: usize) -> OpBreakdown {
+pub fn op_breakdown(cfg: &ModelConfig, rows: usize, repeats: usize) -> OpBreakdown {
     use crate::kernels as k;
     use burn::nn::{LayerNormConfig, LinearConfig};
     use burn::tensor::activation::{gelu, gelu_approximate};
@@ -445,12 +445,13 @@ mod tests {
     /// left out; every figure is a real (positive) time, and B + W account for a split backward.
     #[test]
     fn profiler_passes_make_a_profile() {
-        let cfg = GptConfig {
+        let cfg = ModelConfig {
             vocab: 32,
             d_model: 16,
             heads: 2,
             layers: 2,
             seq_len: 8,
+            ..ModelConfig::default()
         };
         let mut p = Profiler::new(&cfg, 2, 7);
         assert_eq!(p.passes(), 0);

@@ -3,17 +3,18 @@
 
 use pipewright_runtime::data::Corpus;
 use pipewright_runtime::exec::ExecError;
-use pipewright_runtime::model::GptConfig;
+use pipewright_runtime::model::ModelConfig;
 use pipewright_runtime::train::{TrainConfig, Trainer};
 
 fn cfg() -> TrainConfig {
     TrainConfig {
-        model: GptConfig {
+        model: ModelConfig {
             vocab: 256,
             d_model: 16,
             heads: 2,
             layers: 2,
             seq_len: 8,
+            ..ModelConfig::default()
         },
         stages: 2,
         microbatches: 2,
@@ -118,7 +119,7 @@ fn bad_checkpoints_are_named() {
     let ck = t.save_checkpoint(&d).unwrap();
     // A different model cannot load it.
     let other = TrainConfig {
-        model: GptConfig {
+        model: ModelConfig {
             d_model: 32,
             ..cfg().model
         },

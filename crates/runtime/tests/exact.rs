@@ -4,17 +4,18 @@
 use pipewright_core::plan::ir::{Hop, Op, Plan, StagePlan};
 use pipewright_core::schedule::{generate, gpipe_routes, ScheduleKind};
 use pipewright_runtime::data::Corpus;
-use pipewright_runtime::model::GptConfig;
+use pipewright_runtime::model::ModelConfig;
 use pipewright_runtime::train::{PlainTrainer, TrainConfig, Trainer};
 
 fn tiny(schedule: &str, p: usize, d: usize, m: usize) -> TrainConfig {
     TrainConfig {
-        model: GptConfig {
+        model: ModelConfig {
             vocab: 256,
             d_model: 16,
             heads: 2,
             layers: 6,
             seq_len: 8,
+            ..ModelConfig::default()
         },
         schedule: schedule.parse().unwrap(),
         stages: p,

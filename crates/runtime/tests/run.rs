@@ -5,7 +5,7 @@
 use pipewright_core::policy::freeze::{FreezeMode, FreezePolicy};
 use pipewright_runtime::data::Corpus;
 use pipewright_runtime::error::{Error, Result};
-use pipewright_runtime::model::GptConfig;
+use pipewright_runtime::model::ModelConfig;
 use pipewright_runtime::train::{
     Checkpointing, FreezeSettings, RunConfig, RunSink, RunStart, StepRow, TrainConfig, Trainer,
     TrainingRun,
@@ -13,12 +13,13 @@ use pipewright_runtime::train::{
 
 fn cfg(layers: usize, stages: usize, steps: u64) -> TrainConfig {
     TrainConfig {
-        model: GptConfig {
+        model: ModelConfig {
             vocab: 256,
             d_model: 16,
             heads: 2,
             layers,
             seq_len: 8,
+            ..ModelConfig::default()
         },
         stages,
         microbatches: 2,
@@ -371,7 +372,7 @@ fn cached_elastic_run_reads_back_and_resumes_frozen() {
         .collect();
     let corpus = Corpus::from_text("fox", &text);
     let c = |steps| TrainConfig {
-        model: GptConfig {
+        model: ModelConfig {
             seq_len: 16,
             ..cfg(4, 4, steps).model
         },

@@ -3,7 +3,7 @@
 
 use crate::data::{Sampler, Sampling};
 use crate::error::{Error, Result};
-use crate::model::GptConfig;
+use crate::model::ModelConfig;
 use pipewright_core::job::{build, JobSpec, LayerCut, PipelineShape};
 use pipewright_core::plan::ir::Plan;
 use pipewright_core::plan::validate::validate;
@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TrainConfig {
-    pub model: GptConfig,
+    pub model: ModelConfig,
     /// Schedule of the generated plan (ignored with a plan file).
     pub schedule: ScheduleKind,
     /// Pipeline depth P of the generated plan.
@@ -44,7 +44,7 @@ pub struct TrainConfig {
 impl Default for TrainConfig {
     fn default() -> Self {
         TrainConfig {
-            model: GptConfig::default(),
+            model: ModelConfig::default(),
             schedule: ScheduleKind::OneFOneB,
             stages: 2,
             chunks: 1,
@@ -82,6 +82,12 @@ impl TrainConfig {
     /// Settings that no plan can fix: model shape, batch and optimizer values.
     pub fn check(&self) -> Result<()> {
         self.model.check().map_err(Error::Config)?;
+        if self.model.vocab < 256 {
+            return Err(Error::Config(format!(
+                "vocab {} is smaller than the 256 byte values the training data uses",
+                self.model.vocab
+            )));
+        }
         let bad = |m: String| Err(Error::Config(m));
         if self.rows == 0 {
             return bad("rows (sequences per micro-batch) must be at least 1".into());
@@ -141,10 +147,7 @@ impl TrainConfig {
     pub fn memory_estimate(&self) -> Option<u64> {
         let m = &self.model;
         let d = m.d_model as u64;
-        let params = (12 * d)
-            .checked_mul(d)?
-            .checked_mul(m.layers as u64)?
-            .checked_add(((m.vocab + m.seq_len) as u64).checked_mul(2 * d)?)?;
+        let params = m.param_count()? as u64;
         let tokens = (self.rows as u64).checked_mul(m.seq_len as u64)?;
         let per_token =
             (12 * d).checked_add((3 * m.heads as u64).checked_mul(m.seq_len as u64)?)?;

@@ -32,6 +32,9 @@ fn visit_inner<V: ModuleVisitor>(b: &LayerBlock, v: &mut V) {
         LayerBlock::Embed(m) => m.visit(v),
         LayerBlock::Block(m) => m.visit(v),
         LayerBlock::Head(m) => m.visit(v),
+        LayerBlock::LlamaEmbed(m) => m.visit(v),
+        LayerBlock::LlamaBlock(m) => m.visit(v),
+        LayerBlock::LlamaHead(m) => m.visit(v),
     }
 }
 
@@ -40,6 +43,9 @@ fn map_inner<M: ModuleMapper>(b: LayerBlock, m: &mut M) -> LayerBlock {
         LayerBlock::Embed(x) => LayerBlock::Embed(x.map(m)),
         LayerBlock::Block(x) => LayerBlock::Block(x.map(m)),
         LayerBlock::Head(x) => LayerBlock::Head(x.map(m)),
+        LayerBlock::LlamaEmbed(x) => LayerBlock::LlamaEmbed(x.map(m)),
+        LayerBlock::LlamaBlock(x) => LayerBlock::LlamaBlock(x.map(m)),
+        LayerBlock::LlamaHead(x) => LayerBlock::LlamaHead(x.map(m)),
     }
 }
 

@@ -6,7 +6,7 @@ use super::layers::{fresh_state, LayerState};
 use super::TrainConfig;
 use crate::data::{Corpus, MicroBatch, Sampler};
 use crate::grads::{add_grads, clip_factor, flat_params, grads_params, sum_squares, GradSource};
-use crate::model::{loss, LayerBlock, Stage, StageInput};
+use crate::model::{batch_loss, LayerBlock, Stage, StageInput};
 use burn::tensor::Tensor;
 use pipewright_core::plan::ir::Plan;
 
@@ -93,7 +93,7 @@ impl PlainTrainer {
                 unreachable!("routes are not empty")
             };
             // The group's mean loss stands for |group| micro-batches of the job's n.
-            let l = loss(logits, all.ids(&all.targets)) * (mbs.len() as f32 / n as f32);
+            let l = batch_loss(logits, &all) * (mbs.len() as f32 / n as f32);
             value += l.clone().into_scalar::<f32>() as f64;
             total = Some(match total {
                 Some(t) => t + l,

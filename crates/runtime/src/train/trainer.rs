@@ -10,7 +10,7 @@ use crate::data::{micro_batch, Corpus, MicroBatch, Sampler, Sampling};
 use crate::error::{Error, Result};
 use crate::exec::{ExecError, HeldStage, StepInput, Worker, WorkerOutput};
 use crate::grads::{clip_factor, flat_params, grads_params, sum_squares};
-use crate::model::{fresh_copy, loss, LayerBlock, Stage, StageInput};
+use crate::model::{batch_loss, fresh_copy, LayerBlock, Stage, StageInput};
 use crate::transport::{InProcess, Transport, DEFAULT_TIMEOUT};
 use burn::module::Module;
 use pipewright_core::cluster::Cluster;
@@ -582,7 +582,7 @@ impl Trainer {
                 i as u64,
             );
             let logits = model.forward(StageInput::Tokens(mb.ids_on(&mb.tokens, &dev)));
-            total += loss(logits, mb.ids_on(&mb.targets, &dev)).into_scalar::<f32>() as f64;
+            total += batch_loss(logits, &mb).into_scalar::<f32>() as f64;
         }
         Ok(total / batches.max(1) as f64)
     }

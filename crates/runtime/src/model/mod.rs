@@ -1,120 +1,18 @@
-//! A GPT-style decoder as a sequence of layer blocks that a plan cuts into stages:
-//! layer 0 = token + position embedding, layers 1..=L = pre-LayerNorm transformer blocks
-//! (causal multi-head attention, GELU MLP), layer L+1 = final norm + LM head.
+//! Transformers as a sequence of layer blocks that a plan cuts into stages: layer 0 = the
+//! embedding, layers 1..=L = transformer blocks, layer L+1 = final norm + LM head. The family
+//! ([`Family`]) decides what a block is: pipewright's GPT (here: learned positions,
+//! pre-LayerNorm blocks of causal multi-head attention and a GELU MLP) or LLaMA
+//! ([`llama`]).
 
 use crate::kernels::{causal_attention, gelu, layer_norm, GradSlot, LN_EPS};
 use burn::module::{Module, ParamId};
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Int, Tensor};
-use serde::{Deserialize, Serialize};
 
-/// Model size. Vocabulary 256: bytes.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct GptConfig {
-    pub vocab: usize,
-    pub d_model: usize,
-    pub heads: usize,
-    pub layers: usize,
-    pub seq_len: usize,
-}
-
-impl Default for GptConfig {
-    fn default() -> Self {
-        GptConfig {
-            vocab: 256,
-            d_model: 64,
-            heads: 4,
-            layers: 4,
-            seq_len: 64,
-        }
-    }
-}
-
-impl GptConfig {
-    /// Layer blocks a plan can cut: embedding, the transformer blocks, the head.
-    pub fn num_blocks(&self) -> usize {
-        self.layers + 2
-    }
-    pub fn check(&self) -> Result<(), String> {
-        if self.d_model == 0 || self.heads == 0 || !self.d_model.is_multiple_of(self.heads) {
-            return Err(format!(
-                "d_model {} must be a positive multiple of heads {}",
-                self.d_model, self.heads
-            ));
-        }
-        if self.seq_len == 0 {
-            return Err("seq_len must be positive".into());
-        }
-        if self.vocab < 256 {
-            return Err(format!(
-                "vocab {} is smaller than the 256 byte values the data uses",
-                self.vocab
-            ));
-        }
-        // About 12 d^2 per block plus the embeddings and head: refuse what cannot be held.
-        let params = self
-            .d_model
-            .checked_mul(self.d_model)
-            .and_then(|d2| d2.checked_mul(12))
-            .and_then(|b| b.checked_mul(self.layers))
-            .and_then(|b| {
-                let emb = (self.vocab.checked_add(self.seq_len)?).checked_mul(self.d_model)?;
-                b.checked_add(emb.checked_mul(2)?)
-            });
-        if params.is_none_or(|p| p > 1 << 34) {
-            return Err(format!(
-                "a model of d_model {}, {} layers, vocab {}, seq_len {} has more than 2^34 parameters; this trainer holds them in memory",
-                self.d_model, self.layers, self.vocab, self.seq_len
-            ));
-        }
-        Ok(())
-    }
-
-    /// A cost model of the layer blocks without measuring (multiply-adds per token as the
-    /// forward cost, in arbitrary units; backward 2x): what `train` cuts stages by when it is
-    /// not given a plan. `pipewright profile` measures the real thing.
-    pub fn cost_profile(&self, rows: usize) -> pipewright_core::profile::Profile {
-        use pipewright_core::profile::{Layer, ModelInfo, Profile};
-        let (d, t) = (self.d_model as f64, self.seq_len as f64);
-        let tokens = (rows * self.seq_len) as u64;
-        let layer = |i: usize| {
-            let (flops, params, width) = match i {
-                0 => (d, (self.vocab + self.seq_len) * self.d_model, self.d_model),
-                i if i == self.layers + 1 => (
-                    d * self.vocab as f64,
-                    self.d_model * self.vocab + self.vocab + 2 * self.d_model,
-                    self.vocab,
-                ),
-                _ => (
-                    12.0 * d * d + 2.0 * t * d,
-                    12 * self.d_model * self.d_model + 13 * self.d_model,
-                    self.d_model,
-                ),
-            };
-            Layer {
-                name: layer_name(i, self.layers),
-                forward: flops * 1e-9,
-                backward: None,
-                weight_grad: None,
-                input_grad: None,
-                optimizer: None,
-                params: 4 * params as u64,
-                activation: 4 * tokens * width as u64,
-            }
-        };
-        Profile {
-            model: ModelInfo {
-                name: format!(
-                    "gpt d{}-l{}-h{}-s{} (cost model)",
-                    self.d_model, self.layers, self.heads, self.seq_len
-                ),
-            },
-            layers: (0..self.num_blocks()).map(layer).collect(),
-        }
-    }
-}
+mod config;
+pub mod llama;
+pub use config::{Family, Llama3Scaling, ModelConfig};
 
 #[derive(Module, Debug)]
 pub struct Embed {
@@ -219,7 +117,7 @@ impl Deferred {
 
 /// A Linear layer; with a `Deferred`, its weights take no part in autodiff (so the backward
 /// skips their gradient products) and its output gradient is kept for the W step.
-fn linear(l: &Linear, x: Tensor<3>, cap: &mut Option<&mut Deferred>) -> Tensor<3> {
+pub(crate) fn linear(l: &Linear, x: Tensor<3>, cap: &mut Option<&mut Deferred>) -> Tensor<3> {
     let (w, b) = (l.weight.val(), l.bias.as_ref().map(|b| b.val()));
     match cap {
         None => crate::kernels::linear(x, w, b),
@@ -235,62 +133,48 @@ fn linear(l: &Linear, x: Tensor<3>, cap: &mut Option<&mut Deferred>) -> Tensor<3
     }
 }
 
-/// Mean cross-entropy of next-byte prediction.
+/// Mean cross-entropy of next-token prediction.
 pub fn loss(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
     let logp = log_softmax(logits, 2);
     logp.gather(2, targets.unsqueeze_dim(2)).mean().neg()
+}
+
+/// Mean cross-entropy over a micro-batch's targets; a negative target (Hugging Face's -100:
+/// no label there) is left out of the mean.
+pub fn batch_loss(logits: Tensor<3>, mb: &crate::data::MicroBatch) -> Tensor<1> {
+    let device = logits.device();
+    if mb.targets.iter().all(|&t| t >= 0) {
+        return loss(logits, mb.ids_on(&mb.targets, &device));
+    }
+    let kept: Vec<f32> = mb.targets.iter().map(|&t| (t >= 0) as u8 as f32).collect();
+    let count = kept.iter().sum::<f32>().max(1.0);
+    let ids: Vec<i64> = mb.targets.iter().map(|&t| t.max(0)).collect();
+    let weights = Tensor::<2>::from_data(
+        burn::tensor::TensorData::new(kept, [mb.rows, mb.seq_len]),
+        &device,
+    );
+    let logp = log_softmax(logits, 2).gather(2, mb.ids_on(&ids, &device).unsqueeze_dim(2));
+    (logp.squeeze_dim::<2>(2) * weights).sum().neg() / count
 }
 
 /// The whole model's layer blocks, in order; built once from a seed so that every way of
 /// cutting it starts from the same weights.
 #[derive(Module, Debug)]
 pub struct Layers {
-    pub embed: Embed,
-    pub blocks: Vec<Block>,
-    pub head: Head,
+    pub blocks: Vec<LayerBlock>,
 }
 
 impl Layers {
-    pub fn new(cfg: &GptConfig, seed: u64, device: &Device) -> Self {
+    pub fn new(cfg: &ModelConfig, seed: u64, device: &Device) -> Self {
         device.seed(seed); // burn draws its initial values first; ours replace them below
-        let d = cfg.d_model;
-        let lin = |i: usize, o: usize| LinearConfig::new(i, o).init(device);
-        let embed = Embed {
-            tok: EmbeddingConfig::new(cfg.vocab, d).init(device),
-            pos: EmbeddingConfig::new(cfg.seq_len, d).init(device),
-        };
-        let blocks = (0..cfg.layers)
-            .map(|_| Block {
-                ln1: LayerNormConfig::new(d)
-                    .with_epsilon(LN_EPS as f64)
-                    .init(device),
-                q: lin(d, d),
-                k: lin(d, d),
-                v: lin(d, d),
-                o: lin(d, d),
-                ln2: LayerNormConfig::new(d)
-                    .with_epsilon(LN_EPS as f64)
-                    .init(device),
-                fc: lin(d, 4 * d),
-                proj: lin(4 * d, d),
-                heads: cfg.heads,
-            })
-            .collect();
-        let head = Head {
-            ln: LayerNormConfig::new(d)
-                .with_epsilon(LN_EPS as f64)
-                .init(device),
-            out: lin(d, cfg.vocab),
-        };
-        let layers = Layers {
-            embed,
-            blocks,
-            head,
+        let blocks = match cfg.family {
+            Family::Gpt => gpt_blocks(cfg, device),
+            Family::Llama => llama::build(cfg, device),
         };
         // burn's initialisers draw from a process-wide generator that other threads share, so
         // weights are set here from our own generator: GPT-2 style N(0, 0.02)-like uniform for
-        // matrices, zero biases, LayerNorm's ones and zeros as burn made them.
-        layers.map(&mut Init {
+        // matrices, zero biases, norms' ones and zeros as built.
+        Layers { blocks }.map(&mut Init {
             rng: crate::data::Rng::new(seed),
             seed,
             count: 0,
@@ -300,28 +184,55 @@ impl Layers {
 
     /// Layer block `i` in model order (a clone that shares parameter ids with `self`).
     pub fn block(&self, i: usize) -> LayerBlock {
-        let last = self.blocks.len() + 1;
-        match i {
-            0 => LayerBlock::Embed(self.embed.clone()),
-            i if i == last => LayerBlock::Head(self.head.clone()),
-            i => LayerBlock::Block(self.blocks[i - 1].clone()),
-        }
+        self.blocks[i].clone()
     }
 
     /// All layer blocks in model order.
     pub fn into_blocks(self) -> Vec<LayerBlock> {
-        std::iter::once(LayerBlock::Embed(self.embed))
-            .chain(self.blocks.into_iter().map(LayerBlock::Block))
-            .chain(std::iter::once(LayerBlock::Head(self.head)))
-            .collect()
+        self.blocks
     }
 
     /// Layer blocks `lo..hi` as one stage module (clones share parameter ids with `self`).
     pub fn stage(&self, lo: usize, hi: usize) -> Stage {
         Stage {
-            layers: (lo..hi).map(|i| self.block(i)).collect(),
+            layers: self.blocks[lo..hi].to_vec(),
         }
     }
+}
+
+fn gpt_blocks(cfg: &ModelConfig, device: &Device) -> Vec<LayerBlock> {
+    let d = cfg.d_model;
+    let lin = |i: usize, o: usize| LinearConfig::new(i, o).init(device);
+    let ln = || {
+        LayerNormConfig::new(d)
+            .with_epsilon(LN_EPS as f64)
+            .init(device)
+    };
+    let embed = Embed {
+        tok: EmbeddingConfig::new(cfg.vocab, d).init(device),
+        pos: EmbeddingConfig::new(cfg.seq_len, d).init(device),
+    };
+    let block = |_| {
+        LayerBlock::Block(Block {
+            ln1: ln(),
+            q: lin(d, d),
+            k: lin(d, d),
+            v: lin(d, d),
+            o: lin(d, d),
+            ln2: ln(),
+            fc: lin(d, 4 * d),
+            proj: lin(4 * d, d),
+            heads: cfg.heads,
+        })
+    };
+    let head = Head {
+        ln: ln(),
+        out: lin(d, cfg.vocab),
+    };
+    std::iter::once(LayerBlock::Embed(embed))
+        .chain((0..cfg.layers).map(block))
+        .chain(std::iter::once(LayerBlock::Head(head)))
+        .collect()
 }
 
 /// A copy with its own autodiff leaves. Clones share parameter nodes, and burn's autodiff merges
@@ -365,7 +276,10 @@ impl burn::module::ModuleMapper for Init {
         self.count += 1;
         let id =
             burn::module::ParamId::from(self.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ self.count);
-        let in_norm = self.path.iter().any(|n| n.starts_with("ln"));
+        let in_norm = self
+            .path
+            .iter()
+            .any(|n| n.starts_with("ln") || n.ends_with("norm"));
         let (_, t, mapper) = p.consume();
         let (shape, device) = (t.shape(), t.device());
         let n = shape.num_elements();
@@ -398,6 +312,9 @@ pub enum LayerBlock {
     Embed(Embed),
     Block(Block),
     Head(Head),
+    LlamaEmbed(llama::LlamaEmbed),
+    LlamaBlock(llama::LlamaBlock),
+    LlamaHead(llama::LlamaHead),
 }
 
 impl LayerBlock {
@@ -408,9 +325,12 @@ impl LayerBlock {
     ) -> Result<Tensor<3>, String> {
         Ok(match (self, x) {
             (LayerBlock::Embed(e), StageInput::Tokens(t)) => e.forward(t),
+            (LayerBlock::LlamaEmbed(e), StageInput::Tokens(t)) => e.forward(t),
             (LayerBlock::Block(b), StageInput::Hidden(h)) => b.forward_with(h, cap),
+            (LayerBlock::LlamaBlock(b), StageInput::Hidden(h)) => b.forward_with(h, cap),
             (LayerBlock::Head(h), StageInput::Hidden(x)) => h.forward_with(x, cap),
-            (LayerBlock::Embed(_), StageInput::Hidden(_)) => {
+            (LayerBlock::LlamaHead(h), StageInput::Hidden(x)) => h.forward_with(x, cap),
+            (LayerBlock::Embed(_) | LayerBlock::LlamaEmbed(_), StageInput::Hidden(_)) => {
                 return Err(
                     "the embedding got hidden states (it must come first on a route)".into(),
                 )
@@ -485,6 +405,9 @@ impl Stage {
 
     /// Does the stage end with the head (its output is logits)?
     pub fn has_head(&self) -> bool {
-        matches!(self.layers.last(), Some(LayerBlock::Head(_)))
+        matches!(
+            self.layers.last(),
+            Some(LayerBlock::Head(_) | LayerBlock::LlamaHead(_))
+        )
     }
 }

@@ -1,0 +1,310 @@
+//! The model's shape: which family of transformer and its sizes. The one place that knows
+//! how a family's settings default, what is refused, and what each layer block costs.
+
+use serde::{Deserialize, Serialize};
+
+/// A family of transformers: how a layer block is built.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Family {
+    /// pipewright's own byte-level GPT: learned positions, pre-LayerNorm blocks with biases,
+    /// exact GELU MLP of width 4 d_model.
+    #[default]
+    Gpt,
+    /// LLaMA (Hugging Face `LlamaForCausalLM`): RMSNorm, rotary positions, grouped-query
+    /// attention, SwiGLU MLP, no biases.
+    Llama,
+}
+
+impl Family {
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::Gpt => "gpt",
+            Family::Llama => "llama",
+        }
+    }
+}
+
+/// Llama 3's rescaling of rotary frequencies for long contexts (`rope_scaling` with
+/// `rope_type = "llama3"` in a Hugging Face config).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Llama3Scaling {
+    pub factor: f64,
+    pub low_freq_factor: f64,
+    pub high_freq_factor: f64,
+    pub original_max_position_embeddings: usize,
+}
+
+/// Model shape. Byte-level training data needs a vocabulary of at least 256.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelConfig {
+    pub family: Family,
+    pub vocab: usize,
+    pub d_model: usize,
+    pub heads: usize,
+    pub layers: usize,
+    /// Training (and default evaluation) sequence length.
+    pub seq_len: usize,
+    /// Key/value heads (grouped-query attention, llama); default `heads`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_heads: Option<usize>,
+    /// MLP hidden width; default 4 d_model (gpt), required for llama.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ffn: Option<usize>,
+    /// Rotary base (llama); default 10000.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rope_theta: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rope_scaling: Option<Llama3Scaling>,
+    /// Normalisation epsilon; default 1e-5.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub norm_eps: Option<f64>,
+    /// Longest sequence the model takes (llama's `max_position_embeddings`); default seq_len.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_positions: Option<usize>,
+    /// The LM head shares the token embedding's matrix (llama; gpt's head is its own).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub tie_embeddings: bool,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig {
+            family: Family::Gpt,
+            vocab: 256,
+            d_model: 64,
+            heads: 4,
+            layers: 4,
+            seq_len: 64,
+            kv_heads: None,
+            ffn: None,
+            rope_theta: None,
+            rope_scaling: None,
+            norm_eps: None,
+            max_positions: None,
+            tie_embeddings: false,
+        }
+    }
+}
+
+impl ModelConfig {
+    /// Layer blocks a plan can cut: embedding, the transformer blocks, the head.
+    pub fn num_blocks(&self) -> usize {
+        self.layers + 2
+    }
+    pub fn kv_heads(&self) -> usize {
+        self.kv_heads.unwrap_or(self.heads)
+    }
+    pub fn head_dim(&self) -> usize {
+        self.d_model / self.heads.max(1)
+    }
+    pub fn ffn(&self) -> usize {
+        self.ffn.unwrap_or(4 * self.d_model)
+    }
+    pub fn rope_theta(&self) -> f64 {
+        self.rope_theta.unwrap_or(10000.0)
+    }
+    pub fn norm_eps(&self) -> f64 {
+        self.norm_eps.unwrap_or(1e-5)
+    }
+    pub fn max_positions(&self) -> usize {
+        self.max_positions.unwrap_or(self.seq_len)
+    }
+
+    /// Shape rules every family shares, then the family's own.
+    pub fn check(&self) -> Result<(), String> {
+        if self.d_model == 0 || self.heads == 0 || !self.d_model.is_multiple_of(self.heads) {
+            return Err(format!(
+                "d_model {} must be a positive multiple of heads {}",
+                self.d_model, self.heads
+            ));
+        }
+        if self.seq_len == 0 || self.vocab == 0 {
+            return Err("seq_len and vocab must be positive".into());
+        }
+        if self.seq_len > self.max_positions() {
+            return Err(format!(
+                "seq_len {} is longer than the model's {} positions (max_positions)",
+                self.seq_len,
+                self.max_positions()
+            ));
+        }
+        match self.family {
+            Family::Gpt => self.check_gpt()?,
+            Family::Llama => self.check_llama()?,
+        }
+        let params = self.param_count();
+        if params.is_none_or(|p| p > 1 << 34) {
+            return Err(format!(
+                "a {} model of d_model {}, {} layers, vocab {} has more than 2^34 parameters; this trainer holds them in memory",
+                self.family.name(),
+                self.d_model,
+                self.layers,
+                self.vocab
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_gpt(&self) -> Result<(), String> {
+        let llama_only = [
+            ("kv_heads", self.kv_heads.is_some()),
+            ("rope_theta", self.rope_theta.is_some()),
+            ("rope_scaling", self.rope_scaling.is_some()),
+            ("tie_embeddings", self.tie_embeddings),
+        ];
+        if let Some((name, _)) = llama_only.iter().find(|(_, set)| *set) {
+            return Err(format!(
+                "{name} is a llama setting; the gpt family does not take it (set family = \"llama\")"
+            ));
+        }
+        if self.ffn.is_some_and(|f| f != 4 * self.d_model) {
+            return Err(format!(
+                "ffn {} : the gpt family's MLP is 4 d_model = {} wide",
+                self.ffn.unwrap_or(0),
+                4 * self.d_model
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_llama(&self) -> Result<(), String> {
+        let kv = self.kv_heads();
+        if kv == 0 || !self.heads.is_multiple_of(kv) {
+            return Err(format!(
+                "kv_heads {kv} must divide heads {} (grouped-query attention)",
+                self.heads
+            ));
+        }
+        if !self.head_dim().is_multiple_of(2) {
+            return Err(format!(
+                "head dimension {} (d_model / heads) must be even for rotary positions",
+                self.head_dim()
+            ));
+        }
+        if self.ffn() == 0 {
+            return Err("ffn (intermediate_size) must be positive".into());
+        }
+        if !(self.rope_theta().is_finite() && self.rope_theta() > 1.0) {
+            return Err(format!("rope_theta {} must be > 1", self.rope_theta()));
+        }
+        if !(self.norm_eps().is_finite() && self.norm_eps() > 0.0) {
+            return Err(format!("norm_eps {} must be > 0", self.norm_eps()));
+        }
+        if let Some(s) = &self.rope_scaling {
+            let ok = s.factor.is_finite()
+                && s.factor >= 1.0
+                && s.low_freq_factor > 0.0
+                && s.high_freq_factor > s.low_freq_factor
+                && s.original_max_position_embeddings > 0;
+            if !ok {
+                return Err(format!(
+                    "rope_scaling {s:?}: needs factor >= 1, 0 < low_freq_factor < high_freq_factor and original_max_position_embeddings > 0"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Parameters of a transformer block (None on overflow).
+    fn block_params(&self) -> Option<usize> {
+        let d = self.d_model;
+        match self.family {
+            Family::Gpt => (12 * d).checked_mul(d)?.checked_add(13 * d),
+            Family::Llama => {
+                let kv = self.kv_heads().checked_mul(self.head_dim())?;
+                let attn = d.checked_mul(2 * d)?.checked_add(d.checked_mul(2 * kv)?)?;
+                let mlp = d.checked_mul(self.ffn())?.checked_mul(3)?;
+                attn.checked_add(mlp)?.checked_add(2 * d)
+            }
+        }
+    }
+
+    /// Multiply-adds per token of a block's matrices.
+    fn block_flops(&self) -> f64 {
+        let d = self.d_model as f64;
+        match self.family {
+            Family::Gpt => 12.0 * d * d,
+            Family::Llama => {
+                let kv = (self.kv_heads() * self.head_dim()) as f64;
+                2.0 * d * d + 2.0 * d * kv + 3.0 * d * self.ffn() as f64
+            }
+        }
+    }
+
+    /// Parameters of each layer block's in model order: embedding, blocks, head.
+    fn layer_params(&self) -> Option<(usize, usize, usize)> {
+        let d = self.d_model;
+        Some(match self.family {
+            Family::Gpt => (
+                self.vocab.checked_add(self.seq_len)?.checked_mul(d)?,
+                self.block_params()?,
+                d.checked_mul(self.vocab)?.checked_add(self.vocab + 2 * d)?,
+            ),
+            Family::Llama => {
+                let emb = self.vocab.checked_mul(d)?;
+                (emb, self.block_params()?, emb.checked_add(d)?)
+            }
+        })
+    }
+
+    /// All parameters (None on overflow).
+    pub fn param_count(&self) -> Option<usize> {
+        let (e, b, h) = self.layer_params()?;
+        b.checked_mul(self.layers)?.checked_add(e)?.checked_add(h)
+    }
+
+    /// A short name for profiles and logs.
+    pub fn describe(&self) -> String {
+        match self.family {
+            Family::Gpt => format!(
+                "gpt d{}-l{}-h{}-s{}",
+                self.d_model, self.layers, self.heads, self.seq_len
+            ),
+            Family::Llama => format!(
+                "llama d{}-l{}-h{}-kv{}-f{}-s{}",
+                self.d_model,
+                self.layers,
+                self.heads,
+                self.kv_heads(),
+                self.ffn(),
+                self.seq_len
+            ),
+        }
+    }
+
+    /// A cost model of the layer blocks without measuring (multiply-adds per token as the
+    /// forward cost, in arbitrary units; backward 2x): what `train` cuts stages by when it is
+    /// not given a plan. `pipewright profile` measures the real thing.
+    pub fn cost_profile(&self, rows: usize) -> pipewright_core::profile::Profile {
+        use pipewright_core::profile::{Layer, ModelInfo, Profile};
+        let (d, t) = (self.d_model as f64, self.seq_len as f64);
+        let tokens = (rows * self.seq_len) as u64;
+        let (emb, block, head) = self.layer_params().unwrap_or((0, 0, 0));
+        let layer = |i: usize| {
+            let (flops, params, width) = match i {
+                0 => (d, emb, self.d_model),
+                i if i == self.layers + 1 => (d * self.vocab as f64, head, self.vocab),
+                _ => (self.block_flops() + 2.0 * t * d, block, self.d_model),
+            };
+            Layer {
+                name: super::layer_name(i, self.layers),
+                forward: flops * 1e-9,
+                backward: None,
+                weight_grad: None,
+                input_grad: None,
+                optimizer: None,
+                params: 4 * params as u64,
+                activation: 4 * tokens * width as u64,
+            }
+        };
+        Profile {
+            model: ModelInfo {
+                name: format!("{} (cost model)", self.describe()),
+            },
+            layers: (0..self.num_blocks()).map(layer).collect(),
+        }
+    }
+}
