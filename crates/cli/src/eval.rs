@@ -73,7 +73,7 @@ pub fn cmd_eval(a: EvalArgs) -> Result<()> {
         Some(f) => Corpus::load(f).map_err(BadInput)?,
         None => Corpus::builtin(),
     };
-    corpus.check(cfg.model.seq_len).map_err(BadInput)?;
+    corpus.check(&cfg.model).map_err(BadInput)?;
     // Evaluation needs the weights only: one worker, one stage.
     cfg.stages = 1;
     cfg.replicas = 1;

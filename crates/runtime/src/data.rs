@@ -100,7 +100,14 @@ impl Corpus {
     }
 
     /// Check the corpus is long enough for sequences of `seq_len`.
-    pub fn check(&self, seq_len: usize) -> Result<(), String> {
+    pub fn check(&self, model: &crate::model::ModelConfig) -> Result<(), String> {
+        let seq_len = model.seq_len;
+        if model.vocab < 256 {
+            return Err(format!(
+                "{}: the model's vocabulary of {} is smaller than the 256 byte values of this text",
+                self.name, model.vocab
+            ));
+        }
         if self.val.len() <= seq_len + 1 || self.train.len() <= seq_len + 1 {
             return Err(format!(
                 "{}: {} bytes is too short for sequences of {seq_len} (need more than {} bytes in each of the train and held-out parts)",
@@ -180,6 +187,44 @@ pub fn micro_batch(
 }
 
 impl MicroBatch {
+    /// A causal-LM batch as Hugging Face's models take one: `ids` of `rows x seq_len`, and
+    /// position i's target is `labels[i + 1]` (labels default to the ids); the last position,
+    /// and a negative label (-100), have no target.
+    pub fn causal_lm(ids: &[i64], labels: Option<&[i64]>, rows: usize, seq_len: usize) -> Self {
+        let labels = labels.unwrap_or(ids);
+        let targets = labels
+            .chunks(seq_len)
+            .flat_map(|row| row[1..].iter().map(|&l| l.max(-100)).chain([-100]))
+            .collect();
+        MicroBatch {
+            rows,
+            seq_len,
+            tokens: ids.to_vec(),
+            targets,
+            samples: Vec::new(),
+        }
+    }
+
+    /// The batch as `m` micro-batches of equal rows, in order.
+    pub fn split(&self, m: usize) -> Result<Vec<MicroBatch>, String> {
+        if m == 0 || !self.rows.is_multiple_of(m) {
+            return Err(format!(
+                "{} rows do not split into {m} micro-batches of equal size",
+                self.rows
+            ));
+        }
+        let n = self.rows / m * self.seq_len;
+        Ok((0..m)
+            .map(|i| MicroBatch {
+                rows: self.rows / m,
+                seq_len: self.seq_len,
+                tokens: self.tokens[i * n..(i + 1) * n].to_vec(),
+                targets: self.targets[i * n..(i + 1) * n].to_vec(),
+                samples: Vec::new(),
+            })
+            .collect())
+    }
+
     /// The windows of `seq_len` inputs (and their next bytes) at `offsets` of `text`.
     fn at(text: &[u8], seq_len: usize, offsets: &[usize], samples: Vec<u64>) -> Self {
         let mut tokens = Vec::with_capacity(offsets.len() * seq_len);

@@ -47,6 +47,22 @@ pub struct StepInput<'a> {
     pub scale: f32,
     /// AutoCache for the frozen prefix's outputs, if on.
     pub cache: Option<&'a PrefixCache>,
+    /// Keep each micro-batch's logits (`forward`'s output); training does not.
+    pub keep_logits: bool,
+}
+
+impl StepInput<'_> {
+    /// What micro-batch `m`'s mean loss is scaled by so that the step's loss is the mean over
+    /// every target of the batch: `scale` when every position has a target, else its share of
+    /// the batch's targets (Hugging Face's mean over labelled tokens).
+    pub fn loss_scale(&self, m: usize) -> f32 {
+        let labelled = |b: &MicroBatch| b.targets.iter().filter(|&&t| t >= 0).count();
+        if self.batches.iter().all(|b| labelled(b) == b.targets.len()) {
+            return self.scale;
+        }
+        let total: usize = self.batches.iter().map(labelled).sum();
+        labelled(&self.batches[m]) as f32 / total.max(1) as f32
+    }
 }
 
 /// One worker of the plan, with the stages it hosts.
@@ -65,7 +81,11 @@ pub struct WorkerOutput {
     pub grads: Vec<Vec<Vec<f32>>>,
     /// Sum of the (unscaled) mean losses of the micro-batches whose route ends here.
     pub loss_sum: f64,
+    /// The same, each scaled by its [`StepInput::loss_scale`].
+    pub scaled_loss: f64,
     pub actions: Vec<TimedAction>,
+    /// (micro-batch, logits) where routes end here, with `keep_logits`.
+    pub logits: Vec<(usize, Payload)>,
 }
 
 fn to_payload(t: &Tensor<3>) -> Payload {
@@ -144,7 +164,9 @@ struct Iteration<'a> {
     waiting_w: HashMap<(usize, usize), Deferred>,
     grads: Vec<Vec<Vec<f32>>>,
     loss_sum: f64,
+    scaled_loss: f64,
     actions: Vec<TimedAction>,
+    logits: Vec<(usize, Payload)>,
     /// A held stage with a frozen prefix: that prefix without autodiff, and the layers after
     /// it, split once per iteration rather than per micro-batch.
     frozen_split: Vec<Option<(Stage, Stage)>>,
@@ -174,7 +196,9 @@ impl<'a> Iteration<'a> {
                 .map(|h| vec![Vec::new(); h.module.layers.len()])
                 .collect(),
             loss_sum: 0.0,
+            scaled_loss: 0.0,
             actions: Vec::with_capacity(mine.len()),
+            logits: Vec::new(),
             frozen_split: frozen_splits(worker),
             worker,
             plan,
@@ -262,13 +286,18 @@ impl<'a> Iteration<'a> {
                 )))
             }
             None => {
+                if self.input.keep_logits {
+                    self.logits.push((a.mb, to_payload(&y)));
+                }
                 let l = batch_loss(y, mb);
                 let v = l.clone().into_scalar::<f32>() as f64;
                 if !v.is_finite() {
                     return Err(ExecError::NonFinite(v));
                 }
+                let scale = self.input.loss_scale(a.mb);
                 self.loss_sum += v;
-                Out::Loss(l * self.input.scale)
+                self.scaled_loss += v * scale as f64;
+                Out::Loss(l * scale)
             }
         };
         let saved = Saved {
@@ -402,7 +431,9 @@ impl<'a> Iteration<'a> {
         WorkerOutput {
             grads: self.grads,
             loss_sum: self.loss_sum,
+            scaled_loss: self.scaled_loss,
             actions: self.actions,
+            logits: self.logits,
         }
     }
 }

@@ -39,6 +39,10 @@ pub struct TrainConfig {
     /// How steps draw sequences from the training text: random windows, or epochs over fixed
     /// samples (needed by the frozen-prefix cache).
     pub sampling: Sampling,
+    /// A Hugging Face model directory whose weights the run starts from (fine-tuning);
+    /// none: fresh weights from the seed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pretrained: Option<std::path::PathBuf>,
 }
 
 impl Default for TrainConfig {
@@ -59,6 +63,7 @@ impl Default for TrainConfig {
             clip: 1.0,
             seed: 42,
             sampling: Sampling::Windows,
+            pretrained: None,
         }
     }
 }
@@ -82,12 +87,6 @@ impl TrainConfig {
     /// Settings that no plan can fix: model shape, batch and optimizer values.
     pub fn check(&self) -> Result<()> {
         self.model.check().map_err(Error::Config)?;
-        if self.model.vocab < 256 {
-            return Err(Error::Config(format!(
-                "vocab {} is smaller than the 256 byte values the training data uses",
-                self.model.vocab
-            )));
-        }
         let bad = |m: String| Err(Error::Config(m));
         if self.rows == 0 {
             return bad("rows (sequences per micro-batch) must be at least 1".into());

@@ -26,6 +26,73 @@ pub(crate) fn fresh_state(cfg: &TrainConfig) -> Vec<LayerState> {
         .collect()
 }
 
+/// The state a run starts from: the pretrained weights of `cfg.pretrained` when it names a
+/// Hugging Face directory, else fresh ones from the seed.
+pub(crate) fn initial_state(cfg: &TrainConfig) -> Result<Vec<LayerState>> {
+    let Some(dir) = &cfg.pretrained else {
+        return Ok(fresh_state(cfg));
+    };
+    let blocks = hf_layers(&cfg.model, dir, cfg.seed).map_err(Error::Config)?;
+    Ok(blocks.into_iter().map(|b| (b, optimizer(cfg))).collect())
+}
+
+/// The layer blocks of `model` with the weights of the Hugging Face directory `dir`.
+pub fn hf_layers(
+    model: &crate::model::ModelConfig,
+    dir: &std::path::Path,
+    seed: u64,
+) -> std::result::Result<Vec<LayerBlock>, String> {
+    let blocks = Layers::new(model, seed, &train_device()).into_blocks();
+    let wanted: Vec<_> = named_params(blocks.iter().enumerate(), model.layers)
+        .into_iter()
+        .map(|(n, shape, _)| (n, shape))
+        .collect();
+    let hf = crate::model::hf::read_weights(dir)?;
+    let ours = crate::model::hf::from_hf(model, &wanted, hf)
+        .map_err(|e| format!("{}: {e}", dir.display()))?;
+    let entries: Vec<_> = ours
+        .into_iter()
+        .map(|(n, t)| {
+            let bytes = t.values.iter().flat_map(|x| x.to_le_bytes()).collect();
+            (n, safetensors::Dtype::F32, t.shape, bytes)
+        })
+        .collect();
+    let bytes = to_safetensors(&entries)?;
+    let tensors = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| e.to_string())?;
+    blocks
+        .into_iter()
+        .enumerate()
+        .map(|(i, b)| load_layer(b, &tensors, i, model.layers))
+        .collect()
+}
+
+/// The model's parameters under Hugging Face names and shapes (what `export` writes), or
+/// with `grads` (flat, one per layer block, in parameter order) their gradients instead.
+pub fn hf_params(
+    model: &crate::model::ModelConfig,
+    blocks: &[LayerBlock],
+    grads: Option<&[Vec<f32>]>,
+) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let mut params: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+    for (i, b) in blocks.iter().enumerate() {
+        let mut at = 0;
+        for (n, shape, bytes) in named_params(std::iter::once((i, b)), model.layers) {
+            let len = bytes.len() / 4;
+            let v = match grads {
+                Some(g) if g[i].len() >= at + len => g[i][at..at + len].to_vec(),
+                Some(_) => vec![0.0; len], // a frozen layer block: no gradient
+                None => bytes
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect(),
+            };
+            at += len;
+            params.push((n, shape, v));
+        }
+    }
+    crate::model::hf::to_hf(model, params, grads.is_some())
+}
+
 /// Visit the module inside a layer block, so names start at the block's own fields.
 fn visit_inner<V: ModuleVisitor>(b: &LayerBlock, v: &mut V) {
     match b {

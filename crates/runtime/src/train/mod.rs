@@ -13,6 +13,7 @@ mod trainer;
 pub use checkpoint::{checkpoint_config, Resumed};
 pub use config::TrainConfig;
 pub use freeze::{FreezeController, FreezeSettings};
+pub use layers::{hf_layers, hf_params};
 pub use plain::PlainTrainer;
 pub use run::{Checkpointing, RunConfig, RunSink, RunStart, RunSummary, StepRow, TrainingRun};
-pub use trainer::{describe, ReplanReport, StepReport, Trainer};
+pub use trainer::{describe, BatchGradients, ReplanReport, StepReport, Trainer};

@@ -2,7 +2,7 @@
 //! all-reduce per stage group, global grad-norm clipping, AdamW with warmup + cosine LR, and
 //! re-planning between steps. State is kept per layer block, so any plan can take it over.
 
-use super::layers::{fresh_state, LayerState};
+use super::layers::{initial_state, LayerState};
 use super::TrainConfig;
 use crate::backend::{autodiff_lock, plain_device};
 use crate::cache::{CacheStats, PrefixCache};
@@ -147,7 +147,7 @@ impl Trainer {
     ) -> Result<Self> {
         cfg.check()?;
         cfg.check_plan(&plan)?;
-        let state = fresh_state(&cfg);
+        let state = initial_state(&cfg)?;
         let workers = build_workers(&plan, &state, rank);
         Ok(Trainer {
             sampler: cfg.sampler(),
@@ -349,7 +349,6 @@ impl Trainer {
     /// AdamW per layer block.
     pub fn train_step(&mut self, corpus: &Corpus) -> std::result::Result<StepReport, ExecError> {
         let n = self.plan.num_microbatches;
-        let scale = 1.0 / n as f32;
         let lr = self.cfg.lr_at(self.step) * self.lr_scale;
         let clip = self.cfg.clip;
         let batches = self.batches(corpus, self.step)?;
@@ -358,99 +357,38 @@ impl Trainer {
         let transport = self.transport.as_ref();
         let input = StepInput {
             batches: &batches,
-            scale,
+            scale: 1.0 / n as f32,
             cache: self.cache.as_deref(),
+            keep_logits: false,
         };
-        type Done = (WorkerOutput, f64, f64, Vec<(usize, f64)>);
-        let results: Vec<std::result::Result<Done, ExecError>> = std::thread::scope(|sc| {
-            let handles: Vec<_> = self
-                .workers
-                .iter_mut()
-                .map(|worker| {
-                    let input = &input;
-                    sc.spawn(move || {
-                        let r = (|| {
-                            let mut out = worker.run(plan, routes, transport, input, clock)?;
-                            let rank = worker.rank;
-                            let frozen = worker.frozen;
-                            // Frozen layer blocks have no gradient: none to sum or step.
-                            for (held, g) in worker.stages.iter().zip(out.grads.iter_mut()) {
-                                for (k, layer) in g.iter_mut().enumerate() {
-                                    if held.first_layer + k < frozen {
-                                        layer.clear();
-                                    }
-                                }
-                            }
-                            // Sum each stage's gradients over its replica group, in
-                            // one all-reduce per stage.
-                            for (held, g) in worker.stages.iter().zip(out.grads.iter_mut()) {
-                                let group = &topo.groups[held.stage];
-                                if group.len() < 2 {
-                                    continue;
-                                }
-                                let mut flat = g.concat();
-                                transport.all_reduce_gradients(rank, group, &mut flat)?;
-                                let mut at = 0;
-                                for layer in g.iter_mut() {
-                                    let n = layer.len();
-                                    layer.copy_from_slice(&flat[at..at + n]);
-                                    at += n;
-                                }
-                            }
-                            // Each layer block's squared gradient norm, from its stage's
-                            // first host; their sum is the global one (each stage counted
-                            // once), added in the order `sum_squares` adds buffers.
-                            let layer_sq: Vec<(usize, f32)> = worker
-                                .stages
-                                .iter()
-                                .zip(&out.grads)
-                                .filter(|(h, _)| topo.leads(rank, h.stage))
-                                .flat_map(|(h, g)| {
-                                    g.iter().enumerate().map(move |(k, l)| {
-                                        (h.first_layer + k, sum_squares(std::iter::once(l)))
-                                    })
-                                })
-                                .collect();
-                            let sq: f32 = layer_sq.iter().map(|&(_, x)| x).sum();
-                            let layer_norms: Vec<(usize, f64)> = layer_sq
-                                .iter()
-                                .map(|&(i, x)| (i, (x as f64).sqrt()))
-                                .collect();
-                            let mut sums = [sq, out.loss_sum as f32];
-                            transport.all_reduce(rank, &topo.everyone, &mut sums)?;
-                            let norm = (sums[0] as f64).sqrt();
-                            let factor = clip_factor(norm, clip);
-                            let _guard = autodiff_lock();
-                            for (held, g) in worker.stages.iter_mut().zip(&out.grads) {
-                                let first = held.first_layer;
-                                let layers = std::mem::take(&mut held.module.layers);
-                                held.module.layers = layers
-                                    .into_iter()
-                                    .zip(g)
-                                    .zip(held.optims.iter_mut())
-                                    .enumerate()
-                                    .map(|(k, ((layer, g), o))| {
-                                        if first + k < frozen {
-                                            return layer;
-                                        }
-                                        let gp = grads_params(&layer, g, factor);
-                                        o.step(lr, layer, gp)
-                                    })
-                                    .collect();
-                            }
-                            Ok((out, norm, sums[1] as f64, layer_norms))
-                        })();
-                        if r.is_err() {
-                            transport.abort();
-                        }
-                        r
-                    })
+        let results = on_workers(&mut self.workers, transport, |worker| {
+            let mut out = worker.run(plan, routes, transport, &input, clock)?;
+            reduce_gradients(worker, &mut out, topo, transport)?;
+            // Each layer block's squared gradient norm, from its stage's first host; their
+            // sum is the global one (each stage counted once), added in the order
+            // `sum_squares` adds buffers.
+            let rank = worker.rank;
+            let layer_sq: Vec<(usize, f32)> = worker
+                .stages
+                .iter()
+                .zip(&out.grads)
+                .filter(|(h, _)| topo.leads(rank, h.stage))
+                .flat_map(|(h, g)| {
+                    g.iter()
+                        .enumerate()
+                        .map(move |(k, l)| (h.first_layer + k, sum_squares(std::iter::once(l))))
                 })
                 .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().expect("worker thread panicked"))
-                .collect()
+            let sq: f32 = layer_sq.iter().map(|&(_, x)| x).sum();
+            let layer_norms: Vec<(usize, f64)> = layer_sq
+                .iter()
+                .map(|&(i, x)| (i, (x as f64).sqrt()))
+                .collect();
+            let mut sums = [sq, out.loss_sum as f32];
+            transport.all_reduce(rank, &topo.everyone, &mut sums)?;
+            let norm = (sums[0] as f64).sqrt();
+            apply_gradients(worker, &out.grads, lr, clip_factor(norm, clip));
+            Ok((out, norm, sums[1] as f64, layer_norms))
         });
         let seconds = clock.elapsed().as_secs_f64();
         let mut busy = vec![0.0; self.plan.num_workers()];
@@ -539,6 +477,68 @@ impl Trainer {
         })
     }
 
+    /// One batch through this plan's forward and backward, exactly as a training step runs
+    /// them, without the optimizer: each micro-batch's logits, the mean loss, and every layer
+    /// block's gradient (model order, flat in parameter order; empty when frozen). In one
+    /// process only: the logits stay with the workers that computed them.
+    pub fn batch_gradients(
+        &mut self,
+        batches: &[MicroBatch],
+    ) -> std::result::Result<BatchGradients, ExecError> {
+        let n = self.plan.num_microbatches;
+        if batches.len() != n || self.rank.is_some() {
+            return Err(ExecError::Plan {
+                worker: 0,
+                msg: format!(
+                    "batch_gradients takes the plan's {n} micro-batches in one process (got {})",
+                    batches.len()
+                ),
+            });
+        }
+        let (plan, routes, topo) = (&self.plan, &self.routes, &self.topo);
+        let transport = self.transport.as_ref();
+        let input = StepInput {
+            batches,
+            scale: 1.0 / n as f32,
+            cache: None,
+            keep_logits: true,
+        };
+        let clock = Instant::now();
+        let results = on_workers(&mut self.workers, transport, |worker| {
+            let mut out = worker.run(plan, routes, transport, &input, clock)?;
+            reduce_gradients(worker, &mut out, topo, transport)?;
+            Ok(out)
+        });
+        let mut grads = vec![Vec::new(); self.plan.num_layers()];
+        let (mut loss, mut logits) = (0.0, Vec::new());
+        for (worker, out) in self.workers.iter().zip(results) {
+            let out = out?;
+            for (held, g) in worker.stages.iter().zip(out.grads) {
+                if topo.leads(worker.rank, held.stage) {
+                    for (k, layer) in g.into_iter().enumerate() {
+                        grads[held.first_layer + k] = layer;
+                    }
+                }
+            }
+            loss += out.scaled_loss;
+            logits.extend(out.logits);
+        }
+        logits.sort_by_key(|(mb, _)| *mb);
+        Ok(BatchGradients {
+            logits: logits
+                .into_iter()
+                .map(|(_, p)| (p.shape, p.values))
+                .collect(),
+            loss,
+            grads,
+        })
+    }
+
+    /// The model's layer blocks in model order (gathered from the workers).
+    pub fn layer_blocks(&self) -> Result<Vec<LayerBlock>> {
+        Ok(self.layer_state()?.into_iter().map(|(b, _)| b).collect())
+    }
+
     /// Mean held-out loss over `batches` fixed micro-batches, through every layer in model
     /// order. Runs on `valid()` copies without autodiff, so it joins no worker's graph. Across
     /// processes every rank calls it (the layers are gathered first).
@@ -623,6 +623,98 @@ impl Trainer {
 }
 
 /// The in-process transport for a plan's workers, with emulated links if asked.
+/// What [`Trainer::batch_gradients`] returns.
+pub struct BatchGradients {
+    /// Each micro-batch's logits: shape `[rows, seq_len, vocab]` and values.
+    pub logits: Vec<(Vec<usize>, Vec<f32>)>,
+    pub loss: f64,
+    /// Per layer block, model order.
+    pub grads: Vec<Vec<f32>>,
+}
+
+/// Run `f` on every worker, each in its own thread; a worker that fails aborts the transport
+/// so that its peers stop waiting for it.
+fn on_workers<T: Send>(
+    workers: &mut [Worker],
+    transport: &dyn Transport,
+    f: impl Fn(&mut Worker) -> std::result::Result<T, ExecError> + Sync,
+) -> Vec<std::result::Result<T, ExecError>> {
+    std::thread::scope(|sc| {
+        let handles: Vec<_> = workers
+            .iter_mut()
+            .map(|worker| {
+                let f = &f;
+                sc.spawn(move || {
+                    let r = f(worker);
+                    if r.is_err() {
+                        transport.abort();
+                    }
+                    r
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("worker thread panicked"))
+            .collect()
+    })
+}
+
+/// Drop frozen layers' gradients (they have none to sum or step), then sum each stage's
+/// gradients over its replica group, in one all-reduce per stage.
+fn reduce_gradients(
+    worker: &Worker,
+    out: &mut WorkerOutput,
+    topo: &Topology,
+    transport: &dyn Transport,
+) -> std::result::Result<(), ExecError> {
+    for (held, g) in worker.stages.iter().zip(out.grads.iter_mut()) {
+        for (k, layer) in g.iter_mut().enumerate() {
+            if held.first_layer + k < worker.frozen {
+                layer.clear();
+            }
+        }
+    }
+    for (held, g) in worker.stages.iter().zip(out.grads.iter_mut()) {
+        let group = &topo.groups[held.stage];
+        if group.len() < 2 {
+            continue;
+        }
+        let mut flat = g.concat();
+        transport.all_reduce_gradients(worker.rank, group, &mut flat)?;
+        let mut at = 0;
+        for layer in g.iter_mut() {
+            let n = layer.len();
+            layer.copy_from_slice(&flat[at..at + n]);
+            at += n;
+        }
+    }
+    Ok(())
+}
+
+/// AdamW on each trainable layer block the worker holds, its gradients scaled by `factor`.
+fn apply_gradients(worker: &mut Worker, grads: &[Vec<Vec<f32>>], lr: f64, factor: f32) {
+    let frozen = worker.frozen;
+    let _guard = autodiff_lock();
+    for (held, g) in worker.stages.iter_mut().zip(grads) {
+        let first = held.first_layer;
+        let layers = std::mem::take(&mut held.module.layers);
+        held.module.layers = layers
+            .into_iter()
+            .zip(g)
+            .zip(held.optims.iter_mut())
+            .enumerate()
+            .map(|(k, ((layer, g), o))| {
+                if first + k < frozen {
+                    return layer;
+                }
+                let gp = grads_params(&layer, g, factor);
+                o.step(lr, layer, gp)
+            })
+            .collect();
+    }
+}
+
 fn transport_for(
     plan: &Plan,
     links: Option<&Cluster>,

@@ -1,0 +1,412 @@
+//! Hugging Face model directories in and out: `config.json` to and from a [`ModelConfig`],
+//! and weights (`model.safetensors`, or shards named by `model.safetensors.index.json`) to
+//! and from the model's layer blocks, under the family's Hugging Face names and shapes.
+
+use super::{Family, Llama3Scaling, ModelConfig};
+use serde_json::{json, Value};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+/// A tensor as f32 values with its shape.
+#[derive(Debug, Clone)]
+pub struct HfTensor {
+    pub shape: Vec<usize>,
+    pub values: Vec<f32>,
+}
+
+/// The model's settings from a Hugging Face `config.json` (its text; `what` names it in
+/// errors). Every field that changes the computation is read; one pipewright cannot honour
+/// is refused by name. `seq_len` is the training length: the model's positions, at most 64.
+pub fn config_from_hf(text: &str, what: &str) -> Result<ModelConfig, String> {
+    let v: Value =
+        serde_json::from_str(text).map_err(|e| format!("{what}: not a JSON config: {e}"))?;
+    let family = match v.get("model_type").and_then(Value::as_str) {
+        Some("llama") => Family::Llama,
+        Some(other) => {
+            return Err(format!(
+                "{what}: model_type \"{other}\" is not supported (supported: llama)"
+            ))
+        }
+        None => return Err(format!("{what}: no model_type")),
+    };
+    let cfg = match family {
+        Family::Llama => llama_config(&v).map_err(|e| format!("{what}: {e}"))?,
+        Family::Gpt => unreachable!("gpt is pipewright's own, not a Hugging Face model_type"),
+    };
+    cfg.check().map_err(|e| format!("{what}: {e}"))?;
+    Ok(cfg)
+}
+
+fn usize_field(v: &Value, key: &str) -> Result<Option<usize>, String> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(x) => x
+            .as_u64()
+            .map(|n| Some(n as usize))
+            .ok_or_else(|| format!("{key} must be a non-negative integer, found {x}")),
+    }
+}
+
+fn need(v: &Value, key: &str) -> Result<usize, String> {
+    usize_field(v, key)?.ok_or_else(|| format!("{key} is missing"))
+}
+
+fn f64_field(v: &Value, key: &str) -> Result<Option<f64>, String> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(x) => x
+            .as_f64()
+            .map(Some)
+            .ok_or_else(|| format!("{key} must be a number, found {x}")),
+    }
+}
+
+/// Refuse a field whose value would change the computation in a way not implemented.
+fn refuse_unless(v: &Value, key: &str, ok: impl Fn(&Value) -> bool) -> Result<(), String> {
+    match v.get(key) {
+        Some(x) if !x.is_null() && !ok(x) => Err(format!(
+            "{key} = {x} is not supported by pipewright's llama"
+        )),
+        _ => Ok(()),
+    }
+}
+
+fn llama_config(v: &Value) -> Result<ModelConfig, String> {
+    refuse_unless(v, "hidden_act", |x| x == "silu")?;
+    refuse_unless(v, "attention_bias", |x| x == false)?;
+    refuse_unless(v, "mlp_bias", |x| x == false)?;
+    refuse_unless(v, "pretraining_tp", |x| x == 1)?;
+    let (d, heads) = (need(v, "hidden_size")?, need(v, "num_attention_heads")?);
+    if let Some(hd) = usize_field(v, "head_dim")? {
+        if heads == 0 || hd * heads != d {
+            return Err(format!(
+                "head_dim {hd} x num_attention_heads {heads} must equal hidden_size {d}"
+            ));
+        }
+    }
+    // transformers 5 keeps theta and scaling in rope_parameters; older configs use
+    // rope_theta and rope_scaling.
+    let rope = v.get("rope_parameters").filter(|x| !x.is_null());
+    let scaling = rope.or(v.get("rope_scaling")).filter(|x| !x.is_null());
+    let theta = match rope {
+        Some(r) => f64_field(r, "rope_theta")?,
+        None => f64_field(v, "rope_theta")?,
+    };
+    let max_positions = usize_field(v, "max_position_embeddings")?;
+    Ok(ModelConfig {
+        family: Family::Llama,
+        vocab: need(v, "vocab_size")?,
+        d_model: d,
+        heads,
+        layers: need(v, "num_hidden_layers")?,
+        seq_len: max_positions.unwrap_or(64).clamp(1, 64),
+        kv_heads: usize_field(v, "num_key_value_heads")?,
+        ffn: Some(need(v, "intermediate_size")?),
+        rope_theta: theta,
+        rope_scaling: scaling.map(rope_scaling).transpose()?.flatten(),
+        norm_eps: f64_field(v, "rms_norm_eps")?,
+        max_positions,
+        tie_embeddings: v
+            .get("tie_word_embeddings")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
+    })
+}
+
+/// `None` for plain rotary positions; llama3 scaling; anything else refused by name.
+fn rope_scaling(s: &Value) -> Result<Option<Llama3Scaling>, String> {
+    let kind = s
+        .get("rope_type")
+        .or(s.get("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    match kind {
+        "default" => Ok(None),
+        "llama3" => {
+            let num = |k: &str| f64_field(s, k)?.ok_or_else(|| format!("rope {k} is missing"));
+            Ok(Some(Llama3Scaling {
+                factor: num("factor")?,
+                low_freq_factor: num("low_freq_factor")?,
+                high_freq_factor: num("high_freq_factor")?,
+                original_max_position_embeddings: need(s, "original_max_position_embeddings")?,
+            }))
+        }
+        other => Err(format!(
+            "rope scaling type \"{other}\" is not supported (supported: default, llama3)"
+        )),
+    }
+}
+
+/// The Hugging Face `config.json` of a model (what `from_pretrained` needs).
+pub fn config_to_hf(cfg: &ModelConfig) -> Result<Value, String> {
+    match cfg.family {
+        Family::Llama => {
+            let mut rope = json!({"rope_type": "default", "rope_theta": cfg.rope_theta()});
+            if let Some(s) = &cfg.rope_scaling {
+                rope = json!({"rope_type": "llama3", "rope_theta": cfg.rope_theta(),
+                    "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                    "high_freq_factor": s.high_freq_factor,
+                    "original_max_position_embeddings": s.original_max_position_embeddings});
+            }
+            let mut v = json!({
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "vocab_size": cfg.vocab,
+                "hidden_size": cfg.d_model,
+                "intermediate_size": cfg.ffn(),
+                "num_hidden_layers": cfg.layers,
+                "num_attention_heads": cfg.heads,
+                "num_key_value_heads": cfg.kv_heads(),
+                "head_dim": cfg.head_dim(),
+                "max_position_embeddings": cfg.max_positions(),
+                "rms_norm_eps": cfg.norm_eps(),
+                "hidden_act": "silu",
+                "attention_bias": false,
+                "mlp_bias": false,
+                "tie_word_embeddings": cfg.tie_embeddings,
+                "rope_parameters": rope.clone(),
+                // What transformers before version 5 reads.
+                "rope_theta": cfg.rope_theta(),
+                "torch_dtype": "float32",
+            });
+            if cfg.rope_scaling.is_some() {
+                v["rope_scaling"] = rope;
+            }
+            Ok(v)
+        }
+        Family::Gpt => Err(
+            "the gpt family is pipewright's own and has no Hugging Face layout (use llama)".into(),
+        ),
+    }
+}
+
+/// A checkpoint name (`embed.x`, `block.N.x`, `head.x`) as the family's Hugging Face name.
+pub fn hf_name(cfg: &ModelConfig, name: &str) -> String {
+    if let Some(rest) = name.strip_prefix("embed.") {
+        format!("model.{rest}")
+    } else if let Some(rest) = name.strip_prefix("block.") {
+        format!("model.layers.{rest}")
+    } else if let Some(rest) = name.strip_prefix("head.") {
+        match rest {
+            "lm_head.weight" => rest.to_string(),
+            _ => format!("model.{rest}"),
+        }
+    } else {
+        debug_assert!(cfg.family == Family::Llama);
+        name.to_string()
+    }
+}
+
+/// Is this parameter stored transposed in Hugging Face's layout? burn's Linear keeps
+/// `[in, out]`, torch's `[out, in]`; embeddings and norms agree.
+pub fn transposed(shape: &[usize], hf: &str) -> bool {
+    shape.len() == 2 && !hf.contains("embed_tokens")
+}
+
+/// `[r, c]` values as `[c, r]`.
+pub fn transpose(values: &[f32], r: usize, c: usize) -> Vec<f32> {
+    let mut out = vec![0f32; values.len()];
+    for i in 0..r {
+        for j in 0..c {
+            out[j * r + i] = values[i * c + j];
+        }
+    }
+    out
+}
+
+/// The safetensors files of a model directory: `model.safetensors`, or the shards that
+/// `model.safetensors.index.json` names (each once, in name order).
+fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, String> {
+    let single = dir.join("model.safetensors");
+    let index = dir.join("model.safetensors.index.json");
+    if index.is_file() {
+        let text = read(&index)?;
+        let v: Value = serde_json::from_str(&text)
+            .map_err(|e| format!("{}: not a JSON shard index: {e}", index.display()))?;
+        let map = v
+            .get("weight_map")
+            .and_then(Value::as_object)
+            .ok_or_else(|| format!("{}: no weight_map", index.display()))?;
+        let mut files: Vec<String> = map
+            .values()
+            .map(|f| f.as_str().map(str::to_string))
+            .collect::<Option<_>>()
+            .ok_or_else(|| format!("{}: weight_map values must be file names", index.display()))?;
+        files.sort();
+        files.dedup();
+        return files
+            .into_iter()
+            .map(|f| {
+                let p = dir.join(&f);
+                if f.contains('/') || f.contains("..") || !p.is_file() {
+                    Err(format!(
+                        "{}: names shard {f}, which is not a file in {}",
+                        index.display(),
+                        dir.display()
+                    ))
+                } else {
+                    Ok(p)
+                }
+            })
+            .collect();
+    }
+    if single.is_file() {
+        return Ok(vec![single]);
+    }
+    Err(format!(
+        "{}: no model.safetensors or model.safetensors.index.json",
+        dir.display()
+    ))
+}
+
+fn read(p: &Path) -> Result<String, String> {
+    std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))
+}
+
+/// Every tensor of a model directory's weights as f32 (F16 and BF16 converted), by name.
+pub fn read_weights(dir: &Path) -> Result<HashMap<String, HfTensor>, String> {
+    let mut out = HashMap::new();
+    for file in weight_files(dir)? {
+        let bytes = std::fs::read(&file).map_err(|e| format!("{}: {e}", file.display()))?;
+        let st = safetensors::SafeTensors::deserialize(&bytes)
+            .map_err(|e| format!("{}: not a valid safetensors file ({e})", file.display()))?;
+        for (name, view) in st.tensors() {
+            let values = to_f32(view.dtype(), view.data())
+                .map_err(|e| format!("{}: tensor {name}: {e}", file.display()))?;
+            let shape = view.shape().to_vec();
+            if out
+                .insert(name.clone(), HfTensor { shape, values })
+                .is_some()
+            {
+                return Err(format!(
+                    "{}: tensor {name} is in more than one shard",
+                    file.display()
+                ));
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn to_f32(dtype: safetensors::Dtype, data: &[u8]) -> Result<Vec<f32>, String> {
+    use safetensors::Dtype;
+    let two = |f: fn([u8; 2]) -> f32| data.chunks_exact(2).map(|b| f([b[0], b[1]])).collect();
+    Ok(match dtype {
+        Dtype::F32 => data
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        Dtype::F16 => two(|b| half::f16::from_le_bytes(b).to_f32()),
+        Dtype::BF16 => two(|b| half::bf16::from_le_bytes(b).to_f32()),
+        other => {
+            return Err(format!(
+                "dtype {other:?} is not supported (F32, F16 and BF16 are)"
+            ))
+        }
+    })
+}
+
+/// Checkpoint-named tensors (as the model holds them) from Hugging Face ones: every parameter
+/// `wanted` (checkpoint name, shape) found under its HF name with the HF shape; a tied model's
+/// head takes the embedding's matrix. Missing, misshaped and left-over tensors are named.
+pub fn from_hf(
+    cfg: &ModelConfig,
+    wanted: &[(String, Vec<usize>)],
+    mut hf: HashMap<String, HfTensor>,
+) -> Result<BTreeMap<String, HfTensor>, String> {
+    let mut out = BTreeMap::new();
+    let embedding = hf.get("model.embed_tokens.weight").cloned();
+    for (name, shape) in wanted {
+        let key = hf_name(cfg, name);
+        let tied = cfg.tie_embeddings && key == "lm_head.weight";
+        let t = if tied {
+            embedding.clone()
+        } else {
+            hf.remove(&key)
+        };
+        let t = t.ok_or_else(|| {
+            format!(
+                "tensor {key} is missing (expected shape {})",
+                hf_shape_str(shape, &key)
+            )
+        })?;
+        let want_hf: Vec<usize> = if transposed(shape, &key) {
+            vec![shape[1], shape[0]]
+        } else {
+            shape.clone()
+        };
+        if t.shape != want_hf {
+            return Err(format!(
+                "tensor {key} has shape {:?}; this model expects {want_hf:?}",
+                t.shape
+            ));
+        }
+        let values = if transposed(shape, &key) {
+            transpose(&t.values, shape[1], shape[0])
+        } else {
+            t.values
+        };
+        out.insert(
+            name.clone(),
+            HfTensor {
+                shape: shape.clone(),
+                values,
+            },
+        );
+    }
+    // transformers may save a tied head's matrix too; it must then equal the embedding.
+    if cfg.tie_embeddings {
+        hf.remove("lm_head.weight");
+    }
+    hf.retain(|k, _| !k.ends_with("rotary_emb.inv_freq"));
+    if let Some(extra) = hf.keys().min() {
+        return Err(format!(
+            "tensor {extra} is not a parameter of this {} model ({} such tensors)",
+            cfg.family.name(),
+            hf.len()
+        ));
+    }
+    Ok(out)
+}
+
+fn hf_shape_str(shape: &[usize], key: &str) -> String {
+    if transposed(shape, key) {
+        format!("{:?}", [shape[1], shape[0]])
+    } else {
+        format!("{shape:?}")
+    }
+}
+
+/// Hugging Face-named tensors from checkpoint-named ones. A tied model writes no head: its
+/// matrix is the embedding's; with `sum_tied` (gradients) the head's is added into it.
+pub fn to_hf(
+    cfg: &ModelConfig,
+    params: Vec<(String, Vec<usize>, Vec<f32>)>,
+    sum_tied: bool,
+) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let mut out: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+    for (name, shape, values) in params {
+        let key = hf_name(cfg, &name);
+        let (shape, values) = if transposed(&shape, &key) {
+            (
+                vec![shape[1], shape[0]],
+                transpose(&values, shape[0], shape[1]),
+            )
+        } else {
+            (shape, values)
+        };
+        if cfg.tie_embeddings && key == "lm_head.weight" {
+            if sum_tied {
+                if let Some(e) = out
+                    .iter_mut()
+                    .find(|(k, ..)| k == "model.embed_tokens.weight")
+                {
+                    e.2.iter_mut().zip(&values).for_each(|(a, b)| *a += b);
+                }
+            }
+            continue;
+        }
+        out.push((key, shape, values));
+    }
+    out
+}

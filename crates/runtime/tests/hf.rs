@@ -1,0 +1,119 @@
+//! Hugging Face models against transformers' own numbers: the fixtures under
+//! `tests/fixtures/hf/` (made by `scripts/hf-fixtures`) hold tiny random models saved by
+//! `save_pretrained`, a batch, and the logits, loss and every parameter's gradient that
+//! transformers computed on it. Pipelining a model must change none of them.
+
+use pipewright_runtime::data::MicroBatch;
+use pipewright_runtime::model::hf::config_from_hf;
+use pipewright_runtime::train::{hf_params, TrainConfig, Trainer};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/hf")
+        .join(name)
+}
+
+/// name -> (shape, values as f64) of a safetensors file (F32 and I64 tensors).
+fn read(path: &Path) -> HashMap<String, (Vec<usize>, Vec<f64>)> {
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(n, v)| {
+            let vals = match v.dtype() {
+                safetensors::Dtype::F32 => v
+                    .data()
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes(b.try_into().unwrap()) as f64)
+                    .collect(),
+                safetensors::Dtype::I64 => v
+                    .data()
+                    .chunks_exact(8)
+                    .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as f64)
+                    .collect(),
+                d => panic!("{n}: dtype {d:?}"),
+            };
+            (n, (v.shape().to_vec(), vals))
+        })
+        .collect()
+}
+
+/// Largest |a - b| / (|b|max + 1e-6) over two tensors, relative to the reference's scale.
+fn rel_err(a: &[f32], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0f64, |m, x| m.max(x.abs())) + 1e-6;
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (*x as f64 - y).abs())
+        .fold(0.0, f64::max)
+        / scale
+}
+
+/// Run the fixture's batch on `stages` stages of `schedule` with `m` micro-batches and check
+/// logits, loss and every gradient against transformers'.
+fn check(name: &str, schedule: &str, stages: usize, m: usize) {
+    let dir = fixture(name);
+    let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    let mut model = config_from_hf(&text, "config.json").unwrap();
+    let inputs = read(&dir.join("inputs.safetensors"));
+    let expected = read(&dir.join("expected.safetensors"));
+    let (shape, ids) = &inputs["input_ids"];
+    let (rows, t) = (shape[0], shape[1]);
+    model.seq_len = t;
+    let cfg = TrainConfig {
+        model: model.clone(),
+        schedule: schedule.parse().unwrap(),
+        stages,
+        microbatches: m,
+        rows: rows / m,
+        pretrained: Some(dir.clone()),
+        ..TrainConfig::default()
+    };
+    let plan = cfg.plan().unwrap();
+    let mut trainer = Trainer::new(cfg, plan).unwrap();
+    let ids: Vec<i64> = ids.iter().map(|&x| x as i64).collect();
+    let labels: Vec<i64> = inputs["labels"].1.iter().map(|&x| x as i64).collect();
+    let batch = MicroBatch::causal_lm(&ids, Some(&labels), rows, t);
+    let out = trainer.batch_gradients(&batch.split(m).unwrap()).unwrap();
+    let what = format!("{name} {schedule} P={stages} M={m}");
+    let logits: Vec<f32> = out.logits.iter().flat_map(|(_, v)| v.clone()).collect();
+    let e = rel_err(&logits, &expected["logits"].1);
+    assert!(e < 1e-4, "{what}: logits differ by {e:.2e}");
+    let want_loss = expected["loss"].1[0];
+    assert!(
+        (out.loss - want_loss).abs() < 1e-4,
+        "{what}: loss {} against transformers' {want_loss}",
+        out.loss
+    );
+    let blocks = trainer.layer_blocks().unwrap();
+    let grads = hf_params(&model, &blocks, Some(&out.grads));
+    let want = expected.keys().filter(|k| k.starts_with("grad.")).count();
+    assert_eq!(grads.len(), want, "{what}: gradient count");
+    for (n, shape, g) in grads {
+        let (wshape, w) = &expected[&format!("grad.{n}")];
+        assert_eq!(&shape, wshape, "{what}: {n} shape");
+        let e = rel_err(&g, w);
+        assert!(e < 1e-4, "{what}: gradient of {n} differs by {e:.2e}");
+    }
+}
+
+#[test]
+fn llama_gqa_matches_transformers_on_every_pipeline() {
+    for (schedule, p, m) in [
+        ("1f1b", 1, 1),
+        ("1f1b", 2, 2),
+        ("1f1b", 4, 2),
+        ("zbh1", 2, 2),
+    ] {
+        check("llama-gqa", schedule, p, m);
+    }
+}
+
+#[test]
+fn llama_tied_with_llama3_rope_matches_transformers() {
+    for (schedule, p, m) in [("1f1b", 1, 1), ("1f1b", 2, 1), ("zbh1", 4, 2)] {
+        check("llama-tied-llama3", schedule, p, m);
+    }
+}
