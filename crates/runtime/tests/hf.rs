@@ -4,8 +4,9 @@
 //! transformers computed on it. Pipelining a model must change none of them.
 
 use pipewright_runtime::data::MicroBatch;
+use pipewright_runtime::model::generate::{generate, Sampling};
 use pipewright_runtime::model::hf::config_from_hf;
-use pipewright_runtime::train::{hf_params, TrainConfig, Trainer};
+use pipewright_runtime::train::{hf_layers, hf_params, TrainConfig, Trainer};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -115,5 +116,32 @@ fn llama_gqa_matches_transformers_on_every_pipeline() {
 fn llama_tied_with_llama3_rope_matches_transformers() {
     for (schedule, p, m) in [("1f1b", 1, 1), ("1f1b", 2, 1), ("zbh1", 4, 2)] {
         check("llama-tied-llama3", schedule, p, m);
+    }
+}
+
+#[test]
+fn greedy_generation_with_a_kv_cache_matches_transformers() {
+    for name in ["llama-gqa", "llama-tied-llama3"] {
+        let dir = fixture(name);
+        let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
+        let model = config_from_hf(&text, "config.json").unwrap();
+        let blocks = hf_layers(&model, &dir, 1).unwrap();
+        let inputs = read(&dir.join("inputs.safetensors"));
+        let prompt: Vec<i64> = inputs["input_ids"].1[..4]
+            .iter()
+            .map(|&x| x as i64)
+            .collect();
+        let want: Vec<i64> = read(&dir.join("expected.safetensors"))["generated"]
+            .1
+            .iter()
+            .map(|&x| x as i64)
+            .collect();
+        let greedy = Sampling {
+            temperature: 0.0,
+            top_k: 0,
+            seed: 0,
+        };
+        let got = generate(&blocks, &prompt, want.len(), model.max_positions(), &greedy).unwrap();
+        assert_eq!(got, want, "{name}: greedy tokens after {prompt:?}");
     }
 }

@@ -11,6 +11,7 @@ use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Int, Tensor};
 
 mod config;
+pub mod generate;
 pub mod hf;
 pub mod llama;
 pub use config::{Family, Llama3Scaling, ModelConfig};
