@@ -6,6 +6,7 @@ mod eval;
 mod files;
 mod freeze;
 mod log;
+mod model;
 mod output;
 mod plan;
 mod ranks;
@@ -82,6 +83,14 @@ enum Cmd {
     /// PipeTransformer's ablations on a profile and cluster: throughput per epoch and speedup of
     /// freeze only, + AutoPipe + AutoCache, + AutoPipe + AutoDP, and all four.
     ElasticSim(elastic::ElasticSimArgs),
+    /// Write a checkpoint (whatever plan trained it) as a Hugging Face model directory.
+    Export(model::ExportArgs),
+    /// Run one batch through a pipeline plan: logits, loss and every gradient under Hugging
+    /// Face names, to check pipewright against a reference.
+    Forward(model::ForwardArgs),
+    /// Continue a prompt with a causal model (greedy, or sampled), from a Hugging Face
+    /// directory or a checkpoint.
+    Generate(model::GenerateArgs),
     /// Validation loss and perplexity of a checkpoint, also with stages left out (skip-robust inference).
     Eval(eval::EvalArgs),
     /// Check a plan file (JSON or CSV) and say what is wrong, if anything.
@@ -211,7 +220,11 @@ fn main() {
         Cmd::SkipPlan(_) => error::Flags::SkipPlan,
         Cmd::Plan(_) => error::Flags::Planner,
         Cmd::ElasticSim(_) => error::Flags::ElasticSim,
-        Cmd::Eval(_) | Cmd::Profile(_) | Cmd::Validate { .. } => error::Flags::None,
+        Cmd::Eval(_)
+        | Cmd::Profile(_)
+        | Cmd::Validate { .. }
+        | Cmd::Export(_)
+        | Cmd::Generate(_) => error::Flags::None,
         _ => error::Flags::Pipeline,
     };
     if let Err(e) = run(cli) {
@@ -237,7 +250,15 @@ fn say_error(text: &str) {
 }
 
 fn run(cli: Cli) -> Result<()> {
-    if matches!(cli.cmd, Cmd::Train(_) | Cmd::Profile(_) | Cmd::Eval(_)) {
+    if matches!(
+        cli.cmd,
+        Cmd::Train(_)
+            | Cmd::Profile(_)
+            | Cmd::Eval(_)
+            | Cmd::Export(_)
+            | Cmd::Forward(_)
+            | Cmd::Generate(_)
+    ) {
         // A PIPEWRIGHT_BLAS that cannot be used stops the commands that multiply matrices
         // before any work, rather than quietly running on another library.
         pipewright_runtime::kernels::blas_lib::blas().map_err(|e| BadInput(e.to_string()))?;
@@ -265,6 +286,9 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Train(a) => train::cmd_train(*a),
         Cmd::Profile(a) => train::cmd_profile(a),
         Cmd::Eval(a) => eval::cmd_eval(a),
+        Cmd::Export(a) => model::cmd_export(a),
+        Cmd::Forward(a) => model::cmd_forward(a),
+        Cmd::Generate(a) => model::cmd_generate(a),
         Cmd::ElasticSim(a) => elastic::cmd_elastic_sim(a),
         Cmd::Validate {
             file,

@@ -99,6 +99,8 @@ pub struct TrainArgs {
     /// Write the last step's measured timeline as a Chrome trace.
     #[arg(long)]
     trace: Option<PathBuf>,
+    #[command(flatten)]
+    model: crate::model::ModelArgs,
     /// Model width.
     #[arg(long)]
     d_model: Option<usize>,
@@ -155,9 +157,12 @@ enum SamplingArg {
 
 #[derive(Args)]
 pub struct ProfileArgs {
-    /// Model TOML (vocab, d_model, heads, layers, seq_len); default: the train default.
+    /// The model to measure (default: the train default).
+    #[command(flatten)]
+    model: crate::model::ModelArgs,
+    /// Sequence length (default: the model's).
     #[arg(long)]
-    model: Option<PathBuf>,
+    seq_len: Option<usize>,
     /// Sequences per micro-batch.
     #[arg(long, default_value_t = 4)]
     rows: usize,
@@ -174,13 +179,13 @@ pub struct ProfileArgs {
 }
 
 pub fn cmd_profile(a: ProfileArgs) -> Result<()> {
-    let model = match &a.model {
-        Some(f) => {
-            let text = pipewright_core::error::read_file(f)?;
-            pipewright_core::error::parse_toml::<ModelConfig>(&f.display().to_string(), &text)?
-        }
-        None => ModelConfig::default(),
-    };
+    let mut model = a
+        .model
+        .resolve()?
+        .map_or_else(ModelConfig::default, |c| c.config);
+    if let Some(t) = a.seq_len {
+        model.seq_len = t;
+    }
     model.check().map_err(BadInput)?;
     if a.rows == 0 || a.repeats == 0 || a.repeats > 1000 {
         return Err(BadInput(format!(
@@ -198,6 +203,13 @@ pub fn cmd_profile(a: ProfileArgs) -> Result<()> {
     .check()
     .map_err(|e| BadInput(format!("--rows {}: {e}", a.rows)))?;
     if a.ops {
+        if model.family != pipewright_runtime::model::Family::Gpt {
+            return Err(BadInput(format!(
+                "--ops breaks down the gpt family's block; a {} block is measured whole by profile without --ops",
+                model.family.name()
+            ))
+            .into());
+        }
         print_ops(&model, a.rows, a.repeats);
         return Ok(());
     }
@@ -313,6 +325,15 @@ fn config(a: &TrainArgs) -> Result<TrainConfig> {
         lr,
         seed
     );
+    if let Some(chosen) = a.model.resolve()? {
+        if chosen.weights.is_some() && (a.d_model, a.layers, a.heads) != (None, None, None) {
+            return Err(BadInput(
+                "--d-model, --layers and --heads cannot reshape a pretrained --model".into(),
+            )
+            .into());
+        }
+        (cfg.model, cfg.pretrained) = (chosen.config, chosen.weights);
+    }
     macro_rules! set_model {
         ($($f:ident),*) => { $(if let Some(v) = a.$f { cfg.model.$f = v; })* };
     }

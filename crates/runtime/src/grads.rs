@@ -99,10 +99,12 @@ pub fn flat_params<M: Module>(m: &M) -> Vec<f32> {
 /// Sum of squares of gradient buffers (f64 inside, f32 out: what the all-reduce carries).
 /// Plain and pipelined training share it so their clipping agrees.
 pub fn sum_squares<'a>(grads: impl IntoIterator<Item = &'a Vec<f32>>) -> f32 {
-    grads
-        .into_iter()
-        .map(|g| g.iter().map(|x| (*x as f64).powi(2)).sum::<f64>() as f32)
-        .sum()
+    grads.into_iter().map(|g| squares(g)).sum()
+}
+
+/// One buffer's sum of squares, as [`sum_squares`] adds it.
+pub fn squares(g: &[f32]) -> f32 {
+    g.iter().map(|x| (*x as f64).powi(2)).sum::<f64>() as f32
 }
 
 /// The factor global-norm clipping multiplies gradients by.

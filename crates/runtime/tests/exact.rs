@@ -535,3 +535,75 @@ fn cached_frozen_prefix_stays_exact() {
     assert!(windows.set_cache(Some(cache)).is_err());
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// A tiny LLaMA (grouped-query attention, SwiGLU, RMSNorm, rotary positions).
+fn tiny_llama(schedule: &str, p: usize, d: usize, tied: bool) -> TrainConfig {
+    let mut cfg = tiny(schedule, p, d, 4);
+    cfg.model = ModelConfig {
+        family: pipewright_runtime::model::Family::Llama,
+        d_model: 16,
+        heads: 4,
+        kv_heads: Some(2),
+        ffn: Some(24),
+        layers: 4,
+        tie_embeddings: tied,
+        ..cfg.model
+    };
+    cfg
+}
+
+#[test]
+fn pipelined_llama_equals_plain_training() {
+    for (schedule, p, d) in [
+        ("1f1b", 2, 1),
+        ("1f1b", 4, 2),
+        ("zbh1", 2, 2),
+        ("gpipe", 3, 1),
+    ] {
+        let cfg = tiny_llama(schedule, p, d, false);
+        let plan = cfg.plan().unwrap();
+        same_as_plain(&cfg, plan, &format!("llama {schedule} P={p} D={d}"));
+    }
+}
+
+/// Tied embeddings: whatever the plan, the run is the same one, and the embedding and the
+/// LM head's copy of the matrix stay equal (the head's is stored transposed).
+#[test]
+fn tied_embeddings_train_the_same_on_every_plan() {
+    let corpus = Corpus::builtin();
+    // Runs with the same replicas see the same micro-batches; each is compared with the first.
+    let mut reference: [Option<Vec<f32>>; 3] = [None, None, None];
+    let cases = [
+        ("1f1b", 1, 1),
+        ("1f1b", 2, 1),
+        ("1f1b", 4, 1),
+        ("1f1b", 1, 2),
+        ("zbh1", 2, 2),
+        ("interleaved", 2, 2),
+    ];
+    for (schedule, p, d) in cases {
+        let cfg = tiny_llama(schedule, p, d, true);
+        let what = format!("tied llama {schedule} P={p} D={d}");
+        let mut t = Trainer::new(cfg.clone(), cfg.plan().unwrap()).unwrap();
+        for _ in 0..3 {
+            t.train_step(&corpus).unwrap();
+        }
+        let params = t.flat_params().unwrap();
+        let (v, dm) = (cfg.model.vocab, cfg.model.d_model);
+        let embed = &params[..v * dm];
+        let head = &params[params.len() - v * dm..];
+        for r in 0..v {
+            for c in 0..dm {
+                assert_eq!(
+                    embed[r * dm + c],
+                    head[c * v + r],
+                    "{what}: copies differ at {r},{c}"
+                );
+            }
+        }
+        match &reference[d] {
+            None => reference[d] = Some(params),
+            Some(x) => assert_close(&params, x, &what),
+        }
+    }
+}

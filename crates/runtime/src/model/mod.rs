@@ -176,12 +176,16 @@ impl Layers {
         // burn's initialisers draw from a process-wide generator that other threads share, so
         // weights are set here from our own generator: GPT-2 style N(0, 0.02)-like uniform for
         // matrices, zero biases, norms' ones and zeros as built.
-        Layers { blocks }.map(&mut Init {
+        let mut layers = Layers { blocks }.map(&mut Init {
             rng: crate::data::Rng::new(seed),
             seed,
             count: 0,
             path: Vec::new(),
-        })
+        });
+        if cfg.tie_embeddings {
+            llama::tie(&mut layers.blocks);
+        }
+        layers
     }
 
     /// Layer block `i` in model order (a clone that shares parameter ids with `self`).

@@ -8,6 +8,7 @@ mod layers;
 mod plain;
 pub mod run;
 pub mod store;
+mod tied;
 mod trainer;
 
 pub use checkpoint::{checkpoint_config, Resumed};

@@ -3,13 +3,14 @@
 //! re-planning between steps. State is kept per layer block, so any plan can take it over.
 
 use super::layers::{initial_state, LayerState};
+use super::tied::Tied;
 use super::TrainConfig;
 use crate::backend::{autodiff_lock, plain_device};
 use crate::cache::{CacheStats, PrefixCache};
 use crate::data::{micro_batch, Corpus, MicroBatch, Sampler, Sampling};
 use crate::error::{Error, Result};
 use crate::exec::{ExecError, HeldStage, StepInput, Worker, WorkerOutput};
-use crate::grads::{clip_factor, flat_params, grads_params, sum_squares};
+use crate::grads::{clip_factor, flat_params, grads_params, squares};
 use crate::model::{batch_loss, fresh_copy, LayerBlock, Stage, StageInput};
 use crate::transport::{InProcess, Transport, DEFAULT_TIMEOUT};
 use burn::module::Module;
@@ -85,6 +86,8 @@ pub struct Trainer {
     lr_scale: f64,
     /// AutoCache: the frozen prefix's outputs per sample (see [`Trainer::set_cache`]).
     cache: Option<Arc<PrefixCache>>,
+    /// Where the two copies of a tied embedding matrix live, if the model ties them.
+    tied: Option<Tied>,
 }
 
 impl Trainer {
@@ -132,7 +135,7 @@ impl Trainer {
             )));
         }
         transport
-            .prepare(&Topology::new(&plan).groups)
+            .prepare(&super::tied::groups(&cfg.model, &plan))
             .map_err(ExecError::from)?;
         Self::build(cfg, plan, Some(rank), None, transport, DEFAULT_TIMEOUT)
     }
@@ -155,6 +158,7 @@ impl Trainer {
             lr_scale: 1.0,
             routes: RouteIndex::new(&plan),
             topo: Topology::new(&plan),
+            tied: Tied::of(&cfg.model, &plan),
             cfg,
             plan,
             rank,
@@ -251,6 +255,11 @@ impl Trainer {
     /// prefix must lie inside stage 0 with a training layer after it (re-plan first if not).
     pub fn set_frozen(&mut self, k: usize) -> Result<()> {
         check_frozen(&self.plan, k)?;
+        if k > 0 && self.tied.is_some() {
+            return Err(Error::Config(
+                "freezing the embedding of a model with tied embeddings would leave its LM head's copy training alone; untie them (tie_word_embeddings = false) to freeze".into(),
+            ));
+        }
         self.frozen = k;
         for w in &mut self.workers {
             w.frozen = k;
@@ -317,13 +326,14 @@ impl Trainer {
                     )));
                 }
                 self.transport
-                    .prepare(&Topology::new(&plan).groups)
+                    .prepare(&super::tied::groups(&self.cfg.model, &plan))
                     .map_err(ExecError::from)?;
             }
         }
         let before = describe(&self.plan);
         self.routes = RouteIndex::new(&plan);
         self.topo = Topology::new(&plan);
+        self.tied = Tied::of(&self.cfg.model, &plan);
         self.plan = plan;
         self.set_layer_state(&state);
         Ok(ReplanReport {
@@ -361,13 +371,22 @@ impl Trainer {
             cache: self.cache.as_deref(),
             keep_logits: false,
         };
+        let tied = self.tied.as_ref();
+        let last = self.cfg.model.num_blocks() - 1;
         let results = on_workers(&mut self.workers, transport, |worker| {
             let mut out = worker.run(plan, routes, transport, &input, clock)?;
             reduce_gradients(worker, &mut out, topo, transport)?;
+            if let Some(t) = tied {
+                t.sum(worker, &mut out, topo, transport)?;
+            }
             // Each layer block's squared gradient norm, from its stage's first host; their
-            // sum is the global one (each stage counted once), added in the order
-            // `sum_squares` adds buffers.
+            // sum is the global one (each stage counted once, a tied matrix once: in the
+            // embedding), added in the order `sum_squares` adds buffers.
             let rank = worker.rank;
+            let counted = |i: usize, l: &[f32]| match tied {
+                Some(t) if i == last => squares(&l[..l.len() - t.head_len()]),
+                _ => squares(l),
+            };
             let layer_sq: Vec<(usize, f32)> = worker
                 .stages
                 .iter()
@@ -376,7 +395,7 @@ impl Trainer {
                 .flat_map(|(h, g)| {
                     g.iter()
                         .enumerate()
-                        .map(move |(k, l)| (h.first_layer + k, sum_squares(std::iter::once(l))))
+                        .map(move |(k, l)| (h.first_layer + k, counted(h.first_layer + k, l)))
                 })
                 .collect();
             let sq: f32 = layer_sq.iter().map(|&(_, x)| x).sum();

@@ -1,0 +1,403 @@
+//! Models users bring: `--model DIR` / `--model-config FILE` on the commands that build a
+//! model, and `export`, `forward` and `generate`.
+
+use crate::files::{check_output, write_with};
+use crate::BadInput;
+use anyhow::{Context, Result};
+use clap::Args;
+use pipewright_core::schedule::ScheduleKind;
+use pipewright_runtime::data::MicroBatch;
+use pipewright_runtime::model::hf::{config_from_hf, config_to_hf};
+use pipewright_runtime::model::ModelConfig;
+use pipewright_runtime::train::{checkpoint_config, hf_layers, hf_params, TrainConfig, Trainer};
+use std::path::{Path, PathBuf};
+
+/// Which model: a Hugging Face directory, a Hugging Face config for fresh weights, or (no
+/// flag) the command's default.
+#[derive(Args, Clone, Default)]
+pub struct ModelArgs {
+    /// A Hugging Face model directory (config.json and model.safetensors or a sharded
+    /// model.safetensors.index.json): its architecture and weights. A model TOML file
+    /// (family, vocab, d_model, heads, layers, seq_len, ...) is taken too.
+    #[arg(long, value_name = "DIR")]
+    pub model: Option<PathBuf>,
+    /// A fresh model (weights from --seed) of a Hugging Face config.json's architecture.
+    #[arg(long, value_name = "FILE", conflicts_with = "model")]
+    pub model_config: Option<PathBuf>,
+}
+
+/// A model chosen on the command line: its shape, and the directory of its weights if it
+/// comes with them.
+pub struct Chosen {
+    pub config: ModelConfig,
+    pub weights: Option<PathBuf>,
+}
+
+impl ModelArgs {
+    /// The model these flags name, if they name one.
+    pub fn resolve(&self) -> Result<Option<Chosen>> {
+        if let Some(f) = &self.model_config {
+            let text = pipewright_core::error::read_file(f)?;
+            let config = config_from_hf(&text, &f.display().to_string()).map_err(BadInput)?;
+            return Ok(Some(Chosen {
+                config,
+                weights: None,
+            }));
+        }
+        let Some(p) = &self.model else {
+            return Ok(None);
+        };
+        if p.is_dir() {
+            let cj = p.join("config.json");
+            let text = pipewright_core::error::read_file(&cj)?;
+            let config = config_from_hf(&text, &cj.display().to_string()).map_err(BadInput)?;
+            return Ok(Some(Chosen {
+                config,
+                weights: Some(p.clone()),
+            }));
+        }
+        let text = pipewright_core::error::read_file(p)?;
+        let config =
+            pipewright_core::error::parse_toml::<ModelConfig>(&p.display().to_string(), &text)?;
+        config
+            .check()
+            .map_err(|e| BadInput(format!("{}: {e}", p.display())))?;
+        Ok(Some(Chosen {
+            config,
+            weights: None,
+        }))
+    }
+}
+
+#[derive(Args)]
+pub struct ExportArgs {
+    /// Checkpoint directory of a `train` run (its newest checkpoint that verifies).
+    #[arg(long, default_value = "checkpoints")]
+    checkpoint_dir: PathBuf,
+    /// Directory to write config.json and model.safetensors into (created if missing).
+    #[arg(long)]
+    out: PathBuf,
+}
+
+/// `export`: a checkpoint, whatever plan trained it, as a Hugging Face model directory.
+pub fn cmd_export(a: ExportArgs) -> Result<()> {
+    let (mut cfg, _, step) = checkpoint_config(&a.checkpoint_dir)?;
+    let config = config_to_hf(&cfg.model).map_err(BadInput)?;
+    if a.out.exists() && !a.out.is_dir() {
+        return Err(BadInput(format!(
+            "--out {}: exists and is not a directory",
+            a.out.display()
+        ))
+        .into());
+    }
+    std::fs::create_dir_all(&a.out)
+        .with_context(|| format!("cannot create {}", a.out.display()))?;
+    let (w, c) = (a.out.join("model.safetensors"), a.out.join("config.json"));
+    check_output(&w)?;
+    check_output(&c)?;
+    // The weights alone: one worker holds every layer block.
+    (cfg.stages, cfg.replicas, cfg.chunks, cfg.pretrained) = (1, 1, 1, None);
+    let plan = cfg.plan()?;
+    let mut trainer = Trainer::new(cfg.clone(), plan)?;
+    let loaded = trainer.load_checkpoint(&a.checkpoint_dir)?;
+    let params = hf_params(&cfg.model, &trainer.layer_blocks()?, None);
+    let n: usize = params.iter().map(|(_, _, v)| v.len()).sum();
+    write_safetensors(
+        &w,
+        params.into_iter().map(|(k, s, v)| (k, s, F32(v))).collect(),
+    )?;
+    let text = serde_json::to_string_pretty(&config).expect("json") + "\n";
+    crate::files::write_file(&c, &text)?;
+    println!(
+        "exported {} (step {step}): {} model, {n} parameters, to {}",
+        loaded.path.display(),
+        cfg.model.family.name(),
+        a.out.display()
+    );
+    Ok(())
+}
+
+/// Tensor values to write.
+pub enum Values {
+    F32(Vec<f32>),
+}
+use Values::F32;
+
+/// Write named tensors as one safetensors file (atomically, as every output).
+pub fn write_safetensors(path: &Path, tensors: Vec<(String, Vec<usize>, Values)>) -> Result<()> {
+    let entries: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = tensors
+        .into_iter()
+        .map(|(k, s, v)| match v {
+            F32(v) => (
+                k,
+                safetensors::Dtype::F32,
+                s,
+                v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            ),
+        })
+        .collect();
+    let views = entries
+        .iter()
+        .map(|(n, dt, shape, b)| {
+            safetensors::tensor::TensorView::new(*dt, shape.clone(), b).map(|v| (n.clone(), v))
+        })
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    let bytes = safetensors::serialize(views, None).map_err(|e| anyhow::anyhow!("{e}"))?;
+    write_with(path, |w| w.write_all(&bytes))
+}
+
+#[derive(Args)]
+pub struct ForwardArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// safetensors file with `input_ids` [batch, seq] (I64 or I32) and optionally `labels`
+    /// (same shape; -100 leaves a position out of the loss; default: the input ids).
+    #[arg(long, value_name = "FILE")]
+    input_ids: PathBuf,
+    /// safetensors file to write: `logits` [batch, seq, vocab], `loss`, and with --grads
+    /// `grad.<Hugging Face name>` of every parameter.
+    #[arg(long)]
+    out: PathBuf,
+    /// Also write every parameter's gradient of the loss.
+    #[arg(long)]
+    grads: bool,
+    /// Pipeline depth of the plan the batch runs through.
+    #[arg(long, default_value_t = 1)]
+    stages: usize,
+    /// Pipeline schedule.
+    #[arg(long, value_enum, default_value = "1f1b")]
+    schedule: ScheduleKind,
+    /// Micro-batches the batch is split into (must divide its rows).
+    #[arg(long, default_value_t = 1)]
+    microbatches: usize,
+    /// Seed of fresh weights (with --model-config).
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+}
+
+/// `forward`: one batch through a pipeline plan; logits, loss and gradients to a file.
+pub fn cmd_forward(a: ForwardArgs) -> Result<()> {
+    let Some(chosen) = a.model.resolve()? else {
+        return Err(BadInput("forward needs --model DIR or --model-config FILE".into()).into());
+    };
+    check_output(&a.out)?;
+    let (batch, rows, t) = read_batch(&a.input_ids, chosen.config.vocab)?;
+    let mut model = chosen.config;
+    model.seq_len = t;
+    model
+        .check()
+        .map_err(|e| BadInput(format!("{}: {e}", a.input_ids.display())))?;
+    let m = a.microbatches;
+    let parts = batch
+        .split(m)
+        .map_err(|e| BadInput(format!("--microbatches {m}: {e}")))?;
+    let cfg = TrainConfig {
+        model: model.clone(),
+        schedule: a.schedule,
+        chunks: a.schedule.default_chunks(),
+        stages: a.stages,
+        microbatches: m,
+        rows: rows / m,
+        seed: a.seed,
+        pretrained: chosen.weights,
+        ..TrainConfig::default()
+    };
+    let plan = cfg.plan()?;
+    let mut trainer = Trainer::new(cfg, plan)?;
+    let out = trainer.batch_gradients(&parts)?;
+    let logits: Vec<f32> = out.logits.into_iter().flat_map(|(_, v)| v).collect();
+    let mut tensors = vec![
+        (
+            "logits".to_string(),
+            vec![rows, t, model.vocab],
+            F32(logits),
+        ),
+        ("loss".to_string(), vec![], F32(vec![out.loss as f32])),
+    ];
+    if a.grads {
+        let blocks = trainer.layer_blocks()?;
+        for (k, s, v) in hf_params(&model, &blocks, Some(&out.grads)) {
+            tensors.push((format!("grad.{k}"), s, F32(v)));
+        }
+    }
+    write_safetensors(&a.out, tensors)?;
+    println!(
+        "loss {:.6} over {rows} x {t} tokens on {} stage(s) ({}); wrote {}",
+        out.loss,
+        a.stages,
+        a.schedule.name(),
+        a.out.display()
+    );
+    Ok(())
+}
+
+/// The batch of a `--input-ids` file: ids (checked against the vocabulary) and labels.
+fn read_batch(path: &Path, vocab: usize) -> Result<(MicroBatch, usize, usize)> {
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let bad = |m: String| BadInput(format!("{}: {m}", path.display()));
+    let st = safetensors::SafeTensors::deserialize(&bytes)
+        .map_err(|e| bad(format!("not a valid safetensors file ({e})")))?;
+    let ints = |name: &str| -> Result<Option<(Vec<usize>, Vec<i64>)>> {
+        let Ok(v) = st.tensor(name) else {
+            return Ok(None);
+        };
+        let vals: Vec<i64> = match v.dtype() {
+            safetensors::Dtype::I64 => v
+                .data()
+                .chunks_exact(8)
+                .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")))
+                .collect(),
+            safetensors::Dtype::I32 => v
+                .data()
+                .chunks_exact(4)
+                .map(|b| i32::from_le_bytes(b.try_into().expect("4 bytes")) as i64)
+                .collect(),
+            d => {
+                return Err(bad(format!(
+                    "{name} has dtype {d:?}; I64 or I32 token ids are needed"
+                ))
+                .into())
+            }
+        };
+        Ok(Some((v.shape().to_vec(), vals)))
+    };
+    let (shape, ids) = ints("input_ids")?.ok_or_else(|| bad("no input_ids tensor".into()))?;
+    let [rows, t] = shape[..] else {
+        return Err(bad(format!(
+            "input_ids has shape {shape:?}; [batch, seq] is needed"
+        ))
+        .into());
+    };
+    if rows == 0 || t < 2 {
+        return Err(bad(format!(
+            "input_ids has shape {shape:?}: needs a row of at least 2 tokens"
+        ))
+        .into());
+    }
+    if let Some(&x) = ids.iter().find(|&&x| x < 0 || x as usize >= vocab) {
+        return Err(bad(format!(
+            "input_ids holds {x}, outside the model's vocabulary 0..{vocab}"
+        ))
+        .into());
+    }
+    let labels = match ints("labels")? {
+        Some((s, l)) if s == shape => Some(l),
+        Some((s, _)) => {
+            return Err(bad(format!("labels has shape {s:?}; input_ids has {shape:?}")).into())
+        }
+        None => None,
+    };
+    if let Some(&x) = labels
+        .iter()
+        .flatten()
+        .find(|&&x| x != -100 && (x < 0 || x as usize >= vocab))
+    {
+        return Err(bad(format!("labels holds {x}: a label is a token id or -100")).into());
+    }
+    Ok((
+        MicroBatch::causal_lm(&ids, labels.as_deref(), rows, t),
+        rows,
+        t,
+    ))
+}
+
+#[derive(Args)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Checkpoint directory of a `train` run (instead of --model).
+    #[arg(long, conflicts_with_all = ["model", "model_config"])]
+    checkpoint_dir: Option<PathBuf>,
+    /// Text to continue (its bytes are the tokens: the byte-level vocabulary).
+    #[arg(long)]
+    prompt: String,
+    /// New tokens to generate.
+    #[arg(long, default_value_t = 64)]
+    max_tokens: usize,
+    /// 0: greedy (the most likely token each time); above 0: sample from softmax(logits / T).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f64,
+    /// With --temperature: sample among the K most likely tokens only (0: all).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+}
+
+/// `generate`: continue a prompt with a causal model.
+pub fn cmd_generate(a: GenerateArgs) -> Result<()> {
+    use pipewright_runtime::model::generate::{generate, Sampling};
+    if !(a.temperature.is_finite() && a.temperature >= 0.0) {
+        return Err(BadInput(format!(
+            "--temperature {}: must be a finite number >= 0",
+            a.temperature
+        ))
+        .into());
+    }
+    let (model, blocks) = match (&a.checkpoint_dir, a.model.resolve()?) {
+        (Some(dir), _) => checkpoint_blocks(dir)?,
+        (None, Some(c)) => {
+            let blocks = match &c.weights {
+                Some(dir) => hf_layers(&c.config, dir, a.seed).map_err(BadInput)?,
+                None => pipewright_runtime::model::Layers::new(
+                    &c.config,
+                    a.seed,
+                    &pipewright_runtime::backend::train_device(),
+                )
+                .into_blocks(),
+            };
+            (c.config, blocks)
+        }
+        (None, None) => checkpoint_blocks(Path::new("checkpoints"))?,
+    };
+    let prompt: Vec<i64> = a.prompt.bytes().map(i64::from).collect();
+    if model.vocab < 256 {
+        return Err(BadInput(format!(
+            "the prompt's bytes are tokens, but the model's vocabulary is {} (< 256)",
+            model.vocab
+        ))
+        .into());
+    }
+    let how = Sampling {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        seed: a.seed,
+    };
+    // gpt's learned positions end at seq_len; llama's rotary ones at max_positions.
+    let limit = match model.family {
+        pipewright_runtime::model::Family::Gpt => model.seq_len,
+        _ => model.max_positions(),
+    };
+    let new = generate(&blocks, &prompt, a.max_tokens, limit, &how).map_err(BadInput)?;
+    println!("{}{}", a.prompt, detokenize(&new));
+    Ok(())
+}
+
+/// The model of a checkpoint directory's newest checkpoint, whatever plan wrote it.
+fn checkpoint_blocks(
+    dir: &Path,
+) -> Result<(ModelConfig, Vec<pipewright_runtime::model::LayerBlock>)> {
+    let (mut cfg, _, _) = checkpoint_config(dir)?;
+    (cfg.stages, cfg.replicas, cfg.chunks, cfg.pretrained) = (1, 1, 1, None);
+    let plan = cfg.plan()?;
+    let mut trainer = Trainer::new(cfg.clone(), plan)?;
+    trainer.load_checkpoint(dir)?;
+    Ok((cfg.model, trainer.layer_blocks()?))
+}
+
+/// Byte tokens as text; an id past the bytes (a model with a larger vocabulary, until a
+/// tokenizer is given) as `<id>`.
+fn detokenize(ids: &[i64]) -> String {
+    let mut out = String::new();
+    let mut bytes = Vec::new();
+    for &x in ids {
+        if (0..256).contains(&x) {
+            bytes.push(x as u8);
+        } else {
+            out.push_str(&String::from_utf8_lossy(&std::mem::take(&mut bytes)));
+            out.push_str(&format!("<{x}>"));
+        }
+    }
+    out + &String::from_utf8_lossy(&bytes)
+}
