@@ -151,6 +151,9 @@ pub fn write_safetensors(path: &Path, tensors: Vec<(String, Vec<usize>, Values)>
 pub struct ForwardArgs {
     #[command(flatten)]
     model: ModelArgs,
+    /// Checkpoint directory of a `train` run (instead of --model).
+    #[arg(long, conflicts_with_all = ["model", "model_config"])]
+    checkpoint_dir: Option<PathBuf>,
     /// safetensors file with `input_ids` [batch, seq] (I64 or I32) and optionally `labels`
     /// (same shape; -100 leaves a position out of the loss; default: the input ids).
     #[arg(long, value_name = "FILE")]
@@ -178,16 +181,29 @@ pub struct ForwardArgs {
 
 /// `forward`: one batch through a pipeline plan; logits, loss and gradients to a file.
 pub fn cmd_forward(a: ForwardArgs) -> Result<()> {
-    let Some(chosen) = a.model.resolve()? else {
-        return Err(BadInput("forward needs --model DIR or --model-config FILE".into()).into());
+    let (mut model, weights) = match (&a.checkpoint_dir, a.model.resolve()?) {
+        (Some(dir), _) => (checkpoint_config(dir)?.0.model, None),
+        (None, Some(c)) => (c.config, c.weights),
+        (None, None) => {
+            return Err(BadInput(
+                "forward needs --model DIR, --model-config FILE or --checkpoint-dir DIR".into(),
+            )
+            .into())
+        }
     };
     check_output(&a.out)?;
-    let (batch, rows, t) = read_batch(&a.input_ids, chosen.config.vocab)?;
-    let mut model = chosen.config;
-    model.seq_len = t;
-    model
-        .check()
-        .map_err(|e| BadInput(format!("{}: {e}", a.input_ids.display())))?;
+    let (batch, rows, t) = read_batch(&a.input_ids, model.vocab)?;
+    if t > model.max_positions() {
+        return Err(BadInput(format!(
+            "{}: sequences of {t} tokens; the model takes at most {}",
+            a.input_ids.display(),
+            model.max_positions()
+        ))
+        .into());
+    }
+    if model.family != pipewright_runtime::model::Family::Gpt {
+        model.seq_len = t; // gpt's learned positions fix its length; rotary ones do not
+    }
     let m = a.microbatches;
     let parts = batch
         .split(m)
@@ -200,11 +216,14 @@ pub fn cmd_forward(a: ForwardArgs) -> Result<()> {
         microbatches: m,
         rows: rows / m,
         seed: a.seed,
-        pretrained: chosen.weights,
+        pretrained: weights,
         ..TrainConfig::default()
     };
     let plan = cfg.plan()?;
     let mut trainer = Trainer::new(cfg, plan)?;
+    if let Some(dir) = &a.checkpoint_dir {
+        trainer.load_checkpoint(dir)?;
+    }
     let out = trainer.batch_gradients(&parts)?;
     let logits: Vec<f32> = out.logits.into_iter().flat_map(|(_, v)| v).collect();
     let mut tensors = vec![

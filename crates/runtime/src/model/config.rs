@@ -113,6 +113,21 @@ impl ModelConfig {
         self.max_positions.unwrap_or(self.seq_len)
     }
 
+    /// Do the two describe the same parameters (a checkpoint of one loads into the other)?
+    /// Only gpt's learned positions make the sequence length part of the weights.
+    pub fn same_parameters(&self, other: &ModelConfig) -> bool {
+        match self.family {
+            Family::Gpt => self == other,
+            _ => {
+                let at = |m: &ModelConfig| ModelConfig {
+                    seq_len: 0,
+                    ..m.clone()
+                };
+                at(self) == at(other)
+            }
+        }
+    }
+
     /// Shape rules every family shares, then the family's own.
     pub fn check(&self) -> Result<(), String> {
         if self.d_model == 0 || self.heads == 0 || !self.d_model.is_multiple_of(self.heads) {

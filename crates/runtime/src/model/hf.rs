@@ -384,6 +384,9 @@ pub fn to_hf(
     params: Vec<(String, Vec<usize>, Vec<f32>)>,
     sum_tied: bool,
 ) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    if cfg.family == Family::Gpt {
+        return params; // pipewright's own: its checkpoint names and layout
+    }
     let mut out: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
     for (name, shape, values) in params {
         let key = hf_name(cfg, &name);

@@ -117,7 +117,7 @@ impl Trainer {
                 .ok_or_else(|| Error::checkpoint(ck.join(rel), "missing from the manifest"))
         };
         let state = parse_state(&ck, get("state.json")?)?;
-        if state.config.model != self.cfg.model {
+        if !state.config.model.same_parameters(&self.cfg.model) {
             return Err(Error::checkpoint(
                 &ck,
                 format!(

@@ -1,0 +1,324 @@
+//! Hugging Face models through the command line: train a LLaMA from a config.json, export it,
+//! forward and generate from the export and from the checkpoint alike; bad model directories
+//! are refused with exit 2, naming what is wrong, and nothing is written.
+
+mod common;
+use common::fresh_dir;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn pw(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_pipewright"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn ok(args: &[&str]) -> String {
+    let o = pw(args);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "pipewright {args:?}: {err}");
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// The llama fixture that transformers saved (GQA, untied).
+fn fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../runtime/tests/fixtures/hf/llama-gqa")
+}
+
+type Tensors = HashMap<String, (safetensors::Dtype, Vec<usize>, Vec<u8>)>;
+
+fn read(path: &Path) -> Tensors {
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(n, v)| (n, (v.dtype(), v.shape().to_vec(), v.data().to_vec())))
+        .collect()
+}
+
+fn write(path: &Path, t: &Tensors) {
+    let views: Vec<_> = t
+        .iter()
+        .map(|(n, (d, s, b))| {
+            let v = safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap();
+            (n.clone(), v)
+        })
+        .collect();
+    std::fs::write(path, safetensors::serialize(views, None).unwrap()).unwrap();
+}
+
+fn f32s(t: &Tensors, name: &str) -> Vec<f32> {
+    t[name]
+        .2
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// A batch of token ids for models of `vocab` tokens.
+fn ids_file(dir: &Path, vocab: i64) -> PathBuf {
+    let ids: Vec<u8> = (0..32i64)
+        .flat_map(|i| ((i * 7 + 3) % vocab).to_le_bytes())
+        .collect();
+    let p = dir.join("ids.safetensors");
+    let t: Tensors = [(
+        "input_ids".to_string(),
+        (safetensors::Dtype::I64, vec![2, 16], ids),
+    )]
+    .into();
+    write(&p, &t);
+    p
+}
+
+#[test]
+fn trained_llama_exports_and_runs_the_same_from_the_export_and_the_checkpoint() {
+    let dir = fresh_dir("models-roundtrip");
+    let cfg = dir.join("config.json");
+    std::fs::write(
+        &cfg,
+        r#"{"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 48,
+            "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 64, "tie_word_embeddings": true}"#,
+    )
+    .unwrap();
+    let (ck, hf) = (dir.join("ck"), dir.join("hf"));
+    let (ck, hf, cfg) = (
+        ck.to_str().unwrap(),
+        hf.to_str().unwrap(),
+        cfg.to_str().unwrap(),
+    );
+    ok(&[
+        "train",
+        "--model-config",
+        cfg,
+        "--stages",
+        "2",
+        "--steps",
+        "4",
+        "--seq-len",
+        "16",
+        "--checkpoint-dir",
+        ck,
+        "--eval-batches",
+        "1",
+    ]);
+    ok(&["export", "--checkpoint-dir", ck, "--out", hf]);
+    let ids = ids_file(&dir, 256);
+    let ids = ids.to_str().unwrap();
+    let (a, b) = (dir.join("a.safetensors"), dir.join("b.safetensors"));
+    ok(&[
+        "forward",
+        "--checkpoint-dir",
+        ck,
+        "--input-ids",
+        ids,
+        "--out",
+        a.to_str().unwrap(),
+        "--grads",
+        "--stages",
+        "2",
+        "--microbatches",
+        "2",
+    ]);
+    ok(&[
+        "forward",
+        "--model",
+        hf,
+        "--input-ids",
+        ids,
+        "--out",
+        b.to_str().unwrap(),
+        "--grads",
+    ]);
+    let (a, b) = (read(&a), read(&b));
+    let d = max_diff(&f32s(&a, "logits"), &f32s(&b, "logits"));
+    assert!(
+        d < 1e-5,
+        "logits of the checkpoint and its export differ by {d}"
+    );
+    // Tied: one matrix, no head of its own, in the export and in the gradients.
+    assert!(
+        !a.contains_key("grad.lm_head.weight") && a.contains_key("grad.model.embed_tokens.weight")
+    );
+    for (k, _) in a.iter().filter(|(k, _)| k.starts_with("grad.")) {
+        let g = max_diff(&f32s(&a, k), &f32s(&b, k));
+        assert!(
+            g < 1e-4,
+            "{k}: 2 stages and 2 micro-batches vs 1 differ by {g}"
+        );
+    }
+    let from_ck = ok(&[
+        "generate",
+        "--checkpoint-dir",
+        ck,
+        "--prompt",
+        "ab",
+        "--max-tokens",
+        "6",
+    ]);
+    let from_hf = ok(&[
+        "generate",
+        "--model",
+        hf,
+        "--prompt",
+        "ab",
+        "--max-tokens",
+        "6",
+    ]);
+    assert_eq!(from_ck, from_hf);
+    assert!(
+        from_ck.starts_with("ab") && from_ck.len() > 2,
+        "{from_ck:?}"
+    );
+}
+
+/// A copy of the fixture with `change` applied to its weights (and config).
+fn damaged(tag: &str, change: impl FnOnce(&Path, &mut Tensors)) -> PathBuf {
+    let dir = fresh_dir(tag).join("model");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(fixture().join("config.json"), dir.join("config.json")).unwrap();
+    let mut t = read(&fixture().join("model.safetensors"));
+    change(&dir, &mut t);
+    if !t.is_empty() {
+        write(&dir.join("model.safetensors"), &t);
+    }
+    dir
+}
+
+/// `forward` on `model` fails with exit 2, naming `want`, and writes nothing.
+fn refused(model: &Path, want: &str) {
+    let out = model.parent().unwrap().join("out.safetensors");
+    let ids = ids_file(model.parent().unwrap(), 96);
+    let o = pw(&[
+        "forward",
+        "--model",
+        model.to_str().unwrap(),
+        "--input-ids",
+        ids.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{want}: {err}");
+    assert!(err.contains(want), "expected {want:?} in: {err}");
+    assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+    assert!(!out.exists(), "{want}: an output was written");
+}
+
+#[test]
+fn bad_model_directories_are_refused_by_name() {
+    let up = "model.layers.1.mlp.up_proj.weight";
+    refused(&damaged("m-missing", |_, t| drop(t.remove(up))), up);
+    refused(
+        &damaged("m-extra", |_, t| {
+            let x = t[up].clone();
+            t.insert("model.layers.9.mlp.up_proj.weight".into(), x);
+        }),
+        "model.layers.9.mlp.up_proj.weight is not a parameter",
+    );
+    refused(
+        &damaged("m-shape", |_, t| {
+            let e = t.get_mut(up).unwrap();
+            e.1 = vec![e.1[1], e.1[0]];
+        }),
+        "has shape [32, 48]; this model expects [48, 32]",
+    );
+    refused(
+        &damaged("m-dtype", |_, t| {
+            t.get_mut(up).unwrap().0 = safetensors::Dtype::I32
+        }),
+        "dtype I32 is not supported",
+    );
+    refused(
+        &damaged("m-trunc", |dir, t| {
+            write(&dir.join("model.safetensors"), t);
+            let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+            std::fs::write(dir.join("model.safetensors"), &bytes[..bytes.len() / 2]).unwrap();
+            t.clear();
+        }),
+        "not a valid safetensors file",
+    );
+    refused(
+        &damaged("m-shard", |dir, t| {
+            let index =
+                r#"{"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}"#;
+            std::fs::write(dir.join("model.safetensors.index.json"), index).unwrap();
+            t.clear();
+        }),
+        "names shard model-00002-of-00002.safetensors, which is not a file",
+    );
+    refused(
+        &damaged("m-arch", |dir, _| {
+            let c = std::fs::read_to_string(dir.join("config.json")).unwrap();
+            std::fs::write(
+                dir.join("config.json"),
+                c.replace("\"llama\"", "\"mistral\""),
+            )
+            .unwrap();
+        }),
+        "model_type \"mistral\" is not supported",
+    );
+    refused(
+        &damaged("m-act", |dir, _| {
+            let c = std::fs::read_to_string(dir.join("config.json")).unwrap();
+            std::fs::write(dir.join("config.json"), c.replace("\"silu\"", "\"gelu\"")).unwrap();
+        }),
+        "hidden_act",
+    );
+}
+
+/// Shards named by an index, and bf16 weights, load as one f32 model.
+#[test]
+fn sharded_bf16_weights_load() {
+    let dir = damaged("m-bf16", |dir, t| {
+        let mut shards: [Tensors; 2] = Default::default();
+        let mut map = serde_json::Map::new();
+        for (i, (n, (_, s, b))) in t.drain().enumerate() {
+            let bf: Vec<u8> = b
+                .chunks_exact(4)
+                .flat_map(|c| {
+                    half::bf16::from_f32(f32::from_le_bytes(c.try_into().unwrap())).to_le_bytes()
+                })
+                .collect();
+            let file = format!("model-0000{}-of-00002.safetensors", i % 2 + 1);
+            map.insert(n.clone(), serde_json::Value::String(file));
+            shards[i % 2].insert(n, (safetensors::Dtype::BF16, s, bf));
+        }
+        for (i, s) in shards.iter().enumerate() {
+            write(
+                &dir.join(format!("model-0000{}-of-00002.safetensors", i + 1)),
+                s,
+            );
+        }
+        let index = serde_json::json!({"metadata": {}, "weight_map": map});
+        std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    });
+    let ids = ids_file(dir.parent().unwrap(), 96);
+    let (a, b) = (
+        dir.parent().unwrap().join("a"),
+        dir.parent().unwrap().join("b"),
+    );
+    for (m, out) in [(&dir, &a), (&fixture(), &b)] {
+        ok(&[
+            "forward",
+            "--model",
+            m.to_str().unwrap(),
+            "--input-ids",
+            ids.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+    }
+    let d = max_diff(&f32s(&read(&a), "logits"), &f32s(&read(&b), "logits"));
+    assert!(d > 0.0 && d < 0.05, "bf16 logits differ from f32 by {d}");
+}
