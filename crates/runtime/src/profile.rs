@@ -203,10 +203,7 @@ impl Profiler {
                 }
             })
             .collect();
-        let name = format!(
-            "gpt d{}-l{}-h{}-s{} rows {rows} (measured)",
-            cfg.d_model, cfg.layers, cfg.heads, cfg.seq_len
-        );
+        let name = format!("{} rows {rows} (measured)", cfg.describe());
         Profile {
             model: ModelInfo { name },
             layers,

@@ -387,7 +387,12 @@ impl TrainingRun {
     fn header(&self) -> String {
         let cfg = &self.trainer.cfg;
         format!(
-            "training gpt ({} layer blocks, d_model {}) on {}: {}; {} steps{}; unigram baseline {:.3}",
+            "training {}{} ({} layer blocks, d_model {}) on {}: {}; {} steps{}; unigram baseline {:.3}",
+            cfg.model.family.name(),
+            match &cfg.pretrained {
+                Some(dir) => format!(" from {}", dir.display()),
+                None => String::new(),
+            },
             cfg.model.num_blocks(),
             cfg.model.d_model,
             self.corpus.name,
