@@ -6,7 +6,7 @@ use anyhow::Result;
 use clap::Args;
 use pipewright_core::rng::Lcg;
 use pipewright_runtime::data::Corpus;
-use pipewright_runtime::train::{checkpoint_config, Trainer};
+use pipewright_runtime::train::{checkpoint_config, TrainConfig, Trainer};
 use serde_json::json;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -16,6 +16,10 @@ pub struct EvalArgs {
     /// Checkpoint directory of a `train` run (its newest checkpoint that verifies is read).
     #[arg(long, default_value = "checkpoints")]
     checkpoint_dir: PathBuf,
+    /// Evaluate a Hugging Face model instead of a checkpoint (each transformer block is then a
+    /// stage that --omit and --keep may leave out).
+    #[command(flatten)]
+    model: crate::model::ModelArgs,
     /// The text the run trained on (default: the built-in synthetic corpus).
     #[arg(long)]
     data: Option<PathBuf>,
@@ -66,8 +70,21 @@ fn subsets(items: &[usize], k: usize, limit: usize) -> Option<Vec<Vec<usize>>> {
 
 pub fn cmd_eval(a: EvalArgs) -> Result<()> {
     check_args(&a)?;
-    let (mut cfg, plan, step) = checkpoint_config(&a.checkpoint_dir)?;
-    let st = Stages::of(&plan.layers_per_stage(), cfg.model.num_blocks());
+    let (mut cfg, per, step) = match a.model.resolve()? {
+        Some(m) => {
+            let cfg = TrainConfig {
+                pretrained: m.weights,
+                model: m.config,
+                ..TrainConfig::default()
+            };
+            (cfg.clone(), vec![1; cfg.model.num_blocks()], 0)
+        }
+        None => {
+            let (cfg, plan, step) = checkpoint_config(&a.checkpoint_dir)?;
+            (cfg, plan.layers_per_stage(), step)
+        }
+    };
+    let st = Stages::of(&per, cfg.model.num_blocks());
     st.check_omit(&a.omit)?;
     let corpus = match &a.data {
         Some(f) => Corpus::load(f).map_err(BadInput)?,
@@ -75,13 +92,15 @@ pub fn cmd_eval(a: EvalArgs) -> Result<()> {
     };
     corpus.check(&cfg.model).map_err(BadInput)?;
     // Evaluation needs the weights only: one worker, one stage.
-    cfg.stages = 1;
-    cfg.replicas = 1;
-    cfg.chunks = 1;
+    (cfg.stages, cfg.replicas, cfg.chunks) = (1, 1, 1);
     cfg.schedule = pipewright_core::schedule::ScheduleKind::OneFOneB;
     let one = cfg.plan()?;
     let mut trainer = Trainer::in_process(cfg.clone(), one, None, Duration::from_secs(60))?;
-    let loaded = trainer.load_checkpoint(&a.checkpoint_dir)?;
+    let source = match &cfg.pretrained {
+        Some(dir) => dir.clone(),
+        None if a.model.model_config.is_some() || a.model.model.is_some() => "fresh weights".into(),
+        None => trainer.load_checkpoint(&a.checkpoint_dir)?.path,
+    };
     let eval =
         |stages: &[usize]| trainer.evaluate_omitting(&corpus, a.batches, &st.blocks_of(stages));
     let full = eval(&[])?;
@@ -89,7 +108,7 @@ pub fn cmd_eval(a: EvalArgs) -> Result<()> {
     if !a.json {
         println!(
             "{} (step {step}): {} layer blocks in stages {per:?}; stages that may be left out: {may_go:?}",
-            loaded.path.display(),
+            source.display(),
             cfg.model.num_blocks()
         );
         println!(
@@ -109,7 +128,7 @@ pub fn cmd_eval(a: EvalArgs) -> Result<()> {
         println!(
             "{}",
             json!({
-                "checkpoint": loaded.path,
+                "checkpoint": source,
                 "step": step,
                 "layers_per_stage": per,
                 "may_omit": may_go,

@@ -8,7 +8,7 @@ use rayon::prelude::*;
 use std::mem::{ManuallyDrop, MaybeUninit};
 
 /// Element-wise work goes to rayon's threads in chunks of this many values.
-const CHUNK: usize = 1 << 14;
+pub(super) const CHUNK: usize = 1 << 14;
 
 /// `n` values to be written, without a zero fill first: outputs that a kernel writes whole
 /// (these loops, and the products in blas.rs) skip the `memset` (3% of an MPI rank's time,
@@ -37,7 +37,7 @@ unsafe fn written(v: &mut [MaybeUninit<f32>]) -> &mut [f32] {
 /// `e^x` in plain arithmetic that vectorises: Cody-Waite reduction to `2^n e^r`, |r| <= ln2/2,
 /// then a degree-6 Taylor polynomial (relative error about 2e-7 over the f32 range).
 #[inline(always)]
-fn exp(x: f32) -> f32 {
+pub(super) fn exp(x: f32) -> f32 {
     let x = x.clamp(-87.0, 88.0);
     // Round to nearest by adding 1.5 * 2^23: `t`'s low mantissa bits then hold n itself, so
     // 2^n is a shift of them (no float-to-int conversion, which LLVM does not vectorise).

@@ -22,6 +22,7 @@ mod blas;
 pub mod blas_lib;
 pub mod coretype;
 mod cpu;
+mod llama;
 
 #[backend_extension(Flex, Autodiff)]
 pub trait Kernels: Backend {
@@ -65,6 +66,17 @@ pub trait Kernels: Backend {
         beta: FloatTensor<Self>,
         eps: f32,
     ) -> FloatTensor<Self>;
+    /// RMSNorm over the last dimension, then `* w`.
+    fn rms_norm(x: FloatTensor<Self>, w: FloatTensor<Self>, eps: f32) -> FloatTensor<Self>;
+    /// `silu(g) * u`, element-wise.
+    fn swiglu(g: FloatTensor<Self>, u: FloatTensor<Self>) -> FloatTensor<Self>;
+    /// Rotary position embedding of `[.., t, dh]` (any strides; the output is contiguous) by
+    /// the angles whose cosines and sines `cos`, `sin` `[t, dh / 2]` hold (not differentiated).
+    fn rope(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
 }
 
 impl Kernels for Flex {
@@ -101,6 +113,28 @@ impl Kernels for Flex {
     fn layer_norm(x: FlexTensor, gamma: FlexTensor, beta: FlexTensor, eps: f32) -> FlexTensor {
         layer_norm_forward(x, gamma, beta, eps).0
     }
+
+    fn rms_norm(x: FlexTensor, w: FlexTensor, eps: f32) -> FlexTensor {
+        tensor(llama::rms_norm(&values(&x), &values(&w), eps).0, &x)
+    }
+
+    fn swiglu(g: FlexTensor, u: FlexTensor) -> FlexTensor {
+        tensor(llama::swiglu(&values(&g), &values(&u)), &g)
+    }
+
+    fn rope(x: FlexTensor, cos: FlexTensor, sin: FlexTensor) -> FlexTensor {
+        rope_apply(&x, &cos, &sin, false)
+    }
+}
+
+/// `x [.., t, dh]` rotated by the tables' angles (or back, with `inverse`).
+fn rope_apply(x: &FlexTensor, cos: &FlexTensor, sin: &FlexTensor, inverse: bool) -> FlexTensor {
+    let shape = x.layout().shape();
+    let t = shape[shape.num_dims() - 2];
+    tensor(
+        llama::rope(&values(x), t, &values(cos), &values(sin), inverse),
+        x,
+    )
 }
 
 /// The values of `t` as one contiguous f32 slice (copying only if `t` is a strided view).
@@ -497,6 +531,131 @@ impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
             )),
         }
     }
+
+    fn rms_norm(x: FloatTensor<Self>, w: FloatTensor<Self>, eps: f32) -> FloatTensor<Self> {
+        #[derive(Debug)]
+        struct RmsNorm;
+
+        impl Backward<Flex, 2> for RmsNorm {
+            /// Normalised input, 1/rms per row, the weight.
+            type State = (FlexTensor, FlexTensor, FlexTensor);
+
+            fn backward(
+                self,
+                ops: Ops<Self::State, 2>,
+                grads: &mut Gradients,
+                _: &mut Checkpointer,
+            ) {
+                let (xh, rstd, w) = ops.state;
+                let dy = grads.consume::<Flex>(&ops.node);
+                let (dx, dw) = llama::rms_norm_backward(
+                    &values(&xh),
+                    &values(&rstd),
+                    &values(&w),
+                    &values(&dy),
+                );
+                let [px, pw] = ops.parents;
+                if let Some(node) = px {
+                    grads.register::<Flex>(node.id, tensor(dx, &xh));
+                }
+                if let Some(node) = pw {
+                    grads.register::<Flex>(node.id, tensor(dw, &w));
+                }
+            }
+        }
+
+        match RmsNorm
+            .prepare::<C>([x.node(), w.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let (x, w) = (x.into_primitive(), w.into_primitive());
+                let (y, xh, rstd) = llama::rms_norm(&values(&x), &values(&w), eps);
+                let rows = rstd.len();
+                let rstd = FlexTensor::from_data(TensorData::new(rstd, [rows]));
+                prep.finish((tensor(xh, &x), rstd, w), tensor(y, &x))
+            }
+            OpsKind::UnTracked(prep) => {
+                prep.finish(Flex::rms_norm(x.into_primitive(), w.into_primitive(), eps))
+            }
+        }
+    }
+
+    fn swiglu(g: FloatTensor<Self>, u: FloatTensor<Self>) -> FloatTensor<Self> {
+        #[derive(Debug)]
+        struct SwiGlu;
+
+        impl Backward<Flex, 2> for SwiGlu {
+            type State = (FlexTensor, FlexTensor);
+
+            fn backward(
+                self,
+                ops: Ops<Self::State, 2>,
+                grads: &mut Gradients,
+                _: &mut Checkpointer,
+            ) {
+                let (g, u) = ops.state;
+                let dy = grads.consume::<Flex>(&ops.node);
+                let (dg, du) = llama::swiglu_backward(&values(&g), &values(&u), &values(&dy));
+                let [pg, pu] = ops.parents;
+                for (parent, grad) in [(pg, dg), (pu, du)] {
+                    if let Some(node) = parent {
+                        grads.register::<Flex>(node.id, tensor(grad, &g));
+                    }
+                }
+            }
+        }
+
+        match SwiGlu
+            .prepare::<C>([g.node(), u.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let (g, u) = (g.into_primitive(), u.into_primitive());
+                let y = Flex::swiglu(g.clone(), u.clone());
+                prep.finish((g, u), y)
+            }
+            OpsKind::UnTracked(prep) => {
+                prep.finish(Flex::swiglu(g.into_primitive(), u.into_primitive()))
+            }
+        }
+    }
+
+    fn rope(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        #[derive(Debug)]
+        struct Rope;
+
+        impl Backward<Flex, 1> for Rope {
+            type State = (FlexTensor, FlexTensor);
+
+            fn backward(
+                self,
+                ops: Ops<Self::State, 1>,
+                grads: &mut Gradients,
+                _: &mut Checkpointer,
+            ) {
+                let (cos, sin) = ops.state;
+                unary::<Flex, _>(ops.parents, ops.node, grads, |g| {
+                    rope_apply(&g, &cos, &sin, true)
+                });
+            }
+        }
+
+        let (cos, sin) = (cos.into_primitive(), sin.into_primitive());
+        match Rope.prepare::<C>([x.node()]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let y = Flex::rope(x.into_primitive(), cos.clone(), sin.clone());
+                prep.finish((cos, sin), y)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(Flex::rope(x.into_primitive(), cos, sin)),
+        }
+    }
 }
 
 /// `a · b` with the same batch dimensions, on either device (with or without autodiff).
@@ -599,6 +758,32 @@ pub fn layer_norm<const D: usize>(ln: &burn::nn::LayerNorm, x: Tensor<D>) -> Ten
         gamma.into_dispatch(),
         beta.into_dispatch(),
         LN_EPS,
+    ))
+}
+
+/// RMSNorm of `x` with weight `w` (see [`Kernels::rms_norm`]).
+pub fn rms_norm<const D: usize>(x: Tensor<D>, w: Tensor<1>, eps: f32) -> Tensor<D> {
+    Tensor::from_dispatch(<Dispatch as Kernels>::rms_norm(
+        x.into_dispatch(),
+        w.into_dispatch(),
+        eps,
+    ))
+}
+
+/// `silu(g) * u` (see [`Kernels::swiglu`]).
+pub fn swiglu<const D: usize>(g: Tensor<D>, u: Tensor<D>) -> Tensor<D> {
+    Tensor::from_dispatch(<Dispatch as Kernels>::swiglu(
+        g.into_dispatch(),
+        u.into_dispatch(),
+    ))
+}
+
+/// Rotary position embedding (see [`Kernels::rope`]); `cos` and `sin` are `[t, dh / 2]`.
+pub fn rope<const D: usize>(x: Tensor<D>, cos: Tensor<2>, sin: Tensor<2>) -> Tensor<D> {
+    Tensor::from_dispatch(<Dispatch as Kernels>::rope(
+        x.into_dispatch(),
+        cos.into_dispatch(),
+        sin.into_dispatch(),
     ))
 }
 

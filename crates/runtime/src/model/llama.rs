@@ -8,7 +8,6 @@ use super::{linear, Deferred, ModelConfig};
 use crate::kernels::causal_attention;
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
-use burn::tensor::activation::silu;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 
 /// `x / sqrt(mean(x^2) + eps) * weight`, over the last dimension.
@@ -27,8 +26,7 @@ impl RmsNorm {
         }
     }
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        let ms = x.clone().square().mean_dim(D - 1);
-        x * (ms + self.eps).sqrt().recip() * self.weight.val().unsqueeze()
+        crate::kernels::rms_norm(x, self.weight.val(), self.eps as f32)
     }
 }
 
@@ -54,38 +52,22 @@ impl Rope {
         Rope { inv_freq: inv }
     }
 
-    /// cos and sin tables `[t, dh]` for positions `start..start + t` (each frequency twice:
-    /// the first half of a head's dimensions pairs with the second).
+    /// cos and sin tables `[t, dh / 2]` for positions `start..start + t` (the angle of pair
+    /// i at position p is `p * inv_freq[i]`, in f32 as transformers computes it).
     fn tables(&self, start: usize, t: usize, device: &Device) -> (Tensor<2>, Tensor<2>) {
         let half = self.inv_freq.len();
-        let (mut cos, mut sin) = (Vec::with_capacity(t * 2 * half), Vec::new());
-        sin.reserve(t * 2 * half);
-        for p in start..start + t {
-            for _ in 0..2 {
-                for f in &self.inv_freq {
-                    let a = p as f32 * f;
-                    cos.push(a.cos());
-                    sin.push(a.sin());
-                }
-            }
-        }
-        let mk = |v| Tensor::<2>::from_data(TensorData::new(v, [t, 2 * half]), device);
+        let angles =
+            (start..start + t).flat_map(|p| self.inv_freq.iter().map(move |f| p as f32 * f));
+        let (cos, sin): (Vec<f32>, Vec<f32>) = angles.map(|a| (a.cos(), a.sin())).unzip();
+        let mk = |v| Tensor::<2>::from_data(TensorData::new(v, [t, half]), device);
         (mk(cos), mk(sin))
     }
 
     /// Rotate `[b, h, t, dh]` queries or keys at positions `start..`.
     pub fn apply(&self, x: Tensor<4>, start: usize) -> Tensor<4> {
-        let [_, _, t, dh] = x.dims();
+        let t = x.dims()[2];
         let (cos, sin) = self.tables(start, t, &x.device());
-        let half = dh / 2;
-        let rotated = Tensor::cat(
-            vec![
-                x.clone().narrow(3, half, half).neg(),
-                x.clone().narrow(3, 0, half),
-            ],
-            3,
-        );
-        x * cos.unsqueeze::<4>() + rotated * sin.unsqueeze::<4>()
+        crate::kernels::rope(x, cos, sin)
     }
 }
 
@@ -179,8 +161,9 @@ impl LlamaBlock {
 
     fn mlp(&self, a: Tensor<3>, cap: &mut Option<&mut Deferred>) -> Tensor<3> {
         let m = &self.mlp;
-        let gate = silu(linear(&m.gate_proj, a.clone(), cap));
-        linear(&m.down_proj, gate * linear(&m.up_proj, a, cap), cap)
+        let gate = linear(&m.gate_proj, a.clone(), cap);
+        let up = linear(&m.up_proj, a, cap);
+        linear(&m.down_proj, crate::kernels::swiglu(gate, up), cap)
     }
 
     fn attend(
