@@ -120,8 +120,20 @@ fn llama_tied_with_llama3_rope_matches_transformers() {
 }
 
 #[test]
-fn greedy_generation_with_a_kv_cache_matches_transformers() {
-    for name in ["llama-gqa", "llama-tied-llama3"] {
+fn gpt2_matches_transformers_on_every_pipeline() {
+    for (schedule, p, m) in [
+        ("1f1b", 1, 1),
+        ("1f1b", 2, 2),
+        ("1f1b", 4, 1),
+        ("zbh1", 2, 2),
+    ] {
+        check("gpt2", schedule, p, m);
+    }
+}
+
+#[test]
+fn greedy_generation_matches_transformers() {
+    for name in ["llama-gqa", "llama-tied-llama3", "gpt2"] {
         let dir = fixture(name);
         let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
         let model = config_from_hf(&text, "config.json").unwrap();

@@ -14,6 +14,9 @@ pub enum Family {
     /// LLaMA (Hugging Face `LlamaForCausalLM`): RMSNorm, rotary positions, grouped-query
     /// attention, SwiGLU MLP, no biases.
     Llama,
+    /// GPT-2 (Hugging Face `GPT2LMHeadModel`): learned positions, pre-LayerNorm blocks with
+    /// a fused q/k/v projection and the tanh GELU, an LM head tied to the token embedding.
+    Gpt2,
 }
 
 impl Family {
@@ -21,6 +24,7 @@ impl Family {
         match self {
             Family::Gpt => "gpt",
             Family::Llama => "llama",
+            Family::Gpt2 => "gpt2",
         }
     }
 }
@@ -149,6 +153,7 @@ impl ModelConfig {
         match self.family {
             Family::Gpt => self.check_gpt()?,
             Family::Llama => self.check_llama()?,
+            Family::Gpt2 => self.check_gpt2()?,
         }
         let params = self.param_count();
         if params.is_none_or(|p| p > 1 << 34) {
@@ -223,6 +228,26 @@ impl ModelConfig {
         Ok(())
     }
 
+    fn check_gpt2(&self) -> Result<(), String> {
+        if self.kv_heads.is_some_and(|k| k != self.heads) || self.rope_theta.is_some() {
+            return Err("gpt2 has neither grouped-query attention nor rotary positions".into());
+        }
+        if self.ffn() == 0 {
+            return Err("ffn (n_inner) must be positive".into());
+        }
+        if self
+            .norm_eps
+            .is_some_and(|e| (e - crate::kernels::LN_EPS as f64).abs() > 1e-12)
+        {
+            return Err(format!(
+                "layer_norm_epsilon {} is not supported (pipewright's LayerNorm uses {})",
+                self.norm_eps(),
+                crate::kernels::LN_EPS
+            ));
+        }
+        Ok(())
+    }
+
     /// Parameters of a transformer block (None on overflow).
     fn block_params(&self) -> Option<usize> {
         let d = self.d_model;
@@ -233,6 +258,11 @@ impl ModelConfig {
                 let attn = d.checked_mul(2 * d)?.checked_add(d.checked_mul(2 * kv)?)?;
                 let mlp = d.checked_mul(self.ffn())?.checked_mul(3)?;
                 attn.checked_add(mlp)?.checked_add(2 * d)
+            }
+            Family::Gpt2 => {
+                let attn = d.checked_mul(4 * d)?.checked_add(4 * d)?;
+                let mlp = d.checked_mul(self.ffn())?.checked_mul(2)?;
+                attn.checked_add(mlp)?.checked_add(self.ffn() + 5 * d)
             }
         }
     }
@@ -246,6 +276,7 @@ impl ModelConfig {
                 let kv = (self.kv_heads() * self.head_dim()) as f64;
                 2.0 * d * d + 2.0 * d * kv + 3.0 * d * self.ffn() as f64
             }
+            Family::Gpt2 => 4.0 * d * d + 2.0 * d * self.ffn() as f64,
         }
     }
 
@@ -262,6 +293,13 @@ impl ModelConfig {
                 let emb = self.vocab.checked_mul(d)?;
                 (emb, self.block_params()?, emb.checked_add(d)?)
             }
+            Family::Gpt2 => (
+                self.vocab
+                    .checked_add(self.max_positions())?
+                    .checked_mul(d)?,
+                self.block_params()?,
+                self.vocab.checked_mul(d)?.checked_add(2 * d)?,
+            ),
         })
     }
 
@@ -277,6 +315,14 @@ impl ModelConfig {
             Family::Gpt => format!(
                 "gpt d{}-l{}-h{}-s{}",
                 self.d_model, self.layers, self.heads, self.seq_len
+            ),
+            Family::Gpt2 => format!(
+                "gpt2 d{}-l{}-h{}-f{}-s{}",
+                self.d_model,
+                self.layers,
+                self.heads,
+                self.ffn(),
+                self.seq_len
             ),
             Family::Llama => format!(
                 "llama d{}-l{}-h{}-kv{}-f{}-s{}",

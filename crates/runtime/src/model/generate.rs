@@ -43,10 +43,13 @@ pub fn generate(
         }
         .valid()
     };
-    let cached = model
-        .layers
-        .iter()
-        .all(|l| !matches!(l, LayerBlock::Embed(_) | LayerBlock::Block(_)));
+    // A KV cache for llama; the other families recompute the whole window each token.
+    let cached = model.layers.iter().all(|l| {
+        matches!(
+            l,
+            LayerBlock::LlamaEmbed(_) | LayerBlock::LlamaBlock(_) | LayerBlock::LlamaHead(_)
+        )
+    });
     let mut rng = crate::data::Rng::new(how.seed);
     let mut caches: Vec<KvCache> = vec![None; model.layers.len()];
     let mut tokens = prompt.to_vec();

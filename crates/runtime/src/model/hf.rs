@@ -22,15 +22,17 @@ pub fn config_from_hf(text: &str, what: &str) -> Result<ModelConfig, String> {
         serde_json::from_str(text).map_err(|e| format!("{what}: not a JSON config: {e}"))?;
     let family = match v.get("model_type").and_then(Value::as_str) {
         Some("llama") => Family::Llama,
+        Some("gpt2") => Family::Gpt2,
         Some(other) => {
             return Err(format!(
-                "{what}: model_type \"{other}\" is not supported (supported: llama)"
+                "{what}: model_type \"{other}\" is not supported (supported: llama, gpt2)"
             ))
         }
         None => return Err(format!("{what}: no model_type")),
     };
     let cfg = match family {
         Family::Llama => llama_config(&v).map_err(|e| format!("{what}: {e}"))?,
+        Family::Gpt2 => gpt2_config(&v).map_err(|e| format!("{what}: {e}"))?,
         Family::Gpt => unreachable!("gpt is pipewright's own, not a Hugging Face model_type"),
     };
     cfg.check().map_err(|e| format!("{what}: {e}"))?;
@@ -113,6 +115,33 @@ fn llama_config(v: &Value) -> Result<ModelConfig, String> {
     })
 }
 
+fn gpt2_config(v: &Value) -> Result<ModelConfig, String> {
+    refuse_unless(v, "activation_function", |x| {
+        x == "gelu_new" || x == "gelu_pytorch_tanh"
+    })?;
+    refuse_unless(v, "scale_attn_weights", |x| x == true)?;
+    refuse_unless(v, "scale_attn_by_inverse_layer_idx", |x| x == false)?;
+    refuse_unless(v, "add_cross_attention", |x| x == false)?;
+    let d = need(v, "n_embd")?;
+    let positions = need(v, "n_positions")?;
+    Ok(ModelConfig {
+        family: Family::Gpt2,
+        vocab: need(v, "vocab_size")?,
+        d_model: d,
+        heads: need(v, "n_head")?,
+        layers: need(v, "n_layer")?,
+        seq_len: positions.clamp(1, 64),
+        ffn: Some(usize_field(v, "n_inner")?.unwrap_or(4 * d)),
+        norm_eps: f64_field(v, "layer_norm_epsilon")?,
+        max_positions: Some(positions),
+        tie_embeddings: v
+            .get("tie_word_embeddings")
+            .and_then(Value::as_bool)
+            .unwrap_or(true),
+        ..ModelConfig::default()
+    })
+}
+
 /// `None` for plain rotary positions; llama3 scaling; anything else refused by name.
 fn rope_scaling(s: &Value) -> Result<Option<Llama3Scaling>, String> {
     let kind = s
@@ -174,14 +203,34 @@ pub fn config_to_hf(cfg: &ModelConfig) -> Result<Value, String> {
             }
             Ok(v)
         }
+        Family::Gpt2 => Ok(json!({
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "vocab_size": cfg.vocab,
+            "n_embd": cfg.d_model,
+            "n_layer": cfg.layers,
+            "n_head": cfg.heads,
+            "n_positions": cfg.max_positions(),
+            "n_inner": cfg.ffn(),
+            "layer_norm_epsilon": cfg.norm_eps(),
+            "activation_function": "gelu_new",
+            "tie_word_embeddings": cfg.tie_embeddings,
+            // pipewright trains without dropout.
+            "attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0,
+            "torch_dtype": "float32",
+        })),
         Family::Gpt => Err(
-            "the gpt family is pipewright's own and has no Hugging Face layout (use llama)".into(),
+            "the gpt family is pipewright's own and has no Hugging Face layout (use llama or gpt2)"
+                .into(),
         ),
     }
 }
 
 /// A checkpoint name (`embed.x`, `block.N.x`, `head.x`) as the family's Hugging Face name.
 pub fn hf_name(cfg: &ModelConfig, name: &str) -> String {
+    if cfg.family == Family::Gpt2 {
+        return gpt2_name(name);
+    }
     if let Some(rest) = name.strip_prefix("embed.") {
         format!("model.{rest}")
     } else if let Some(rest) = name.strip_prefix("block.") {
@@ -197,10 +246,39 @@ pub fn hf_name(cfg: &ModelConfig, name: &str) -> String {
     }
 }
 
+/// GPT-2's names: `transformer.` before all but the head; burn's LayerNorm `gamma` and
+/// `beta` are torch's `weight` and `bias`.
+fn gpt2_name(name: &str) -> String {
+    let name = name.replace(".gamma", ".weight").replace(".beta", ".bias");
+    if let Some(rest) = name.strip_prefix("embed.") {
+        format!("transformer.{rest}")
+    } else if let Some(rest) = name.strip_prefix("block.") {
+        format!("transformer.h.{rest}")
+    } else if let Some(rest) = name.strip_prefix("head.") {
+        match rest {
+            "lm_head.weight" => rest.to_string(),
+            _ => format!("transformer.{rest}"),
+        }
+    } else {
+        name
+    }
+}
+
 /// Is this parameter stored transposed in Hugging Face's layout? burn's Linear keeps
-/// `[in, out]`, torch's `[out, in]`; embeddings and norms agree.
+/// `[in, out]`, torch's `nn.Linear` `[out, in]` (GPT-2's `Conv1D` keeps `[in, out]` too);
+/// embeddings and norms agree.
 pub fn transposed(shape: &[usize], hf: &str) -> bool {
-    shape.len() == 2 && !hf.contains("embed_tokens")
+    shape.len() == 2
+        && !hf.contains("embed_tokens")
+        && (!hf.starts_with("transformer.") || hf == "lm_head.weight")
+}
+
+/// The Hugging Face name of the token embedding (a tied head's matrix).
+fn embedding_name(cfg: &ModelConfig) -> &'static str {
+    match cfg.family {
+        Family::Gpt2 => "transformer.wte.weight",
+        _ => "model.embed_tokens.weight",
+    }
 }
 
 /// `[r, c]` values as `[c, r]`.
@@ -315,7 +393,7 @@ pub fn from_hf(
     mut hf: HashMap<String, HfTensor>,
 ) -> Result<BTreeMap<String, HfTensor>, String> {
     let mut out = BTreeMap::new();
-    let embedding = hf.get("model.embed_tokens.weight").cloned();
+    let embedding = hf.get(embedding_name(cfg)).cloned();
     for (name, shape) in wanted {
         let key = hf_name(cfg, name);
         let tied = cfg.tie_embeddings && key == "lm_head.weight";
@@ -358,7 +436,12 @@ pub fn from_hf(
     if cfg.tie_embeddings {
         hf.remove("lm_head.weight");
     }
-    hf.retain(|k, _| !k.ends_with("rotary_emb.inv_freq"));
+    // Buffers, not parameters: rotary frequencies, GPT-2's causal masks.
+    hf.retain(|k, _| {
+        !(k.ends_with("rotary_emb.inv_freq")
+            || k.ends_with(".attn.bias")
+            || k.ends_with(".attn.masked_bias"))
+    });
     if let Some(extra) = hf.keys().min() {
         return Err(format!(
             "tensor {extra} is not a parameter of this {} model ({} such tensors)",
@@ -400,10 +483,7 @@ pub fn to_hf(
         };
         if cfg.tie_embeddings && key == "lm_head.weight" {
             if sum_tied {
-                if let Some(e) = out
-                    .iter_mut()
-                    .find(|(k, ..)| k == "model.embed_tokens.weight")
-                {
+                if let Some(e) = out.iter_mut().find(|(k, ..)| k == embedding_name(cfg)) {
                     e.2.iter_mut().zip(&values).for_each(|(a, b)| *a += b);
                 }
             }

@@ -278,23 +278,3 @@ pub(super) fn build(cfg: &ModelConfig, device: &Device) -> Vec<super::LayerBlock
         .chain(std::iter::once(head))
         .collect()
 }
-
-/// A tied model's head starts as the embedding's matrix (transposed: burn's Linear keeps
-/// `[in, out]`); training keeps the two equal (see `train::tied`).
-pub(super) fn tie(blocks: &mut [super::LayerBlock]) {
-    use super::LayerBlock as L;
-    let Some(L::LlamaEmbed(e)) = blocks.first() else {
-        return;
-    };
-    let w = e.embed_tokens.weight.val();
-    let [v, d] = w.dims();
-    let vals = w.into_data().try_into_vec::<f32>().expect("f32 weights");
-    let t = super::hf::transpose(&vals, v, d);
-    if let Some(L::LlamaHead(h)) = blocks.last_mut() {
-        let device = h.lm_head.weight.val().device();
-        h.lm_head.weight =
-            h.lm_head.weight.clone().map(|_| {
-                Tensor::<2>::from_data(TensorData::new(t, [d, v]), &device).require_grad()
-            });
-    }
-}

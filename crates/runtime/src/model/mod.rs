@@ -12,6 +12,7 @@ use burn::tensor::{Device, Int, Tensor};
 
 mod config;
 pub mod generate;
+pub mod gpt2;
 pub mod hf;
 pub mod llama;
 pub use config::{Family, Llama3Scaling, ModelConfig};
@@ -172,6 +173,7 @@ impl Layers {
         let blocks = match cfg.family {
             Family::Gpt => gpt_blocks(cfg, device),
             Family::Llama => llama::build(cfg, device),
+            Family::Gpt2 => gpt2::build(cfg, device),
         };
         // burn's initialisers draw from a process-wide generator that other threads share, so
         // weights are set here from our own generator: GPT-2 style N(0, 0.02)-like uniform for
@@ -183,7 +185,7 @@ impl Layers {
             path: Vec::new(),
         });
         if cfg.tie_embeddings {
-            llama::tie(&mut layers.blocks);
+            tie(&mut layers.blocks);
         }
         layers
     }
@@ -204,6 +206,28 @@ impl Layers {
             layers: self.blocks[lo..hi].to_vec(),
         }
     }
+}
+
+/// A tied model's head starts as the embedding's matrix (transposed: burn's Linear keeps
+/// `[in, out]`); training keeps the two equal (see `train::tied`).
+fn tie(blocks: &mut [LayerBlock]) {
+    let w = match blocks.first() {
+        Some(LayerBlock::LlamaEmbed(e)) => e.embed_tokens.weight.val(),
+        Some(LayerBlock::Gpt2Embed(e)) => e.wte.weight.val(),
+        _ => return,
+    };
+    let [v, d] = w.dims();
+    let vals = w.into_data().try_into_vec::<f32>().expect("f32 weights");
+    let t = hf::transpose(&vals, v, d);
+    let head = match blocks.last_mut() {
+        Some(LayerBlock::LlamaHead(h)) => &mut h.lm_head,
+        Some(LayerBlock::Gpt2Head(h)) => &mut h.lm_head,
+        _ => return,
+    };
+    let device = head.weight.val().device();
+    head.weight = head.weight.clone().map(|_| {
+        Tensor::<2>::from_data(burn::tensor::TensorData::new(t, [d, v]), &device).require_grad()
+    });
 }
 
 fn gpt_blocks(cfg: &ModelConfig, device: &Device) -> Vec<LayerBlock> {
@@ -321,6 +345,9 @@ pub enum LayerBlock {
     LlamaEmbed(llama::LlamaEmbed),
     LlamaBlock(llama::LlamaBlock),
     LlamaHead(llama::LlamaHead),
+    Gpt2Embed(gpt2::Gpt2Embed),
+    Gpt2Block(gpt2::Gpt2Block),
+    Gpt2Head(gpt2::Gpt2Head),
 }
 
 impl LayerBlock {
@@ -332,11 +359,17 @@ impl LayerBlock {
         Ok(match (self, x) {
             (LayerBlock::Embed(e), StageInput::Tokens(t)) => e.forward(t),
             (LayerBlock::LlamaEmbed(e), StageInput::Tokens(t)) => e.forward(t),
+            (LayerBlock::Gpt2Embed(e), StageInput::Tokens(t)) => e.forward(t),
+            (LayerBlock::Gpt2Block(b), StageInput::Hidden(h)) => b.forward_with(h, cap),
+            (LayerBlock::Gpt2Head(h), StageInput::Hidden(x)) => h.forward_with(x, cap),
             (LayerBlock::Block(b), StageInput::Hidden(h)) => b.forward_with(h, cap),
             (LayerBlock::LlamaBlock(b), StageInput::Hidden(h)) => b.forward_with(h, cap),
             (LayerBlock::Head(h), StageInput::Hidden(x)) => h.forward_with(x, cap),
             (LayerBlock::LlamaHead(h), StageInput::Hidden(x)) => h.forward_with(x, cap),
-            (LayerBlock::Embed(_) | LayerBlock::LlamaEmbed(_), StageInput::Hidden(_)) => {
+            (
+                LayerBlock::Embed(_) | LayerBlock::LlamaEmbed(_) | LayerBlock::Gpt2Embed(_),
+                StageInput::Hidden(_),
+            ) => {
                 return Err(
                     "the embedding got hidden states (it must come first on a route)".into(),
                 )
@@ -413,7 +446,7 @@ impl Stage {
     pub fn has_head(&self) -> bool {
         matches!(
             self.layers.last(),
-            Some(LayerBlock::Head(_) | LayerBlock::LlamaHead(_))
+            Some(LayerBlock::Head(_) | LayerBlock::LlamaHead(_) | LayerBlock::Gpt2Head(_))
         )
     }
 }

@@ -102,6 +102,9 @@ fn visit_inner<V: ModuleVisitor>(b: &LayerBlock, v: &mut V) {
         LayerBlock::LlamaEmbed(m) => m.visit(v),
         LayerBlock::LlamaBlock(m) => m.visit(v),
         LayerBlock::LlamaHead(m) => m.visit(v),
+        LayerBlock::Gpt2Embed(m) => m.visit(v),
+        LayerBlock::Gpt2Block(m) => m.visit(v),
+        LayerBlock::Gpt2Head(m) => m.visit(v),
     }
 }
 
@@ -113,6 +116,9 @@ fn map_inner<M: ModuleMapper>(b: LayerBlock, m: &mut M) -> LayerBlock {
         LayerBlock::LlamaEmbed(x) => LayerBlock::LlamaEmbed(x.map(m)),
         LayerBlock::LlamaBlock(x) => LayerBlock::LlamaBlock(x.map(m)),
         LayerBlock::LlamaHead(x) => LayerBlock::LlamaHead(x.map(m)),
+        LayerBlock::Gpt2Embed(x) => LayerBlock::Gpt2Embed(x.map(m)),
+        LayerBlock::Gpt2Block(x) => LayerBlock::Gpt2Block(x.map(m)),
+        LayerBlock::Gpt2Head(x) => LayerBlock::Gpt2Head(x.map(m)),
     }
 }
 

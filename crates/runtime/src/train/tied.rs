@@ -67,8 +67,9 @@ impl Tied {
         let mut sum = vec![0f32; n];
         let mut add = |g: &[f32]| sum.iter_mut().zip(g).for_each(|(s, x)| *s += x);
         for (held, g) in worker.stages.iter().zip(&out.grads) {
+            // The embedding's matrix is its block's first parameter.
             if held.first_layer == 0 && topo.leads(worker.rank, held.stage) && !g[0].is_empty() {
-                add(&g[0]);
+                add(&g[0][..n]);
             }
             let k = g.len() - 1;
             if self.is_head(held.first_layer, k) && topo.leads(worker.rank, self.last_stage) {
@@ -82,7 +83,7 @@ impl Tied {
         let head = transpose(&sum, self.vocab, self.d);
         for (held, g) in worker.stages.iter().zip(out.grads.iter_mut()) {
             if held.first_layer == 0 && !g[0].is_empty() {
-                g[0].copy_from_slice(&sum);
+                g[0][..n].copy_from_slice(&sum);
             }
             let k = g.len() - 1;
             if self.is_head(held.first_layer, k) {
