@@ -102,6 +102,13 @@ impl Corpus {
     /// Check the corpus is long enough for sequences of `seq_len`.
     pub fn check(&self, model: &crate::model::ModelConfig) -> Result<(), String> {
         let seq_len = model.seq_len;
+        if let Some(head) = model.head {
+            return Err(format!(
+                "{}: a {} model's {head:?} head learns from labelled examples, not from text; training it needs a labelled task (not yet supported: `forward` runs one)",
+                self.name,
+                model.family.name()
+            ));
+        }
         if model.vocab < 256 {
             return Err(format!(
                 "{}: the model's vocabulary of {} is smaller than the 256 byte values of this text",
@@ -137,12 +144,20 @@ impl Corpus {
 }
 
 /// One micro-batch: `rows` sequences of `seq_len` input bytes and their next bytes.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct MicroBatch {
     pub rows: usize,
     pub seq_len: usize,
     pub tokens: Vec<i64>,
+    /// `rows x target_len` targets (a negative one: none there).
     pub targets: Vec<i64>,
+    /// Targets per row: `seq_len` for language modelling (the next token at each position), 1
+    /// for a class, 2 for an answer span's start and end.
+    pub target_len: usize,
+    /// BERT's segment of each token (empty: all 0).
+    pub token_types: Vec<i64>,
+    /// 1 for a real token, 0 for padding that attention must not see (empty: no padding).
+    pub mask: Vec<i64>,
     /// The sample number of each row under [`Sampling::Epochs`] (empty for random windows):
     /// what the frozen-prefix cache keys on.
     pub samples: Vec<u64>,
@@ -201,6 +216,29 @@ impl MicroBatch {
             seq_len,
             tokens: ids.to_vec(),
             targets,
+            target_len: seq_len,
+            ..MicroBatch::default()
+        }
+    }
+
+    /// A batch for a task head: `ids`, `token_types` and `mask` (each empty or `rows x
+    /// seq_len`) and `target_len` targets per row (a class: 1; an answer's start and end: 2).
+    pub fn labelled(
+        ids: &[i64],
+        token_types: &[i64],
+        mask: &[i64],
+        targets: Vec<i64>,
+        target_len: usize,
+        seq_len: usize,
+    ) -> Self {
+        MicroBatch {
+            rows: ids.len() / seq_len.max(1),
+            seq_len,
+            tokens: ids.to_vec(),
+            targets,
+            target_len,
+            token_types: token_types.to_vec(),
+            mask: mask.to_vec(),
             samples: Vec::new(),
         }
     }
@@ -213,13 +251,22 @@ impl MicroBatch {
                 self.rows
             ));
         }
-        let n = self.rows / m * self.seq_len;
+        let r = self.rows / m;
+        let part = |v: &[i64], per_row: usize, i: usize| -> Vec<i64> {
+            if v.is_empty() {
+                return Vec::new();
+            }
+            v[i * r * per_row..(i + 1) * r * per_row].to_vec()
+        };
         Ok((0..m)
             .map(|i| MicroBatch {
-                rows: self.rows / m,
+                rows: r,
                 seq_len: self.seq_len,
-                tokens: self.tokens[i * n..(i + 1) * n].to_vec(),
-                targets: self.targets[i * n..(i + 1) * n].to_vec(),
+                tokens: part(&self.tokens, self.seq_len, i),
+                targets: part(&self.targets, self.target_len, i),
+                target_len: self.target_len,
+                token_types: part(&self.token_types, self.seq_len, i),
+                mask: part(&self.mask, self.seq_len, i),
                 samples: Vec::new(),
             })
             .collect())
@@ -238,7 +285,9 @@ impl MicroBatch {
             seq_len,
             tokens,
             targets,
+            target_len: seq_len,
             samples,
+            ..MicroBatch::default()
         }
     }
 }

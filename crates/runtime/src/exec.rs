@@ -265,13 +265,14 @@ impl<'a> Iteration<'a> {
         let start = self.clock.elapsed().as_secs_f64();
         let input = received.map(|p| from_payload(p).require_grad());
         let (x, run) = self.stage_input(a, slot, mb, &input)?;
+        let ctx = crate::model::Ctx::of(mb, &train_device());
         let mut deferred = self
             .split
             .contains(&(a.stage, a.mb))
             .then(Deferred::default);
         let y = match deferred.as_mut() {
-            Some(d) => run.forward_split(x, d),
-            None => run.try_forward(x),
+            Some(d) => run.forward_split(x, &ctx, d),
+            None => run.forward_in(x, &ctx),
         }
         .map_err(|e| self.bad(format!("{a}: {e}")))?;
         let output = match next {

@@ -152,7 +152,7 @@ impl Profiler {
         for (i, stage) in stages.iter().enumerate() {
             let mut d = Deferred::default();
             let y = stage
-                .forward_split(make_input(i), &mut d)
+                .forward_split(make_input(i), &crate::model::Ctx::default(), &mut d)
                 .expect("one layer block, right input");
             split.push((y, d));
         }

@@ -787,6 +787,25 @@ pub fn rope<const D: usize>(x: Tensor<D>, cos: Tensor<2>, sin: Tensor<2>) -> Ten
     ))
 }
 
+/// [`layer_norm`] with another epsilon (BERT's 1e-12).
+pub fn layer_norm_eps<const D: usize>(
+    ln: &burn::nn::LayerNorm,
+    x: Tensor<D>,
+    eps: f32,
+) -> Tensor<D> {
+    let gamma = ln.gamma.val();
+    let beta = match &ln.beta {
+        Some(b) => b.val(),
+        None => gamma.zeros_like(),
+    };
+    Tensor::from_dispatch(<Dispatch as Kernels>::layer_norm(
+        x.into_dispatch(),
+        gamma.into_dispatch(),
+        beta.into_dispatch(),
+        eps,
+    ))
+}
+
 /// The model's layer-norm epsilon (burn's `LayerNormConfig` default, set explicitly there).
 pub const LN_EPS: f32 = 1e-5;
 

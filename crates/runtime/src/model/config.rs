@@ -17,6 +17,19 @@ pub enum Family {
     /// GPT-2 (Hugging Face `GPT2LMHeadModel`): learned positions, pre-LayerNorm blocks with
     /// a fused q/k/v projection and the tanh GELU, an LM head tied to the token embedding.
     Gpt2,
+    /// BERT (Hugging Face `BertForSequenceClassification`, `BertForQuestionAnswering`):
+    /// post-LayerNorm bidirectional encoder with a task head.
+    Bert,
+}
+
+/// What the last layer block predicts, when it is not the next token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TaskHead {
+    /// One of `classes` per sequence (from the first token).
+    Classify { classes: usize },
+    /// An answer span: start and end logits over the positions.
+    Span,
 }
 
 impl Family {
@@ -25,6 +38,7 @@ impl Family {
             Family::Gpt => "gpt",
             Family::Llama => "llama",
             Family::Gpt2 => "gpt2",
+            Family::Bert => "bert",
         }
     }
 }
@@ -71,6 +85,12 @@ pub struct ModelConfig {
     /// The LM head shares the token embedding's matrix (llama; gpt's head is its own).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub tie_embeddings: bool,
+    /// A task head instead of the LM head (bert).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub head: Option<TaskHead>,
+    /// Token types (BERT's segments); default 2.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub type_vocab: Option<usize>,
 }
 
 impl Default for ModelConfig {
@@ -89,6 +109,8 @@ impl Default for ModelConfig {
             norm_eps: None,
             max_positions: None,
             tie_embeddings: false,
+            head: None,
+            type_vocab: None,
         }
     }
 }
@@ -112,6 +134,9 @@ impl ModelConfig {
     }
     pub fn norm_eps(&self) -> f64 {
         self.norm_eps.unwrap_or(1e-5)
+    }
+    pub fn type_vocab(&self) -> usize {
+        self.type_vocab.unwrap_or(2)
     }
     pub fn max_positions(&self) -> usize {
         self.max_positions.unwrap_or(self.seq_len)
@@ -154,6 +179,13 @@ impl ModelConfig {
             Family::Gpt => self.check_gpt()?,
             Family::Llama => self.check_llama()?,
             Family::Gpt2 => self.check_gpt2()?,
+            Family::Bert => self.check_bert()?,
+        }
+        if self.head.is_some() && self.family != Family::Bert {
+            return Err(format!(
+                "a task head (classify, span) is a bert setting; {} predicts the next token",
+                self.family.name()
+            ));
         }
         let params = self.param_count();
         if params.is_none_or(|p| p > 1 << 34) {
@@ -248,6 +280,25 @@ impl ModelConfig {
         Ok(())
     }
 
+    fn check_bert(&self) -> Result<(), String> {
+        match self.head {
+            None => Err(
+                "a bert model needs a task head: head = { classify = { classes = N } } or \"span\""
+                    .into(),
+            ),
+            Some(TaskHead::Classify { classes: 0 }) => {
+                Err("a classification head needs at least 1 class".into())
+            }
+            _ if self.ffn() == 0 || self.type_vocab() == 0 => {
+                Err("ffn (intermediate_size) and type_vocab must be positive".into())
+            }
+            _ if self.kv_heads.is_some_and(|k| k != self.heads) || self.rope_theta.is_some() => {
+                Err("bert has neither grouped-query attention nor rotary positions".into())
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// Parameters of a transformer block (None on overflow).
     fn block_params(&self) -> Option<usize> {
         let d = self.d_model;
@@ -259,7 +310,7 @@ impl ModelConfig {
                 let mlp = d.checked_mul(self.ffn())?.checked_mul(3)?;
                 attn.checked_add(mlp)?.checked_add(2 * d)
             }
-            Family::Gpt2 => {
+            Family::Gpt2 | Family::Bert => {
                 let attn = d.checked_mul(4 * d)?.checked_add(4 * d)?;
                 let mlp = d.checked_mul(self.ffn())?.checked_mul(2)?;
                 attn.checked_add(mlp)?.checked_add(self.ffn() + 5 * d)
@@ -276,7 +327,7 @@ impl ModelConfig {
                 let kv = (self.kv_heads() * self.head_dim()) as f64;
                 2.0 * d * d + 2.0 * d * kv + 3.0 * d * self.ffn() as f64
             }
-            Family::Gpt2 => 4.0 * d * d + 2.0 * d * self.ffn() as f64,
+            Family::Gpt2 | Family::Bert => 4.0 * d * d + 2.0 * d * self.ffn() as f64,
         }
     }
 
@@ -300,6 +351,23 @@ impl ModelConfig {
                 self.block_params()?,
                 self.vocab.checked_mul(d)?.checked_add(2 * d)?,
             ),
+            Family::Bert => {
+                let rows = self
+                    .vocab
+                    .checked_add(self.max_positions())?
+                    .checked_add(self.type_vocab())?;
+                let head = match self.head {
+                    Some(TaskHead::Classify { classes }) => {
+                        d.checked_mul(d + classes)?.checked_add(d + classes)?
+                    }
+                    _ => 3 * d + 2,
+                };
+                (
+                    rows.checked_mul(d)?.checked_add(2 * d)?,
+                    self.block_params()?,
+                    head,
+                )
+            }
         })
     }
 
@@ -315,6 +383,15 @@ impl ModelConfig {
             Family::Gpt => format!(
                 "gpt d{}-l{}-h{}-s{}",
                 self.d_model, self.layers, self.heads, self.seq_len
+            ),
+            Family::Bert => format!(
+                "bert d{}-l{}-h{}-f{}-s{} {:?}",
+                self.d_model,
+                self.layers,
+                self.heads,
+                self.ffn(),
+                self.seq_len,
+                self.head
             ),
             Family::Gpt2 => format!(
                 "gpt2 d{}-l{}-h{}-f{}-s{}",

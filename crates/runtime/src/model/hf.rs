@@ -2,7 +2,7 @@
 //! and weights (`model.safetensors`, or shards named by `model.safetensors.index.json`) to
 //! and from the model's layer blocks, under the family's Hugging Face names and shapes.
 
-use super::{Family, Llama3Scaling, ModelConfig};
+use super::{Family, Llama3Scaling, ModelConfig, TaskHead};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -23,9 +23,10 @@ pub fn config_from_hf(text: &str, what: &str) -> Result<ModelConfig, String> {
     let family = match v.get("model_type").and_then(Value::as_str) {
         Some("llama") => Family::Llama,
         Some("gpt2") => Family::Gpt2,
+        Some("bert") => Family::Bert,
         Some(other) => {
             return Err(format!(
-                "{what}: model_type \"{other}\" is not supported (supported: llama, gpt2)"
+                "{what}: model_type \"{other}\" is not supported (supported: llama, gpt2, bert)"
             ))
         }
         None => return Err(format!("{what}: no model_type")),
@@ -33,6 +34,7 @@ pub fn config_from_hf(text: &str, what: &str) -> Result<ModelConfig, String> {
     let cfg = match family {
         Family::Llama => llama_config(&v).map_err(|e| format!("{what}: {e}"))?,
         Family::Gpt2 => gpt2_config(&v).map_err(|e| format!("{what}: {e}"))?,
+        Family::Bert => bert_config(&v).map_err(|e| format!("{what}: {e}"))?,
         Family::Gpt => unreachable!("gpt is pipewright's own, not a Hugging Face model_type"),
     };
     cfg.check().map_err(|e| format!("{what}: {e}"))?;
@@ -112,6 +114,54 @@ fn llama_config(v: &Value) -> Result<ModelConfig, String> {
             .get("tie_word_embeddings")
             .and_then(Value::as_bool)
             .unwrap_or(false),
+        ..ModelConfig::default()
+    })
+}
+
+/// BERT's task head from `architectures`: sequence classification (`num_labels`, or the size
+/// of `id2label`) or extractive question answering.
+fn bert_head(v: &Value) -> Result<TaskHead, String> {
+    let arch = v
+        .get("architectures")
+        .and_then(|a| a.get(0))
+        .and_then(Value::as_str)
+        .unwrap_or("");
+    match arch {
+        "BertForSequenceClassification" => {
+            let classes = match usize_field(v, "num_labels")? {
+                Some(n) => n,
+                None => v
+                    .get("id2label")
+                    .and_then(Value::as_object)
+                    .map_or(2, |m| m.len()),
+            };
+            Ok(TaskHead::Classify { classes })
+        }
+        "BertForQuestionAnswering" => Ok(TaskHead::Span),
+        other => Err(format!(
+            "architectures [\"{other}\"] is not supported for bert (supported: BertForSequenceClassification, BertForQuestionAnswering)"
+        )),
+    }
+}
+
+fn bert_config(v: &Value) -> Result<ModelConfig, String> {
+    refuse_unless(v, "hidden_act", |x| x == "gelu")?;
+    refuse_unless(v, "position_embedding_type", |x| x == "absolute")?;
+    refuse_unless(v, "is_decoder", |x| x == false)?;
+    let positions = need(v, "max_position_embeddings")?;
+    Ok(ModelConfig {
+        family: Family::Bert,
+        vocab: need(v, "vocab_size")?,
+        d_model: need(v, "hidden_size")?,
+        heads: need(v, "num_attention_heads")?,
+        layers: need(v, "num_hidden_layers")?,
+        seq_len: positions.clamp(1, 64),
+        ffn: Some(need(v, "intermediate_size")?),
+        norm_eps: Some(f64_field(v, "layer_norm_eps")?.unwrap_or(1e-12)),
+        max_positions: Some(positions),
+        head: Some(bert_head(v)?),
+        type_vocab: Some(usize_field(v, "type_vocab_size")?.unwrap_or(2)),
+        ..ModelConfig::default()
     })
 }
 
@@ -219,8 +269,36 @@ pub fn config_to_hf(cfg: &ModelConfig) -> Result<Value, String> {
             "attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0,
             "torch_dtype": "float32",
         })),
+        Family::Bert => {
+            let mut v = json!({
+                "model_type": "bert",
+                "vocab_size": cfg.vocab,
+                "hidden_size": cfg.d_model,
+                "num_hidden_layers": cfg.layers,
+                "num_attention_heads": cfg.heads,
+                "intermediate_size": cfg.ffn(),
+                "max_position_embeddings": cfg.max_positions(),
+                "type_vocab_size": cfg.type_vocab(),
+                "layer_norm_eps": cfg.norm_eps(),
+                "hidden_act": "gelu",
+                "position_embedding_type": "absolute",
+                // pipewright trains without dropout.
+                "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+                "torch_dtype": "float32",
+            });
+            match cfg.head {
+                Some(TaskHead::Classify { classes }) => {
+                    v["architectures"] = json!(["BertForSequenceClassification"]);
+                    v["num_labels"] = json!(classes);
+                    v["id2label"] = (0..classes).map(|i| (i.to_string(), json!(format!("LABEL_{i}")))).collect();
+                    v["label2id"] = (0..classes).map(|i| (format!("LABEL_{i}"), json!(i))).collect();
+                }
+                _ => v["architectures"] = json!(["BertForQuestionAnswering"]),
+            }
+            Ok(v)
+        }
         Family::Gpt => Err(
-            "the gpt family is pipewright's own and has no Hugging Face layout (use llama or gpt2)"
+            "the gpt family is pipewright's own and has no Hugging Face layout (use llama, gpt2 or bert)"
                 .into(),
         ),
     }
@@ -228,8 +306,10 @@ pub fn config_to_hf(cfg: &ModelConfig) -> Result<Value, String> {
 
 /// A checkpoint name (`embed.x`, `block.N.x`, `head.x`) as the family's Hugging Face name.
 pub fn hf_name(cfg: &ModelConfig, name: &str) -> String {
-    if cfg.family == Family::Gpt2 {
-        return gpt2_name(name);
+    match cfg.family {
+        Family::Gpt2 => return gpt2_name(name),
+        Family::Bert => return bert_name(name),
+        _ => {}
     }
     if let Some(rest) = name.strip_prefix("embed.") {
         format!("model.{rest}")
@@ -264,12 +344,35 @@ fn gpt2_name(name: &str) -> String {
     }
 }
 
+/// BERT's names: `bert.embeddings.`, `bert.encoder.layer.N.`, `bert.pooler.`; its
+/// `attention.self` and `LayerNorm` (fields `self_attn` and `layer_norm` here).
+fn bert_name(name: &str) -> String {
+    let name = name
+        .replace(".gamma", ".weight")
+        .replace(".beta", ".bias")
+        .replace("self_attn.", "self.")
+        .replace("layer_norm.", "LayerNorm.");
+    if let Some(rest) = name.strip_prefix("embed.") {
+        format!("bert.embeddings.{rest}")
+    } else if let Some(rest) = name.strip_prefix("block.") {
+        format!("bert.encoder.layer.{rest}")
+    } else if let Some(rest) = name.strip_prefix("head.") {
+        match rest.strip_prefix("pooler.") {
+            Some(p) => format!("bert.pooler.{p}"),
+            None => rest.to_string(),
+        }
+    } else {
+        name
+    }
+}
+
 /// Is this parameter stored transposed in Hugging Face's layout? burn's Linear keeps
 /// `[in, out]`, torch's `nn.Linear` `[out, in]` (GPT-2's `Conv1D` keeps `[in, out]` too);
 /// embeddings and norms agree.
 pub fn transposed(shape: &[usize], hf: &str) -> bool {
     shape.len() == 2
         && !hf.contains("embed_tokens")
+        && !hf.contains("embeddings.")
         && (!hf.starts_with("transformer.") || hf == "lm_head.weight")
 }
 
@@ -439,6 +542,8 @@ pub fn from_hf(
     // Buffers, not parameters: rotary frequencies, GPT-2's causal masks.
     hf.retain(|k, _| {
         !(k.ends_with("rotary_emb.inv_freq")
+            || k.ends_with("embeddings.position_ids")
+            || k.ends_with("embeddings.token_type_ids")
             || k.ends_with(".attn.bias")
             || k.ends_with(".attn.masked_bias"))
     });

@@ -10,12 +10,13 @@ use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, L
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Int, Tensor};
 
+pub mod bert;
 mod config;
 pub mod generate;
 pub mod gpt2;
 pub mod hf;
 pub mod llama;
-pub use config::{Family, Llama3Scaling, ModelConfig};
+pub use config::{Family, Llama3Scaling, ModelConfig, TaskHead};
 
 #[derive(Module, Debug)]
 pub struct Embed {
@@ -146,17 +147,17 @@ pub fn loss(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
 /// no label there) is left out of the mean.
 pub fn batch_loss(logits: Tensor<3>, mb: &crate::data::MicroBatch) -> Tensor<1> {
     let device = logits.device();
+    let shape = [mb.rows, mb.target_len];
+    let ids =
+        |v: Vec<i64>| Tensor::<2, Int>::from_data(burn::tensor::TensorData::new(v, shape), &device);
     if mb.targets.iter().all(|&t| t >= 0) {
-        return loss(logits, mb.ids_on(&mb.targets, &device));
+        return loss(logits, ids(mb.targets.clone()));
     }
     let kept: Vec<f32> = mb.targets.iter().map(|&t| (t >= 0) as u8 as f32).collect();
     let count = kept.iter().sum::<f32>().max(1.0);
-    let ids: Vec<i64> = mb.targets.iter().map(|&t| t.max(0)).collect();
-    let weights = Tensor::<2>::from_data(
-        burn::tensor::TensorData::new(kept, [mb.rows, mb.seq_len]),
-        &device,
-    );
-    let logp = log_softmax(logits, 2).gather(2, mb.ids_on(&ids, &device).unsqueeze_dim(2));
+    let clamped: Vec<i64> = mb.targets.iter().map(|&t| t.max(0)).collect();
+    let weights = Tensor::<2>::from_data(burn::tensor::TensorData::new(kept, shape), &device);
+    let logp = log_softmax(logits, 2).gather(2, ids(clamped).unsqueeze_dim(2));
     (logp.squeeze_dim::<2>(2) * weights).sum().neg() / count
 }
 
@@ -174,6 +175,7 @@ impl Layers {
             Family::Gpt => gpt_blocks(cfg, device),
             Family::Llama => llama::build(cfg, device),
             Family::Gpt2 => gpt2::build(cfg, device),
+            Family::Bert => bert::build(cfg, device),
         };
         // burn's initialisers draw from a process-wide generator that other threads share, so
         // weights are set here from our own generator: GPT-2 style N(0, 0.02)-like uniform for
@@ -348,16 +350,50 @@ pub enum LayerBlock {
     Gpt2Embed(gpt2::Gpt2Embed),
     Gpt2Block(gpt2::Gpt2Block),
     Gpt2Head(gpt2::Gpt2Head),
+    BertEmbed(bert::BertEmbed),
+    BertBlock(bert::BertBlock),
+    BertHead(bert::BertHead),
+}
+
+/// What a micro-batch tells the layers besides their input: BERT's token types (for the
+/// embedding) and its padding (for attention). Every stage builds it from the micro-batch
+/// itself, so nothing more crosses the pipeline than hidden states.
+#[derive(Default, Clone)]
+pub struct Ctx {
+    pub token_types: Option<Tensor<2, Int>>,
+    /// Added to attention scores: `[b, 1, 1, t]`, 0 where a key is a token, `f32::MIN` where
+    /// it is padding (as transformers' extended attention mask).
+    pub mask: Option<Tensor<4>>,
+}
+
+impl Ctx {
+    pub fn of(mb: &crate::data::MicroBatch, device: &Device) -> Ctx {
+        let (b, t) = (mb.rows, mb.seq_len);
+        let token_types = (!mb.token_types.is_empty()).then(|| mb.ids_on(&mb.token_types, device));
+        let mask = (!mb.mask.is_empty() && mb.mask.iter().any(|&m| m == 0)).then(|| {
+            let add: Vec<f32> = mb
+                .mask
+                .iter()
+                .map(|&m| if m == 0 { f32::MIN } else { 0.0 })
+                .collect();
+            Tensor::<4>::from_data(burn::tensor::TensorData::new(add, [b, 1, 1, t]), device)
+        });
+        Ctx { token_types, mask }
+    }
 }
 
 impl LayerBlock {
     fn forward_with(
         &self,
         x: StageInput,
+        ctx: &Ctx,
         cap: &mut Option<&mut Deferred>,
     ) -> Result<Tensor<3>, String> {
         Ok(match (self, x) {
             (LayerBlock::Embed(e), StageInput::Tokens(t)) => e.forward(t),
+            (LayerBlock::BertEmbed(e), StageInput::Tokens(t)) => e.forward(t, ctx),
+            (LayerBlock::BertBlock(b), StageInput::Hidden(h)) => b.forward_with(h, ctx, cap),
+            (LayerBlock::BertHead(h), StageInput::Hidden(x)) => h.forward_with(x, cap),
             (LayerBlock::LlamaEmbed(e), StageInput::Tokens(t)) => e.forward(t),
             (LayerBlock::Gpt2Embed(e), StageInput::Tokens(t)) => e.forward(t),
             (LayerBlock::Gpt2Block(b), StageInput::Hidden(h)) => b.forward_with(h, cap),
@@ -367,7 +403,10 @@ impl LayerBlock {
             (LayerBlock::Head(h), StageInput::Hidden(x)) => h.forward_with(x, cap),
             (LayerBlock::LlamaHead(h), StageInput::Hidden(x)) => h.forward_with(x, cap),
             (
-                LayerBlock::Embed(_) | LayerBlock::LlamaEmbed(_) | LayerBlock::Gpt2Embed(_),
+                LayerBlock::Embed(_)
+                | LayerBlock::LlamaEmbed(_)
+                | LayerBlock::Gpt2Embed(_)
+                | LayerBlock::BertEmbed(_),
                 StageInput::Hidden(_),
             ) => {
                 return Err(
@@ -408,33 +447,40 @@ pub enum StageInput {
 impl Stage {
     /// Hidden states out, or logits if the stage holds the head.
     pub fn forward(&self, input: StageInput) -> Tensor<3> {
-        self.forward_with(input, &mut None)
+        self.forward_with(input, &Ctx::default(), &mut None)
             .unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// Like [`Stage::forward`], with a wrong input (tokens for a hidden-state layer, or the
     /// reverse) as an error rather than a panic: plans from files reach here.
     pub fn try_forward(&self, input: StageInput) -> Result<Tensor<3>, String> {
-        self.forward_with(input, &mut None)
+        self.forward_with(input, &Ctx::default(), &mut None)
+    }
+
+    /// [`Stage::try_forward`] with the micro-batch's context (token types, padding).
+    pub fn forward_in(&self, input: StageInput, ctx: &Ctx) -> Result<Tensor<3>, String> {
+        self.forward_with(input, ctx, &mut None)
     }
 
     /// Forward whose Linear weight gradients are deferred to a W step (see [`Deferred`]).
     pub fn forward_split(
         &self,
         input: StageInput,
+        ctx: &Ctx,
         deferred: &mut Deferred,
     ) -> Result<Tensor<3>, String> {
-        self.forward_with(input, &mut Some(deferred))
+        self.forward_with(input, ctx, &mut Some(deferred))
     }
 
     fn forward_with(
         &self,
         input: StageInput,
+        ctx: &Ctx,
         cap: &mut Option<&mut Deferred>,
     ) -> Result<Tensor<3>, String> {
         let mut x = input;
         for l in &self.layers {
-            x = StageInput::Hidden(l.forward_with(x, cap)?);
+            x = StageInput::Hidden(l.forward_with(x, ctx, cap)?);
         }
         match x {
             StageInput::Hidden(h) => Ok(h),
@@ -446,7 +492,12 @@ impl Stage {
     pub fn has_head(&self) -> bool {
         matches!(
             self.layers.last(),
-            Some(LayerBlock::Head(_) | LayerBlock::LlamaHead(_) | LayerBlock::Gpt2Head(_))
+            Some(
+                LayerBlock::Head(_)
+                    | LayerBlock::LlamaHead(_)
+                    | LayerBlock::Gpt2Head(_)
+                    | LayerBlock::BertHead(_)
+            )
         )
     }
 }

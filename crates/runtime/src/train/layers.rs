@@ -105,6 +105,9 @@ fn visit_inner<V: ModuleVisitor>(b: &LayerBlock, v: &mut V) {
         LayerBlock::Gpt2Embed(m) => m.visit(v),
         LayerBlock::Gpt2Block(m) => m.visit(v),
         LayerBlock::Gpt2Head(m) => m.visit(v),
+        LayerBlock::BertEmbed(m) => m.visit(v),
+        LayerBlock::BertBlock(m) => m.visit(v),
+        LayerBlock::BertHead(m) => m.visit(v),
     }
 }
 
@@ -119,6 +122,9 @@ fn map_inner<M: ModuleMapper>(b: LayerBlock, m: &mut M) -> LayerBlock {
         LayerBlock::Gpt2Embed(x) => LayerBlock::Gpt2Embed(x.map(m)),
         LayerBlock::Gpt2Block(x) => LayerBlock::Gpt2Block(x.map(m)),
         LayerBlock::Gpt2Head(x) => LayerBlock::Gpt2Head(x.map(m)),
+        LayerBlock::BertEmbed(x) => LayerBlock::BertEmbed(x.map(m)),
+        LayerBlock::BertBlock(x) => LayerBlock::BertBlock(x.map(m)),
+        LayerBlock::BertHead(x) => LayerBlock::BertHead(x.map(m)),
     }
 }
 

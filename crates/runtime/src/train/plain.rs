@@ -80,7 +80,8 @@ impl PlainTrainer {
                 seq_len: c.model.seq_len,
                 tokens: parts.iter().flat_map(|m| m.tokens.clone()).collect(),
                 targets: parts.iter().flat_map(|m| m.targets.clone()).collect(),
-                samples: Vec::new(),
+                target_len: c.model.seq_len,
+                ..MicroBatch::default()
             };
             let mut x = StageInput::Tokens(all.ids(&all.tokens));
             for &i in seq {
