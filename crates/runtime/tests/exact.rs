@@ -302,7 +302,7 @@ fn split_backward_defers_linear_weight_gradients() {
     let xs = x.require_grad();
     let mut d = Deferred::default();
     let g = (stage
-        .forward_split(StageInput::Hidden(xs.clone()), &mut d)
+        .forward_split(StageInput::Hidden(xs.clone()), &Default::default(), &mut d)
         .unwrap()
         * dy)
         .sum()

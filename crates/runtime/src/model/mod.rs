@@ -370,7 +370,7 @@ impl Ctx {
     pub fn of(mb: &crate::data::MicroBatch, device: &Device) -> Ctx {
         let (b, t) = (mb.rows, mb.seq_len);
         let token_types = (!mb.token_types.is_empty()).then(|| mb.ids_on(&mb.token_types, device));
-        let mask = (!mb.mask.is_empty() && mb.mask.iter().any(|&m| m == 0)).then(|| {
+        let mask = mb.mask.contains(&0).then(|| {
             let add: Vec<f32> = mb
                 .mask
                 .iter()
