@@ -8,7 +8,7 @@ use clap::Args;
 use pipewright_core::schedule::ScheduleKind;
 use pipewright_runtime::data::MicroBatch;
 use pipewright_runtime::model::hf::{config_from_hf, config_to_hf};
-use pipewright_runtime::model::ModelConfig;
+use pipewright_runtime::model::{ModelConfig, TaskHead};
 use pipewright_runtime::train::{checkpoint_config, hf_layers, hf_params, TrainConfig, Trainer};
 use std::path::{Path, PathBuf};
 
@@ -192,7 +192,7 @@ pub fn cmd_forward(a: ForwardArgs) -> Result<()> {
         }
     };
     check_output(&a.out)?;
-    let (batch, rows, t) = read_batch(&a.input_ids, model.vocab)?;
+    let (batch, rows, t) = read_batch(&a.input_ids, &model)?;
     if t > model.max_positions() {
         return Err(BadInput(format!(
             "{}: sequences of {t} tokens; the model takes at most {}",
@@ -226,14 +226,8 @@ pub fn cmd_forward(a: ForwardArgs) -> Result<()> {
     }
     let out = trainer.batch_gradients(&parts)?;
     let logits: Vec<f32> = out.logits.into_iter().flat_map(|(_, v)| v).collect();
-    let mut tensors = vec![
-        (
-            "logits".to_string(),
-            vec![rows, t, model.vocab],
-            F32(logits),
-        ),
-        ("loss".to_string(), vec![], F32(vec![out.loss as f32])),
-    ];
+    let mut tensors = head_outputs(&model, logits, rows, t);
+    tensors.push(("loss".to_string(), vec![], F32(vec![out.loss as f32])));
     if a.grads {
         let blocks = trainer.layer_blocks()?;
         for (k, s, v) in hf_params(&model, &blocks, Some(&out.grads)) {
@@ -251,16 +245,16 @@ pub fn cmd_forward(a: ForwardArgs) -> Result<()> {
     Ok(())
 }
 
-/// The batch of a `--input-ids` file: ids (checked against the vocabulary) and labels.
-fn read_batch(path: &Path, vocab: usize) -> Result<(MicroBatch, usize, usize)> {
+/// The integer tensors of an input file (I64 or I32), by name.
+type Ints = std::collections::HashMap<String, (Vec<usize>, Vec<i64>)>;
+
+fn read_ints(path: &Path) -> Result<Ints> {
     let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
     let bad = |m: String| BadInput(format!("{}: {m}", path.display()));
     let st = safetensors::SafeTensors::deserialize(&bytes)
         .map_err(|e| bad(format!("not a valid safetensors file ({e})")))?;
-    let ints = |name: &str| -> Result<Option<(Vec<usize>, Vec<i64>)>> {
-        let Ok(v) = st.tensor(name) else {
-            return Ok(None);
-        };
+    let mut out = Ints::new();
+    for (name, v) in st.tensors() {
         let vals: Vec<i64> = match v.dtype() {
             safetensors::Dtype::I64 => v
                 .data()
@@ -274,14 +268,49 @@ fn read_batch(path: &Path, vocab: usize) -> Result<(MicroBatch, usize, usize)> {
                 .collect(),
             d => {
                 return Err(bad(format!(
-                    "{name} has dtype {d:?}; I64 or I32 token ids are needed"
+                    "{name} has dtype {d:?}; I64 or I32 values are needed"
                 ))
                 .into())
             }
         };
-        Ok(Some((v.shape().to_vec(), vals)))
+        out.insert(name, (v.shape().to_vec(), vals));
+    }
+    Ok(out)
+}
+
+/// Tensor `name` of the input file with shape `shape`, each value in `ok` (named in errors by
+/// `what`); `None` if the file has no such tensor.
+fn checked(
+    ints: &Ints,
+    path: &Path,
+    name: &str,
+    shape: &[usize],
+    ok: impl Fn(i64) -> bool,
+    what: &str,
+) -> Result<Option<Vec<i64>>> {
+    let Some((s, v)) = ints.get(name) else {
+        return Ok(None);
     };
-    let (shape, ids) = ints("input_ids")?.ok_or_else(|| bad("no input_ids tensor".into()))?;
+    let bad = |m: String| BadInput(format!("{}: {name} {m}", path.display()));
+    if s != shape {
+        return Err(bad(format!("has shape {s:?}; {shape:?} is needed")).into());
+    }
+    if let Some(x) = v.iter().find(|&&x| !ok(x)) {
+        return Err(bad(format!("holds {x}: {what}")).into());
+    }
+    Ok(Some(v.clone()))
+}
+
+/// The batch of a `--input-ids` file for `model`: ids, BERT's token types and padding, and
+/// the targets its head learns (next tokens, a class per row, or an answer's start and end).
+fn read_batch(path: &Path, model: &ModelConfig) -> Result<(MicroBatch, usize, usize)> {
+    let ints = read_ints(path)?;
+    let bad = |m: String| BadInput(format!("{}: {m}", path.display()));
+    let shape = ints
+        .get("input_ids")
+        .ok_or_else(|| bad("no input_ids tensor".into()))?
+        .0
+        .clone();
     let [rows, t] = shape[..] else {
         return Err(bad(format!(
             "input_ids has shape {shape:?}; [batch, seq] is needed"
@@ -294,31 +323,112 @@ fn read_batch(path: &Path, vocab: usize) -> Result<(MicroBatch, usize, usize)> {
         ))
         .into());
     }
-    if let Some(&x) = ids.iter().find(|&&x| x < 0 || x as usize >= vocab) {
+    let v = model.vocab as i64;
+    let token = |x: i64| (0..v).contains(&x);
+    let ids = checked(
+        &ints,
+        path,
+        "input_ids",
+        &shape,
+        token,
+        &format!("outside the vocabulary 0..{v}"),
+    )?
+    .expect("present");
+    let bert = model.family == pipewright_runtime::model::Family::Bert;
+    let types = checked(
+        &ints,
+        path,
+        "token_type_ids",
+        &shape,
+        |x| (0..model.type_vocab() as i64).contains(&x),
+        "outside the token types",
+    )?;
+    let mask = checked(
+        &ints,
+        path,
+        "attention_mask",
+        &shape,
+        |x| x == 0 || x == 1,
+        "a mask is 0 or 1",
+    )?;
+    if !bert && (types.is_some() || mask.as_ref().is_some_and(|m| m.contains(&0))) {
         return Err(bad(format!(
-            "input_ids holds {x}, outside the model's vocabulary 0..{vocab}"
+            "token_type_ids and padding are bert inputs; a {} model takes neither",
+            model.family.name()
         ))
         .into());
     }
-    let labels = match ints("labels")? {
-        Some((s, l)) if s == shape => Some(l),
-        Some((s, _)) => {
-            return Err(bad(format!("labels has shape {s:?}; input_ids has {shape:?}")).into())
+    let (types, mask) = (types.unwrap_or_default(), mask.unwrap_or_default());
+    let label = |n: i64| move |x: i64| x == -100 || (0..n).contains(&x);
+    let batch = match model.head {
+        None => {
+            let labels = checked(
+                &ints,
+                path,
+                "labels",
+                &shape,
+                label(v),
+                "a label is a token id or -100",
+            )?;
+            MicroBatch::causal_lm(&ids, labels.as_deref(), rows, t)
         }
-        None => None,
+        Some(TaskHead::Classify { classes }) => {
+            let l = checked(
+                &ints,
+                path,
+                "labels",
+                &[rows],
+                label(classes as i64),
+                "a label is a class or -100",
+            )?;
+            MicroBatch::labelled(&ids, &types, &mask, l.unwrap_or(vec![-100; rows]), 1, t)
+        }
+        Some(TaskHead::Span) => {
+            let pos = |n| {
+                checked(
+                    &ints,
+                    path,
+                    n,
+                    &[rows],
+                    label(t as i64),
+                    "a position is in the row or -100",
+                )
+            };
+            let (s, e) = (pos("start_positions")?, pos("end_positions")?);
+            let (s, e) = (s.unwrap_or(vec![-100; rows]), e.unwrap_or(vec![-100; rows]));
+            let targets = s.iter().zip(&e).flat_map(|(a, b)| [*a, *b]).collect();
+            MicroBatch::labelled(&ids, &types, &mask, targets, 2, t)
+        }
     };
-    if let Some(&x) = labels
-        .iter()
-        .flatten()
-        .find(|&&x| x != -100 && (x < 0 || x as usize >= vocab))
-    {
-        return Err(bad(format!("labels holds {x}: a label is a token id or -100")).into());
+    Ok((batch, rows, t))
+}
+
+/// What `forward` writes of the head's output: LM logits `[b, t, vocab]`, class logits
+/// `[b, classes]`, or start and end logits `[b, t]` each.
+fn head_outputs(
+    model: &ModelConfig,
+    logits: Vec<f32>,
+    rows: usize,
+    t: usize,
+) -> Vec<(String, Vec<usize>, Values)> {
+    match model.head {
+        None => vec![("logits".into(), vec![rows, t, model.vocab], F32(logits))],
+        Some(TaskHead::Classify { classes }) => {
+            vec![("logits".into(), vec![rows, classes], F32(logits))]
+        }
+        Some(TaskHead::Span) => {
+            let part = |k: usize| -> Vec<f32> {
+                logits
+                    .chunks(2 * t)
+                    .flat_map(|r| r[k * t..(k + 1) * t].to_vec())
+                    .collect()
+            };
+            vec![
+                ("start_logits".into(), vec![rows, t], F32(part(0))),
+                ("end_logits".into(), vec![rows, t], F32(part(1))),
+            ]
+        }
     }
-    Ok((
-        MicroBatch::causal_lm(&ids, labels.as_deref(), rows, t),
-        rows,
-        t,
-    ))
 }
 
 #[derive(Args)]
@@ -370,6 +480,13 @@ pub fn cmd_generate(a: GenerateArgs) -> Result<()> {
         }
         (None, None) => checkpoint_blocks(Path::new("checkpoints"))?,
     };
+    if let Some(head) = model.head {
+        return Err(BadInput(format!(
+            "generate needs a causal language model (gpt, llama, gpt2); this {} model has a {head} head",
+            model.family.name()
+        ))
+        .into());
+    }
     let prompt: Vec<i64> = a.prompt.bytes().map(i64::from).collect();
     if model.vocab < 256 {
         return Err(BadInput(format!(

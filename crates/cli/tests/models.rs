@@ -322,3 +322,66 @@ fn sharded_bf16_weights_load() {
     let d = max_diff(&f32s(&read(&a), "logits"), &f32s(&read(&b), "logits"));
     assert!(d > 0.0 && d < 0.05, "bf16 logits differ from f32 by {d}");
 }
+
+/// BERT through `forward`: segments and padding from the input file, class or span logits
+/// and every gradient as transformers computed them; training it on text and generating with
+/// it are refused.
+#[test]
+fn bert_forward_gives_transformers_outputs_and_text_tasks_are_refused() {
+    let dir = fresh_dir("models-bert");
+    for (name, keys) in [
+        ("bert-classify", vec!["logits"]),
+        ("bert-qa", vec!["start_logits", "end_logits"]),
+    ] {
+        let model = fixture().with_file_name(name);
+        let out = dir.join(format!("{name}.safetensors"));
+        ok(&[
+            "forward",
+            "--model",
+            model.to_str().unwrap(),
+            "--input-ids",
+            model.join("inputs.safetensors").to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--grads",
+            "--stages",
+            "2",
+            "--microbatches",
+            "2",
+        ]);
+        let (got, want) = (read(&out), read(&model.join("expected.safetensors")));
+        for k in keys.iter().chain(&["loss"]) {
+            let d = max_diff(&f32s(&got, k), &f32s(&want, k));
+            assert!(d < 1e-5, "{name} {k} differs by {d}");
+        }
+        let grads: Vec<_> = want.keys().filter(|k| k.starts_with("grad.")).collect();
+        for k in &grads {
+            let d = max_diff(&f32s(&got, k), &f32s(&want, k));
+            assert!(d < 1e-5, "{name} {k} differs by {d}");
+        }
+    }
+    let bert = fixture().with_file_name("bert-classify");
+    let o = pw(&[
+        "train",
+        "--model",
+        bert.to_str().unwrap(),
+        "--steps",
+        "1",
+        "--no-checkpoint",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("labelled"), "{err}");
+    let o = pw(&[
+        "generate",
+        "--model",
+        bert.to_str().unwrap(),
+        "--prompt",
+        "hi",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        o.status.code() == Some(2) && err.contains("causal language model"),
+        "{err}"
+    );
+}

@@ -104,7 +104,7 @@ impl Corpus {
         let seq_len = model.seq_len;
         if let Some(head) = model.head {
             return Err(format!(
-                "{}: a {} model's {head:?} head learns from labelled examples, not from text; training it needs a labelled task (not yet supported: `forward` runs one)",
+                "{}: a {} model's {head} head learns from labelled examples, not from text; training it needs a labelled task (not yet supported: `forward` runs one)",
                 self.name,
                 model.family.name()
             ));

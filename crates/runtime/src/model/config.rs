@@ -43,6 +43,15 @@ impl Family {
     }
 }
 
+impl std::fmt::Display for TaskHead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TaskHead::Classify { classes } => write!(f, "classification ({classes} classes)"),
+            TaskHead::Span => f.write_str("answer-span"),
+        }
+    }
+}
+
 /// Llama 3's rescaling of rotary frequencies for long contexts (`rope_scaling` with
 /// `rope_type = "llama3"` in a Hugging Face config).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -385,13 +394,13 @@ impl ModelConfig {
                 self.d_model, self.layers, self.heads, self.seq_len
             ),
             Family::Bert => format!(
-                "bert d{}-l{}-h{}-f{}-s{} {:?}",
+                "bert d{}-l{}-h{}-f{}-s{} {}",
                 self.d_model,
                 self.layers,
                 self.heads,
                 self.ffn(),
                 self.seq_len,
-                self.head
+                self.head.map_or(String::new(), |h| h.to_string())
             ),
             Family::Gpt2 => format!(
                 "gpt2 d{}-l{}-h{}-f{}-s{}",
