@@ -90,7 +90,10 @@ pub fn cmd_eval(a: EvalArgs) -> Result<()> {
         Some(f) => Corpus::load(f).map_err(BadInput)?,
         None => Corpus::builtin(),
     };
-    corpus.check(&cfg.model).map_err(BadInput)?;
+    corpus
+        .check(cfg.model.seq_len)
+        .and_then(|()| cfg.model.check_text(&corpus.name))
+        .map_err(BadInput)?;
     // Evaluation needs the weights only: one worker, one stage.
     (cfg.stages, cfg.replicas, cfg.chunks) = (1, 1, 1);
     cfg.schedule = pipewright_core::schedule::ScheduleKind::OneFOneB;

@@ -359,34 +359,49 @@ fn read_batch(path: &Path, model: &ModelConfig) -> Result<(MicroBatch, usize, us
         .into());
     }
     let (types, mask) = (types.unwrap_or_default(), mask.unwrap_or_default());
+    let batch = with_targets(&ints, path, model, (&ids, &types, &mask), (rows, t))?;
+    Ok((batch, rows, t))
+}
+
+/// The batch with the targets `model`'s head learns: next tokens (`labels` shifted, as
+/// transformers does), a class per row (`labels`), or an answer's `start_positions` and
+/// `end_positions`; none given: no target (-100).
+fn with_targets(
+    ints: &Ints,
+    path: &Path,
+    model: &ModelConfig,
+    (ids, types, mask): (&[i64], &[i64], &[i64]),
+    (rows, t): (usize, usize),
+) -> Result<MicroBatch> {
+    let (shape, v) = ([rows, t], model.vocab as i64);
     let label = |n: i64| move |x: i64| x == -100 || (0..n).contains(&x);
-    let batch = match model.head {
+    Ok(match model.head {
         None => {
             let labels = checked(
-                &ints,
+                ints,
                 path,
                 "labels",
                 &shape,
                 label(v),
                 "a label is a token id or -100",
             )?;
-            MicroBatch::causal_lm(&ids, labels.as_deref(), rows, t)
+            MicroBatch::causal_lm(ids, labels.as_deref(), rows, t)
         }
         Some(TaskHead::Classify { classes }) => {
             let l = checked(
-                &ints,
+                ints,
                 path,
                 "labels",
                 &[rows],
                 label(classes as i64),
                 "a label is a class or -100",
             )?;
-            MicroBatch::labelled(&ids, &types, &mask, l.unwrap_or(vec![-100; rows]), 1, t)
+            MicroBatch::labelled(ids, types, mask, l.unwrap_or(vec![-100; rows]), 1, t)
         }
         Some(TaskHead::Span) => {
             let pos = |n| {
                 checked(
-                    &ints,
+                    ints,
                     path,
                     n,
                     &[rows],
@@ -397,10 +412,9 @@ fn read_batch(path: &Path, model: &ModelConfig) -> Result<(MicroBatch, usize, us
             let (s, e) = (pos("start_positions")?, pos("end_positions")?);
             let (s, e) = (s.unwrap_or(vec![-100; rows]), e.unwrap_or(vec![-100; rows]));
             let targets = s.iter().zip(&e).flat_map(|(a, b)| [*a, *b]).collect();
-            MicroBatch::labelled(&ids, &types, &mask, targets, 2, t)
+            MicroBatch::labelled(ids, types, mask, targets, 2, t)
         }
-    };
-    Ok((batch, rows, t))
+    })
 }
 
 /// What `forward` writes of the head's output: LM logits `[b, t, vocab]`, class logits

@@ -100,21 +100,7 @@ impl Corpus {
     }
 
     /// Check the corpus is long enough for sequences of `seq_len`.
-    pub fn check(&self, model: &crate::model::ModelConfig) -> Result<(), String> {
-        let seq_len = model.seq_len;
-        if let Some(head) = model.head {
-            return Err(format!(
-                "{}: a {} model's {head} head learns from labelled examples, not from text; training it needs a labelled task (not yet supported: `forward` runs one)",
-                self.name,
-                model.family.name()
-            ));
-        }
-        if model.vocab < 256 {
-            return Err(format!(
-                "{}: the model's vocabulary of {} is smaller than the 256 byte values of this text",
-                self.name, model.vocab
-            ));
-        }
+    pub fn check(&self, seq_len: usize) -> Result<(), String> {
         if self.val.len() <= seq_len + 1 || self.train.len() <= seq_len + 1 {
             return Err(format!(
                 "{}: {} bytes is too short for sequences of {seq_len} (need more than {} bytes in each of the train and held-out parts)",

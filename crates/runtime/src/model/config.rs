@@ -166,6 +166,24 @@ impl ModelConfig {
         }
     }
 
+    /// Can this model learn from text (next-token prediction over bytes or token ids)? Not
+    /// with a task head, nor with a vocabulary smaller than the 256 byte values.
+    pub fn check_text(&self, what: &str) -> Result<(), String> {
+        if let Some(head) = self.head {
+            return Err(format!(
+                "{what}: a {} model's {head} head learns from labelled examples, not from text; training it needs a labelled task (not yet supported: `forward` runs one)",
+                self.family.name()
+            ));
+        }
+        if self.vocab < 256 {
+            return Err(format!(
+                "{what}: the model's vocabulary of {} is smaller than the 256 byte values of this text",
+                self.vocab
+            ));
+        }
+        Ok(())
+    }
+
     /// Shape rules every family shares, then the family's own.
     pub fn check(&self) -> Result<(), String> {
         if self.d_model == 0 || self.heads == 0 || !self.d_model.is_multiple_of(self.heads) {

@@ -214,7 +214,10 @@ impl TrainingRun {
     /// A run of `trainer` on `corpus`; every setting is checked here, before any step.
     pub fn new(mut trainer: Trainer, corpus: Corpus, cfg: RunConfig) -> Result<Self> {
         check_run(&trainer, &cfg)?;
-        corpus.check(&trainer.cfg.model).map_err(Error::Config)?;
+        corpus
+            .check(trainer.cfg.model.seq_len)
+            .and_then(|()| trainer.cfg.model.check_text(&corpus.name))
+            .map_err(Error::Config)?;
         let epoch_steps = trainer
             .cfg
             .sampler()
