@@ -256,6 +256,7 @@ fn read_ints(path: &Path) -> Result<Ints> {
     let mut out = Ints::new();
     for (name, v) in st.tensors() {
         let vals: Vec<i64> = match v.dtype() {
+            safetensors::Dtype::F32 if name == "pixel_values" => continue,
             safetensors::Dtype::I64 => v
                 .data()
                 .chunks_exact(8)
@@ -306,6 +307,9 @@ fn checked(
 fn read_batch(path: &Path, model: &ModelConfig) -> Result<(MicroBatch, usize, usize)> {
     let ints = read_ints(path)?;
     let bad = |m: String| BadInput(format!("{}: {m}", path.display()));
+    if model.family == pipewright_runtime::model::Family::Vit {
+        return read_images(path, &ints, model);
+    }
     let shape = ints
         .get("input_ids")
         .ok_or_else(|| bad("no input_ids tensor".into()))?
@@ -361,6 +365,57 @@ fn read_batch(path: &Path, model: &ModelConfig) -> Result<(MicroBatch, usize, us
     let (types, mask) = (types.unwrap_or_default(), mask.unwrap_or_default());
     let batch = with_targets(&ints, path, model, (&ids, &types, &mask), (rows, t))?;
     Ok((batch, rows, t))
+}
+
+/// A ViT batch: `pixel_values` `[batch, channels, image, image]` (F32) and class `labels`.
+fn read_images(
+    path: &Path,
+    ints: &Ints,
+    model: &ModelConfig,
+) -> Result<(MicroBatch, usize, usize)> {
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let bad = |m: String| BadInput(format!("{}: {m}", path.display()));
+    let st = safetensors::SafeTensors::deserialize(&bytes)
+        .map_err(|e| bad(format!("not a valid safetensors file ({e})")))?;
+    let v = st
+        .tensor("pixel_values")
+        .map_err(|_| bad("no pixel_values tensor (a vit model takes images)".into()))?;
+    let want = [model.channels(), model.image(), model.image()];
+    let rows = v.shape().first().copied().unwrap_or(0);
+    if v.dtype() != safetensors::Dtype::F32 || rows == 0 || v.shape()[1..] != want {
+        return Err(bad(format!(
+            "pixel_values is {:?} {:?}; [batch, {}, {}, {}] F32 is needed",
+            v.dtype(),
+            v.shape(),
+            want[0],
+            want[1],
+            want[2]
+        ))
+        .into());
+    }
+    let pixels: Vec<f32> = v
+        .data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+        .collect();
+    let classes = match model.head {
+        Some(TaskHead::Classify { classes }) => classes as i64,
+        _ => 0,
+    };
+    let labels = checked(
+        ints,
+        path,
+        "labels",
+        &[rows],
+        |x| x == -100 || (0..classes).contains(&x),
+        "a label is a class or -100",
+    )?;
+    let labels = labels.unwrap_or(vec![-100; rows]);
+    Ok((
+        MicroBatch::images(pixels, want, labels, model.seq_len),
+        rows,
+        model.seq_len,
+    ))
 }
 
 /// The batch with the targets `model`'s head learns: next tokens (`labels` shifted, as

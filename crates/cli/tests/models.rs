@@ -323,15 +323,16 @@ fn sharded_bf16_weights_load() {
     assert!(d > 0.0 && d < 0.05, "bf16 logits differ from f32 by {d}");
 }
 
-/// BERT through `forward`: segments and padding from the input file, class or span logits
-/// and every gradient as transformers computed them; training it on text and generating with
-/// it are refused.
+/// BERT and ViT through `forward`: segments and padding, or images, from the input file; class
+/// or span logits and every gradient as transformers computed them; training a task head on
+/// text and generating with it are refused.
 #[test]
 fn bert_forward_gives_transformers_outputs_and_text_tasks_are_refused() {
     let dir = fresh_dir("models-bert");
     for (name, keys) in [
         ("bert-classify", vec!["logits"]),
         ("bert-qa", vec!["start_logits", "end_logits"]),
+        ("vit", vec!["logits"]),
     ] {
         let model = fixture().with_file_name(name);
         let out = dir.join(format!("{name}.safetensors"));

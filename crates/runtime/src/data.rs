@@ -144,6 +144,9 @@ pub struct MicroBatch {
     pub token_types: Vec<i64>,
     /// 1 for a real token, 0 for padding that attention must not see (empty: no padding).
     pub mask: Vec<i64>,
+    /// Images instead of tokens (vit): `rows x c x h x w` values, and `[c, h, w]`.
+    pub pixels: Vec<f32>,
+    pub image: Option<[usize; 3]>,
     /// The sample number of each row under [`Sampling::Epochs`] (empty for random windows):
     /// what the frozen-prefix cache keys on.
     pub samples: Vec<u64>,
@@ -225,7 +228,21 @@ impl MicroBatch {
             target_len,
             token_types: token_types.to_vec(),
             mask: mask.to_vec(),
-            samples: Vec::new(),
+            ..MicroBatch::default()
+        }
+    }
+
+    /// A batch of images `[rows, c, h, w]` (`pixels`, row-major), one class target per row,
+    /// for a model that reads `seq_len` positions (vit: its patches and the class token).
+    pub fn images(pixels: Vec<f32>, image: [usize; 3], labels: Vec<i64>, seq_len: usize) -> Self {
+        MicroBatch {
+            rows: labels.len(),
+            seq_len,
+            targets: labels,
+            target_len: 1,
+            pixels,
+            image: Some(image),
+            ..MicroBatch::default()
         }
     }
 
@@ -253,6 +270,14 @@ impl MicroBatch {
                 target_len: self.target_len,
                 token_types: part(&self.token_types, self.seq_len, i),
                 mask: part(&self.mask, self.seq_len, i),
+                pixels: match self.image {
+                    Some([c, h, w]) => {
+                        let n = r * c * h * w;
+                        self.pixels[i * n..(i + 1) * n].to_vec()
+                    }
+                    None => Vec::new(),
+                },
+                image: self.image,
                 samples: Vec::new(),
             })
             .collect())

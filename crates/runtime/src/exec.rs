@@ -327,7 +327,7 @@ impl<'a> Iteration<'a> {
             .saturating_sub(held.first_layer)
             .min(stage.layers.len());
         match (input, k, &self.frozen_split[slot]) {
-            (None, 0, _) => Ok((StageInput::Tokens(mb.ids(&mb.tokens)), stage)),
+            (None, 0, _) => Ok((crate::model::batch_input(mb, &train_device()), stage)),
             (Some(h), 0, _) => Ok((StageInput::Hidden(h.clone()), stage)),
             (None, _, Some((pre, rest))) => {
                 // The frozen prefix: forward without autodiff (or read from the cache); its
@@ -336,7 +336,7 @@ impl<'a> Iteration<'a> {
                     Some(c) => c
                         .prefix_output(pre, mb)
                         .map_err(|e| self.bad(format!("{a}: {e}")))?,
-                    None => pre.forward(StageInput::Tokens(mb.ids_on(&mb.tokens, &plain_device()))),
+                    None => pre.forward(crate::model::batch_input(mb, &plain_device())),
                 };
                 let h = Tensor::<3>::from_data(h.to_data(), &train_device());
                 Ok((StageInput::Hidden(h), rest))

@@ -246,3 +246,58 @@ fn bert_classification_and_qa_match_transformers_on_every_pipeline() {
         }
     }
 }
+
+/// ViT: images through the patch embedding, class logits, loss and every gradient (the patch
+/// convolution's included) as transformers computed them.
+#[test]
+fn vit_matches_transformers_on_every_pipeline() {
+    let dir = fixture("vit");
+    let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    let model = config_from_hf(&text, "config.json").unwrap();
+    let inputs = read(&dir.join("inputs.safetensors"));
+    let expected = read(&dir.join("expected.safetensors"));
+    let (shape, pixels) = &inputs["pixel_values"];
+    let labels: Vec<i64> = inputs["labels"].1.iter().map(|&x| x as i64).collect();
+    let pixels: Vec<f32> = pixels.iter().map(|&x| x as f32).collect();
+    let image = [shape[1], shape[2], shape[3]];
+    let batch = MicroBatch::images(pixels, image, labels, model.seq_len);
+    for (schedule, p, m) in [
+        ("1f1b", 1, 1),
+        ("1f1b", 2, 2),
+        ("1f1b", 4, 1),
+        ("zbh1", 2, 2),
+    ] {
+        let what = format!("vit {schedule} P={p} M={m}");
+        let cfg = TrainConfig {
+            model: model.clone(),
+            schedule: schedule.parse().unwrap(),
+            stages: p,
+            microbatches: m,
+            rows: batch.rows / m,
+            pretrained: Some(dir.clone()),
+            ..TrainConfig::default()
+        };
+        let mut trainer = Trainer::new(cfg.clone(), cfg.plan().unwrap()).unwrap();
+        let out = trainer.batch_gradients(&batch.split(m).unwrap()).unwrap();
+        let logits: Vec<f32> = out.logits.iter().flat_map(|(_, v)| v.clone()).collect();
+        let e = rel_err(&logits, &expected["logits"].1);
+        assert!(e < 1e-4, "{what}: logits differ by {e:.2e}");
+        let want_loss = expected["loss"].1[0];
+        assert!(
+            (out.loss - want_loss).abs() < 1e-4,
+            "{what}: loss {} vs {want_loss}",
+            out.loss
+        );
+        let grads = hf_params(&model, &trainer.layer_blocks().unwrap(), Some(&out.grads));
+        assert_eq!(
+            grads.len(),
+            expected.keys().filter(|k| k.starts_with("grad.")).count()
+        );
+        for (n, shape, g) in grads {
+            let (wshape, w) = &expected[&format!("grad.{n}")];
+            assert_eq!(&shape, wshape, "{what}: {n} shape");
+            let e = rel_err(&g, w);
+            assert!(e < 1e-4, "{what}: gradient of {n} differs by {e:.2e}");
+        }
+    }
+}

@@ -20,6 +20,9 @@ pub enum Family {
     /// BERT (Hugging Face `BertForSequenceClassification`, `BertForQuestionAnswering`):
     /// post-LayerNorm bidirectional encoder with a task head.
     Bert,
+    /// ViT (Hugging Face `ViTForImageClassification`): patches of an image, a class token,
+    /// pre-LayerNorm bidirectional encoder, classifier.
+    Vit,
 }
 
 /// What the last layer block predicts, when it is not the next token.
@@ -39,6 +42,7 @@ impl Family {
             Family::Llama => "llama",
             Family::Gpt2 => "gpt2",
             Family::Bert => "bert",
+            Family::Vit => "vit",
         }
     }
 }
@@ -100,6 +104,15 @@ pub struct ModelConfig {
     /// Token types (BERT's segments); default 2.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub type_vocab: Option<usize>,
+    /// Image side in pixels (vit).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image: Option<usize>,
+    /// Patch side in pixels (vit).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub patch: Option<usize>,
+    /// Colour channels (vit); default 3.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub channels: Option<usize>,
 }
 
 impl Default for ModelConfig {
@@ -120,6 +133,9 @@ impl Default for ModelConfig {
             tie_embeddings: false,
             head: None,
             type_vocab: None,
+            image: None,
+            patch: None,
+            channels: None,
         }
     }
 }
@@ -143,6 +159,19 @@ impl ModelConfig {
     }
     pub fn norm_eps(&self) -> f64 {
         self.norm_eps.unwrap_or(1e-5)
+    }
+    pub fn image(&self) -> usize {
+        self.image.unwrap_or(224)
+    }
+    pub fn patch(&self) -> usize {
+        self.patch.unwrap_or(16).max(1)
+    }
+    pub fn channels(&self) -> usize {
+        self.channels.unwrap_or(3)
+    }
+    /// Patches of an image (vit): the sequence is these and the class token.
+    pub fn patches(&self) -> usize {
+        (self.image() / self.patch()).pow(2)
     }
     pub fn type_vocab(&self) -> usize {
         self.type_vocab.unwrap_or(2)
@@ -207,8 +236,9 @@ impl ModelConfig {
             Family::Llama => self.check_llama()?,
             Family::Gpt2 => self.check_gpt2()?,
             Family::Bert => self.check_bert()?,
+            Family::Vit => self.check_vit()?,
         }
-        if self.head.is_some() && self.family != Family::Bert {
+        if self.head.is_some() && !matches!(self.family, Family::Bert | Family::Vit) {
             return Err(format!(
                 "a task head (classify, span) is a bert setting; {} predicts the next token",
                 self.family.name()
@@ -307,6 +337,30 @@ impl ModelConfig {
         Ok(())
     }
 
+    fn check_vit(&self) -> Result<(), String> {
+        if !matches!(self.head, Some(TaskHead::Classify { classes }) if classes > 0) {
+            return Err(
+                "a vit model needs a classification head: head = { classify = { classes = N } }"
+                    .into(),
+            );
+        }
+        if !self.image().is_multiple_of(self.patch()) || self.channels() == 0 || self.ffn() == 0 {
+            return Err(format!(
+                "image {} must be a whole number of patches of {}, with channels and ffn positive",
+                self.image(),
+                self.patch()
+            ));
+        }
+        if self.seq_len != self.patches() + 1 {
+            return Err(format!(
+                "seq_len {} must be the {} patches and the class token",
+                self.seq_len,
+                self.patches()
+            ));
+        }
+        Ok(())
+    }
+
     fn check_bert(&self) -> Result<(), String> {
         match self.head {
             None => Err(
@@ -337,7 +391,7 @@ impl ModelConfig {
                 let mlp = d.checked_mul(self.ffn())?.checked_mul(3)?;
                 attn.checked_add(mlp)?.checked_add(2 * d)
             }
-            Family::Gpt2 | Family::Bert => {
+            Family::Gpt2 | Family::Bert | Family::Vit => {
                 let attn = d.checked_mul(4 * d)?.checked_add(4 * d)?;
                 let mlp = d.checked_mul(self.ffn())?.checked_mul(2)?;
                 attn.checked_add(mlp)?.checked_add(self.ffn() + 5 * d)
@@ -354,7 +408,7 @@ impl ModelConfig {
                 let kv = (self.kv_heads() * self.head_dim()) as f64;
                 2.0 * d * d + 2.0 * d * kv + 3.0 * d * self.ffn() as f64
             }
-            Family::Gpt2 | Family::Bert => 4.0 * d * d + 2.0 * d * self.ffn() as f64,
+            Family::Gpt2 | Family::Bert | Family::Vit => 4.0 * d * d + 2.0 * d * self.ffn() as f64,
         }
     }
 
@@ -378,6 +432,16 @@ impl ModelConfig {
                 self.block_params()?,
                 self.vocab.checked_mul(d)?.checked_add(2 * d)?,
             ),
+            Family::Vit => {
+                let pixels = self.channels() * self.patch() * self.patch();
+                let emb = (pixels + self.patches() + 3).checked_mul(d)?;
+                let classes = match self.head {
+                    Some(TaskHead::Classify { classes }) => classes,
+                    _ => 0,
+                };
+                let head = d.checked_mul(classes)?.checked_add(classes + 2 * d)?;
+                (emb, self.block_params()?, head)
+            }
             Family::Bert => {
                 let rows = self
                     .vocab
@@ -410,6 +474,15 @@ impl ModelConfig {
             Family::Gpt => format!(
                 "gpt d{}-l{}-h{}-s{}",
                 self.d_model, self.layers, self.heads, self.seq_len
+            ),
+            Family::Vit => format!(
+                "vit d{}-l{}-h{}-f{} image {} patch {}",
+                self.d_model,
+                self.layers,
+                self.heads,
+                self.ffn(),
+                self.image(),
+                self.patch()
             ),
             Family::Bert => format!(
                 "bert d{}-l{}-h{}-f{}-s{} {}",

@@ -24,17 +24,17 @@ pub fn config_from_hf(text: &str, what: &str) -> Result<ModelConfig, String> {
         Some("llama") => Family::Llama,
         Some("gpt2") => Family::Gpt2,
         Some("bert") => Family::Bert,
-        Some(other) => {
-            return Err(format!(
-                "{what}: model_type \"{other}\" is not supported (supported: llama, gpt2, bert)"
-            ))
-        }
+        Some("vit") => Family::Vit,
+        Some(other) => return Err(format!(
+            "{what}: model_type \"{other}\" is not supported (supported: llama, gpt2, bert, vit)"
+        )),
         None => return Err(format!("{what}: no model_type")),
     };
     let cfg = match family {
         Family::Llama => llama_config(&v).map_err(|e| format!("{what}: {e}"))?,
         Family::Gpt2 => gpt2_config(&v).map_err(|e| format!("{what}: {e}"))?,
         Family::Bert => bert_config(&v).map_err(|e| format!("{what}: {e}"))?,
+        Family::Vit => vit_config(&v).map_err(|e| format!("{what}: {e}"))?,
         Family::Gpt => unreachable!("gpt is pipewright's own, not a Hugging Face model_type"),
     };
     cfg.check().map_err(|e| format!("{what}: {e}"))?;
@@ -142,6 +142,50 @@ fn bert_head(v: &Value) -> Result<TaskHead, String> {
             "architectures [\"{other}\"] is not supported for bert (supported: BertForSequenceClassification, BertForQuestionAnswering)"
         )),
     }
+}
+
+fn vit_config(v: &Value) -> Result<ModelConfig, String> {
+    refuse_unless(v, "hidden_act", |x| x == "gelu")?;
+    refuse_unless(v, "qkv_bias", |x| x == true)?;
+    refuse_unless(v, "encoder_stride", |_| true)?;
+    let arch = v
+        .get("architectures")
+        .and_then(|a| a.get(0))
+        .and_then(Value::as_str);
+    if arch.is_some_and(|a| a != "ViTForImageClassification") {
+        return Err(format!(
+            "architectures [{:?}] is not supported for vit (supported: ViTForImageClassification)",
+            arch.unwrap_or("")
+        ));
+    }
+    let classes = match usize_field(v, "num_labels")? {
+        Some(n) => n,
+        None => v
+            .get("id2label")
+            .and_then(Value::as_object)
+            .map_or(2, |m| m.len()),
+    };
+    let (image, patch) = (need(v, "image_size")?, need(v, "patch_size")?);
+    if patch == 0 || image % patch != 0 {
+        return Err(format!(
+            "image_size {image} is not a whole number of patch_size {patch} patches"
+        ));
+    }
+    Ok(ModelConfig {
+        family: Family::Vit,
+        vocab: 1,
+        d_model: need(v, "hidden_size")?,
+        heads: need(v, "num_attention_heads")?,
+        layers: need(v, "num_hidden_layers")?,
+        seq_len: (image / patch).pow(2) + 1,
+        ffn: Some(need(v, "intermediate_size")?),
+        norm_eps: Some(f64_field(v, "layer_norm_eps")?.unwrap_or(1e-12)),
+        head: Some(TaskHead::Classify { classes }),
+        image: Some(image),
+        patch: Some(patch),
+        channels: Some(usize_field(v, "num_channels")?.unwrap_or(3)),
+        ..ModelConfig::default()
+    })
 }
 
 fn bert_config(v: &Value) -> Result<ModelConfig, String> {
@@ -297,8 +341,34 @@ pub fn config_to_hf(cfg: &ModelConfig) -> Result<Value, String> {
             }
             Ok(v)
         }
+        Family::Vit => {
+            let classes = match cfg.head {
+                Some(TaskHead::Classify { classes }) => classes,
+                _ => 0,
+            };
+            Ok(json!({
+                "architectures": ["ViTForImageClassification"],
+                "model_type": "vit",
+                "hidden_size": cfg.d_model,
+                "num_hidden_layers": cfg.layers,
+                "num_attention_heads": cfg.heads,
+                "intermediate_size": cfg.ffn(),
+                "image_size": cfg.image(),
+                "patch_size": cfg.patch(),
+                "num_channels": cfg.channels(),
+                "layer_norm_eps": cfg.norm_eps(),
+                "hidden_act": "gelu",
+                "qkv_bias": true,
+                "num_labels": classes,
+                "id2label": (0..classes).map(|i| (i.to_string(), json!(format!("LABEL_{i}")))).collect::<serde_json::Map<_, _>>(),
+                "label2id": (0..classes).map(|i| (format!("LABEL_{i}"), json!(i))).collect::<serde_json::Map<_, _>>(),
+                // pipewright trains without dropout.
+                "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+                "torch_dtype": "float32",
+            }))
+        }
         Family::Gpt => Err(
-            "the gpt family is pipewright's own and has no Hugging Face layout (use llama, gpt2 or bert)"
+            "the gpt family is pipewright's own and has no Hugging Face layout (use llama, gpt2, bert or vit)"
                 .into(),
         ),
     }
@@ -309,6 +379,7 @@ pub fn hf_name(cfg: &ModelConfig, name: &str) -> String {
     match cfg.family {
         Family::Gpt2 => return gpt2_name(name),
         Family::Bert => return bert_name(name),
+        Family::Vit => return vit_name(name),
         _ => {}
     }
     if let Some(rest) = name.strip_prefix("embed.") {
@@ -366,14 +437,32 @@ fn bert_name(name: &str) -> String {
     }
 }
 
+/// ViT's names: `vit.embeddings.`, `vit.encoder.layer.N.`, `vit.layernorm`, `classifier`.
+fn vit_name(name: &str) -> String {
+    let name = name.replace(".gamma", ".weight").replace(".beta", ".bias");
+    if let Some(rest) = name.strip_prefix("embed.") {
+        format!("vit.embeddings.{rest}")
+    } else if let Some(rest) = name.strip_prefix("block.") {
+        format!("vit.encoder.layer.{rest}")
+    } else if let Some(rest) = name.strip_prefix("head.") {
+        match rest.strip_prefix("layernorm.") {
+            Some(p) => format!("vit.layernorm.{p}"),
+            None => rest.to_string(),
+        }
+    } else {
+        name
+    }
+}
+
 /// Is this parameter stored transposed in Hugging Face's layout? burn's Linear keeps
 /// `[in, out]`, torch's `nn.Linear` `[out, in]` (GPT-2's `Conv1D` keeps `[in, out]` too);
 /// embeddings and norms agree.
 pub fn transposed(shape: &[usize], hf: &str) -> bool {
-    shape.len() == 2
+    let linear = shape.len() == 2
         && !hf.contains("embed_tokens")
         && !hf.contains("embeddings.")
-        && (!hf.starts_with("transformer.") || hf == "lm_head.weight")
+        && (!hf.starts_with("transformer.") || hf == "lm_head.weight");
+    linear || hf.ends_with("patch_embeddings.projection.weight")
 }
 
 /// The Hugging Face name of the token embedding (a tied head's matrix).
@@ -505,17 +594,8 @@ pub fn from_hf(
         } else {
             hf.remove(&key)
         };
-        let t = t.ok_or_else(|| {
-            format!(
-                "tensor {key} is missing (expected shape {})",
-                hf_shape_str(shape, &key)
-            )
-        })?;
-        let want_hf: Vec<usize> = if transposed(shape, &key) {
-            vec![shape[1], shape[0]]
-        } else {
-            shape.clone()
-        };
+        let want_hf = hf_shape(cfg, shape, &key);
+        let t = t.ok_or_else(|| format!("tensor {key} is missing (expected shape {want_hf:?})"))?;
         if t.shape != want_hf {
             return Err(format!(
                 "tensor {key} has shape {:?}; this model expects {want_hf:?}",
@@ -557,11 +637,16 @@ pub fn from_hf(
     Ok(out)
 }
 
-fn hf_shape_str(shape: &[usize], key: &str) -> String {
+/// The Hugging Face shape of a parameter the model holds as `shape`: transposed for torch's
+/// Linear, `[d, c, p, p]` for ViT's patch convolution (held as a `[c p p, d]` product).
+fn hf_shape(cfg: &ModelConfig, shape: &[usize], key: &str) -> Vec<usize> {
+    if key.ends_with("patch_embeddings.projection.weight") {
+        return vec![shape[1], cfg.channels(), cfg.patch(), cfg.patch()];
+    }
     if transposed(shape, key) {
-        format!("{:?}", [shape[1], shape[0]])
+        vec![shape[1], shape[0]]
     } else {
-        format!("{shape:?}")
+        shape.to_vec()
     }
 }
 
@@ -580,7 +665,7 @@ pub fn to_hf(
         let key = hf_name(cfg, &name);
         let (shape, values) = if transposed(&shape, &key) {
             (
-                vec![shape[1], shape[0]],
+                hf_shape(cfg, &shape, &key),
                 transpose(&values, shape[0], shape[1]),
             )
         } else {

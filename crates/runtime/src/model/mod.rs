@@ -16,6 +16,7 @@ pub mod generate;
 pub mod gpt2;
 pub mod hf;
 pub mod llama;
+pub mod vit;
 pub use config::{Family, Llama3Scaling, ModelConfig, TaskHead};
 
 #[derive(Module, Debug)]
@@ -176,6 +177,7 @@ impl Layers {
             Family::Llama => llama::build(cfg, device),
             Family::Gpt2 => gpt2::build(cfg, device),
             Family::Bert => bert::build(cfg, device),
+            Family::Vit => vit::build(cfg, device),
         };
         // burn's initialisers draw from a process-wide generator that other threads share, so
         // weights are set here from our own generator: GPT-2 style N(0, 0.02)-like uniform for
@@ -353,6 +355,20 @@ pub enum LayerBlock {
     BertEmbed(bert::BertEmbed),
     BertBlock(bert::BertBlock),
     BertHead(bert::BertHead),
+    VitEmbed(vit::VitEmbed),
+    VitBlock(vit::VitBlock),
+    VitHead(vit::VitHead),
+}
+
+/// What the first stage of a route takes from a micro-batch: its pixels (vit) or its tokens.
+pub fn batch_input(mb: &crate::data::MicroBatch, device: &Device) -> StageInput {
+    match mb.image {
+        Some([c, h, w]) => StageInput::Pixels(Tensor::<4>::from_data(
+            burn::tensor::TensorData::new(mb.pixels.clone(), [mb.rows, c, h, w]),
+            device,
+        )),
+        None => StageInput::Tokens(mb.ids_on(&mb.tokens, device)),
+    }
 }
 
 /// What a micro-batch tells the layers besides their input: BERT's token types (for the
@@ -392,6 +408,18 @@ impl LayerBlock {
         Ok(match (self, x) {
             (LayerBlock::Embed(e), StageInput::Tokens(t)) => e.forward(t),
             (LayerBlock::BertEmbed(e), StageInput::Tokens(t)) => e.forward(t, ctx),
+            (LayerBlock::VitEmbed(e), StageInput::Pixels(p)) => e.forward(p),
+            (LayerBlock::VitBlock(b), StageInput::Hidden(h)) => b.forward_with(h, cap),
+            (LayerBlock::VitHead(h), StageInput::Hidden(x)) => h.forward_with(x, cap),
+            (LayerBlock::VitEmbed(_), _) => {
+                return Err(
+                    "the vit embedding takes pixels (pixel_values), and only first on a route"
+                        .into(),
+                )
+            }
+            (_, StageInput::Pixels(_)) => {
+                return Err("pixels go to a vit model's patch embedding only".into())
+            }
             (LayerBlock::BertBlock(b), StageInput::Hidden(h)) => b.forward_with(h, ctx, cap),
             (LayerBlock::BertHead(h), StageInput::Hidden(x)) => h.forward_with(x, cap),
             (LayerBlock::LlamaEmbed(e), StageInput::Tokens(t)) => e.forward(t),
@@ -441,6 +469,8 @@ pub struct Stage {
 /// What enters a stage: tokens (first stage) or hidden states.
 pub enum StageInput {
     Tokens(Tensor<2, Int>),
+    /// `[b, c, h, w]` images (vit).
+    Pixels(Tensor<4>),
     Hidden(Tensor<3>),
 }
 
@@ -484,7 +514,7 @@ impl Stage {
         }
         match x {
             StageInput::Hidden(h) => Ok(h),
-            StageInput::Tokens(_) => Err("a stage without layers".into()),
+            _ => Err("a stage without layers".into()),
         }
     }
 
@@ -497,6 +527,7 @@ impl Stage {
                     | LayerBlock::LlamaHead(_)
                     | LayerBlock::Gpt2Head(_)
                     | LayerBlock::BertHead(_)
+                    | LayerBlock::VitHead(_)
             )
         )
     }

@@ -108,6 +108,9 @@ fn visit_inner<V: ModuleVisitor>(b: &LayerBlock, v: &mut V) {
         LayerBlock::BertEmbed(m) => m.visit(v),
         LayerBlock::BertBlock(m) => m.visit(v),
         LayerBlock::BertHead(m) => m.visit(v),
+        LayerBlock::VitEmbed(m) => m.visit(v),
+        LayerBlock::VitBlock(m) => m.visit(v),
+        LayerBlock::VitHead(m) => m.visit(v),
     }
 }
 
@@ -125,6 +128,9 @@ fn map_inner<M: ModuleMapper>(b: LayerBlock, m: &mut M) -> LayerBlock {
         LayerBlock::BertEmbed(x) => LayerBlock::BertEmbed(x.map(m)),
         LayerBlock::BertBlock(x) => LayerBlock::BertBlock(x.map(m)),
         LayerBlock::BertHead(x) => LayerBlock::BertHead(x.map(m)),
+        LayerBlock::VitEmbed(x) => LayerBlock::VitEmbed(x.map(m)),
+        LayerBlock::VitBlock(x) => LayerBlock::VitBlock(x.map(m)),
+        LayerBlock::VitHead(x) => LayerBlock::VitHead(x.map(m)),
     }
 }
 
