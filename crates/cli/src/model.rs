@@ -245,11 +245,21 @@ pub fn cmd_forward(a: ForwardArgs) -> Result<()> {
     Ok(())
 }
 
+/// A regular file's bytes (a FIFO or directory is refused, not waited on).
+fn read_bytes(path: &Path) -> Result<Vec<u8>> {
+    let bad = |m: String| BadInput(format!("{}: {m}", path.display()));
+    match std::fs::metadata(path) {
+        Ok(m) if !m.is_file() => Err(bad("not a regular file".into()).into()),
+        Ok(_) => Ok(std::fs::read(path).map_err(|e| bad(format!("cannot read: {e}")))?),
+        Err(e) => Err(bad(format!("cannot read: {e}")).into()),
+    }
+}
+
 /// The integer tensors of an input file (I64 or I32), by name.
 type Ints = std::collections::HashMap<String, (Vec<usize>, Vec<i64>)>;
 
 fn read_ints(path: &Path) -> Result<Ints> {
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let bytes = read_bytes(path)?;
     let bad = |m: String| BadInput(format!("{}: {m}", path.display()));
     let st = safetensors::SafeTensors::deserialize(&bytes)
         .map_err(|e| bad(format!("not a valid safetensors file ({e})")))?;
@@ -373,7 +383,7 @@ fn read_images(
     ints: &Ints,
     model: &ModelConfig,
 ) -> Result<(MicroBatch, usize, usize)> {
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let bytes = read_bytes(path)?;
     let bad = |m: String| BadInput(format!("{}: {m}", path.display()));
     let st = safetensors::SafeTensors::deserialize(&bytes)
         .map_err(|e| bad(format!("not a valid safetensors file ({e})")))?;

@@ -25,9 +25,11 @@ pub fn config_from_hf(text: &str, what: &str) -> Result<ModelConfig, String> {
         Some("gpt2") => Family::Gpt2,
         Some("bert") => Family::Bert,
         Some("vit") => Family::Vit,
-        Some(other) => return Err(format!(
+        Some(other) => {
+            return Err(format!(
             "{what}: model_type \"{other}\" is not supported (supported: llama, gpt2, bert, vit)"
-        )),
+        ))
+        }
         None => return Err(format!("{what}: no model_type")),
     };
     let cfg = match family {
