@@ -54,6 +54,31 @@ fn rel_err(a: &[f32], b: &[f64]) -> f64 {
         / scale
 }
 
+/// `out`'s loss and every gradient (under Hugging Face names) against the fixture's.
+fn same_loss_and_gradients(
+    what: &str,
+    model: &pipewright_runtime::model::ModelConfig,
+    trainer: &Trainer,
+    out: &pipewright_runtime::train::BatchGradients,
+    expected: &HashMap<String, (Vec<usize>, Vec<f64>)>,
+) {
+    let want_loss = expected["loss"].1[0];
+    assert!(
+        (out.loss - want_loss).abs() < 1e-4,
+        "{what}: loss {} vs {want_loss}",
+        out.loss
+    );
+    let grads = hf_params(model, &trainer.layer_blocks().unwrap(), Some(&out.grads));
+    let want = expected.keys().filter(|k| k.starts_with("grad.")).count();
+    assert_eq!(grads.len(), want, "{what}: gradient count");
+    for (n, shape, g) in grads {
+        let (wshape, w) = &expected[&format!("grad.{n}")];
+        assert_eq!(&shape, wshape, "{what}: {n} shape");
+        let e = rel_err(&g, w);
+        assert!(e < 1e-4, "{what}: gradient of {n} differs by {e:.2e}");
+    }
+}
+
 /// Run the fixture's batch on `stages` stages of `schedule` with `m` micro-batches and check
 /// logits, loss and every gradient against transformers'.
 fn check(name: &str, schedule: &str, stages: usize, m: usize) {
@@ -84,22 +109,7 @@ fn check(name: &str, schedule: &str, stages: usize, m: usize) {
     let logits: Vec<f32> = out.logits.iter().flat_map(|(_, v)| v.clone()).collect();
     let e = rel_err(&logits, &expected["logits"].1);
     assert!(e < 1e-4, "{what}: logits differ by {e:.2e}");
-    let want_loss = expected["loss"].1[0];
-    assert!(
-        (out.loss - want_loss).abs() < 1e-4,
-        "{what}: loss {} against transformers' {want_loss}",
-        out.loss
-    );
-    let blocks = trainer.layer_blocks().unwrap();
-    let grads = hf_params(&model, &blocks, Some(&out.grads));
-    let want = expected.keys().filter(|k| k.starts_with("grad.")).count();
-    assert_eq!(grads.len(), want, "{what}: gradient count");
-    for (n, shape, g) in grads {
-        let (wshape, w) = &expected[&format!("grad.{n}")];
-        assert_eq!(&shape, wshape, "{what}: {n} shape");
-        let e = rel_err(&g, w);
-        assert!(e < 1e-4, "{what}: gradient of {n} differs by {e:.2e}");
-    }
+    same_loss_and_gradients(&what, &model, &trainer, &out, &expected);
 }
 
 #[test]
@@ -214,23 +224,7 @@ fn check_bert(name: &str, schedule: &str, stages: usize, m: usize) {
         let e = rel_err(&v, &expected[k].1);
         assert!(e < 1e-4, "{what}: {k} differ by {e:.2e}");
     }
-    let want_loss = expected["loss"].1[0];
-    assert!(
-        (out.loss - want_loss).abs() < 1e-4,
-        "{what}: loss {} vs {want_loss}",
-        out.loss
-    );
-    let grads = hf_params(&model, &trainer.layer_blocks().unwrap(), Some(&out.grads));
-    assert_eq!(
-        grads.len(),
-        expected.keys().filter(|k| k.starts_with("grad.")).count()
-    );
-    for (n, shape, g) in grads {
-        let (wshape, w) = &expected[&format!("grad.{n}")];
-        assert_eq!(&shape, wshape, "{what}: {n} shape");
-        let e = rel_err(&g, w);
-        assert!(e < 1e-4, "{what}: gradient of {n} differs by {e:.2e}");
-    }
+    same_loss_and_gradients(&what, &model, &trainer, &out, &expected);
 }
 
 #[test]
@@ -282,22 +276,6 @@ fn vit_matches_transformers_on_every_pipeline() {
         let logits: Vec<f32> = out.logits.iter().flat_map(|(_, v)| v.clone()).collect();
         let e = rel_err(&logits, &expected["logits"].1);
         assert!(e < 1e-4, "{what}: logits differ by {e:.2e}");
-        let want_loss = expected["loss"].1[0];
-        assert!(
-            (out.loss - want_loss).abs() < 1e-4,
-            "{what}: loss {} vs {want_loss}",
-            out.loss
-        );
-        let grads = hf_params(&model, &trainer.layer_blocks().unwrap(), Some(&out.grads));
-        assert_eq!(
-            grads.len(),
-            expected.keys().filter(|k| k.starts_with("grad.")).count()
-        );
-        for (n, shape, g) in grads {
-            let (wshape, w) = &expected[&format!("grad.{n}")];
-            assert_eq!(&shape, wshape, "{what}: {n} shape");
-            let e = rel_err(&g, w);
-            assert!(e < 1e-4, "{what}: gradient of {n} differs by {e:.2e}");
-        }
+        same_loss_and_gradients(&what, &model, &trainer, &out, &expected);
     }
 }

@@ -67,15 +67,8 @@ pub struct BertHead {
 
 impl BertEmbed {
     pub fn forward(&self, tokens: Tensor<2, Int>, ctx: &Ctx) -> Tensor<3> {
-        let [b, t] = tokens.dims();
-        let device = tokens.device();
-        let pos = Tensor::<1, Int>::arange(0..t as i64, &device)
-            .reshape([1, t])
-            .repeat_dim(0, b);
-        let types = ctx
-            .token_types
-            .clone()
-            .unwrap_or_else(|| Tensor::zeros([b, t], &device));
+        let pos = super::positions(&tokens);
+        let types = ctx.token_types.clone().unwrap_or_else(|| pos.zeros_like());
         let x = self.word_embeddings.forward(tokens)
             + self.position_embeddings.forward(pos)
             + self.token_type_embeddings.forward(types);

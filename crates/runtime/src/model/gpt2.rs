@@ -46,10 +46,7 @@ pub struct Gpt2Head {
 
 impl Gpt2Embed {
     pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
-        let [b, t] = tokens.dims();
-        let pos = Tensor::<1, Int>::arange(0..t as i64, &tokens.device())
-            .reshape([1, t])
-            .repeat_dim(0, b);
+        let pos = super::positions(&tokens);
         self.wte.forward(tokens) + self.wpe.forward(pos)
     }
 }

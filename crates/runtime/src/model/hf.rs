@@ -376,80 +376,73 @@ pub fn config_to_hf(cfg: &ModelConfig) -> Result<Value, String> {
     }
 }
 
+/// Where a family's Hugging Face names put each layer block's parameters: the prefixes of the
+/// embedding and of block N, the head's parameters that sit inside the base model (and the
+/// prefix they take), and field renames (burn's LayerNorm `gamma`/`beta` are torch's
+/// `weight`/`bias`; Rust cannot name a field `self`).
+struct Layout {
+    embed: &'static str,
+    block: &'static str,
+    base: &'static str,
+    head_in_base: &'static [&'static str],
+    renames: &'static [(&'static str, &'static str)],
+}
+
+const NORMS: [(&str, &str); 2] = [(".gamma", ".weight"), (".beta", ".bias")];
+
+fn layout(family: Family) -> Layout {
+    match family {
+        Family::Gpt2 => Layout {
+            embed: "transformer.",
+            block: "transformer.h.",
+            base: "transformer.",
+            head_in_base: &["ln_f."],
+            renames: &NORMS,
+        },
+        Family::Bert => Layout {
+            embed: "bert.embeddings.",
+            block: "bert.encoder.layer.",
+            base: "bert.",
+            head_in_base: &["pooler."],
+            renames: &[
+                NORMS[0],
+                NORMS[1],
+                ("self_attn.", "self."),
+                ("layer_norm.", "LayerNorm."),
+            ],
+        },
+        Family::Vit => Layout {
+            embed: "vit.embeddings.",
+            block: "vit.encoder.layer.",
+            base: "vit.",
+            head_in_base: &["layernorm."],
+            renames: &NORMS,
+        },
+        Family::Llama | Family::Gpt => Layout {
+            embed: "model.",
+            block: "model.layers.",
+            base: "model.",
+            head_in_base: &["norm."],
+            renames: &[],
+        },
+    }
+}
+
 /// A checkpoint name (`embed.x`, `block.N.x`, `head.x`) as the family's Hugging Face name.
 pub fn hf_name(cfg: &ModelConfig, name: &str) -> String {
-    match cfg.family {
-        Family::Gpt2 => return gpt2_name(name),
-        Family::Bert => return bert_name(name),
-        Family::Vit => return vit_name(name),
-        _ => {}
-    }
+    let l = layout(cfg.family);
+    let name = l
+        .renames
+        .iter()
+        .fold(name.to_string(), |n, (from, to)| n.replace(from, to));
     if let Some(rest) = name.strip_prefix("embed.") {
-        format!("model.{rest}")
+        format!("{}{rest}", l.embed)
     } else if let Some(rest) = name.strip_prefix("block.") {
-        format!("model.layers.{rest}")
+        format!("{}{rest}", l.block)
     } else if let Some(rest) = name.strip_prefix("head.") {
-        match rest {
-            "lm_head.weight" => rest.to_string(),
-            _ => format!("model.{rest}"),
-        }
-    } else {
-        debug_assert!(cfg.family == Family::Llama);
-        name.to_string()
-    }
-}
-
-/// GPT-2's names: `transformer.` before all but the head; burn's LayerNorm `gamma` and
-/// `beta` are torch's `weight` and `bias`.
-fn gpt2_name(name: &str) -> String {
-    let name = name.replace(".gamma", ".weight").replace(".beta", ".bias");
-    if let Some(rest) = name.strip_prefix("embed.") {
-        format!("transformer.{rest}")
-    } else if let Some(rest) = name.strip_prefix("block.") {
-        format!("transformer.h.{rest}")
-    } else if let Some(rest) = name.strip_prefix("head.") {
-        match rest {
-            "lm_head.weight" => rest.to_string(),
-            _ => format!("transformer.{rest}"),
-        }
-    } else {
-        name
-    }
-}
-
-/// BERT's names: `bert.embeddings.`, `bert.encoder.layer.N.`, `bert.pooler.`; its
-/// `attention.self` and `LayerNorm` (fields `self_attn` and `layer_norm` here).
-fn bert_name(name: &str) -> String {
-    let name = name
-        .replace(".gamma", ".weight")
-        .replace(".beta", ".bias")
-        .replace("self_attn.", "self.")
-        .replace("layer_norm.", "LayerNorm.");
-    if let Some(rest) = name.strip_prefix("embed.") {
-        format!("bert.embeddings.{rest}")
-    } else if let Some(rest) = name.strip_prefix("block.") {
-        format!("bert.encoder.layer.{rest}")
-    } else if let Some(rest) = name.strip_prefix("head.") {
-        match rest.strip_prefix("pooler.") {
-            Some(p) => format!("bert.pooler.{p}"),
-            None => rest.to_string(),
-        }
-    } else {
-        name
-    }
-}
-
-/// ViT's names: `vit.embeddings.`, `vit.encoder.layer.N.`, `vit.layernorm`, `classifier`.
-fn vit_name(name: &str) -> String {
-    let name = name.replace(".gamma", ".weight").replace(".beta", ".bias");
-    if let Some(rest) = name.strip_prefix("embed.") {
-        format!("vit.embeddings.{rest}")
-    } else if let Some(rest) = name.strip_prefix("block.") {
-        format!("vit.encoder.layer.{rest}")
-    } else if let Some(rest) = name.strip_prefix("head.") {
-        match rest.strip_prefix("layernorm.") {
-            Some(p) => format!("vit.layernorm.{p}"),
-            None => rest.to_string(),
+        match l.head_in_base.iter().any(|p| rest.starts_with(p)) {
+            true => format!("{}{rest}", l.base),
+            false => rest.to_string(),
         }
     } else {
         name

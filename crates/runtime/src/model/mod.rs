@@ -19,6 +19,14 @@ pub mod llama;
 pub mod vit;
 pub use config::{Family, Llama3Scaling, ModelConfig, TaskHead};
 
+/// The position of every token of `[b, t]` ids: `0..t` in each row.
+pub(crate) fn positions(tokens: &Tensor<2, Int>) -> Tensor<2, Int> {
+    let [b, t] = tokens.dims();
+    Tensor::<1, Int>::arange(0..t as i64, &tokens.device())
+        .reshape([1, t])
+        .repeat_dim(0, b)
+}
+
 #[derive(Module, Debug)]
 pub struct Embed {
     tok: Embedding,
@@ -27,10 +35,7 @@ pub struct Embed {
 
 impl Embed {
     pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
-        let [b, t] = tokens.dims();
-        let pos = Tensor::<1, Int>::arange(0..t as i64, &tokens.device())
-            .reshape([1, t])
-            .repeat_dim(0, b);
+        let pos = positions(&tokens);
         self.tok.forward(tokens) + self.pos.forward(pos)
     }
 }
