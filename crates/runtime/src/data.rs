@@ -1,14 +1,15 @@
 //! Byte-level language-modelling data: any UTF-8 text file, or a built-in deterministic
 //! synthetic corpus with learnable structure (so `pipewright train` works on a fresh machine).
 
+use crate::tokens::Tokens;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
 /// A corpus split into training and held-out bytes.
 #[derive(Debug, Clone)]
 pub struct Corpus {
-    pub train: Vec<u8>,
-    pub val: Vec<u8>,
+    pub train: Tokens,
+    pub val: Tokens,
     pub name: String,
 }
 
@@ -91,10 +92,15 @@ impl Corpus {
     }
 
     fn from_bytes(name: &str, bytes: Vec<u8>) -> Self {
-        let cut = bytes.len() - bytes.len() / 10;
+        Self::from_tokens(name, Tokens::bytes(bytes))
+    }
+
+    /// A corpus of `tokens` named `name`, the last 10% held out.
+    pub fn from_tokens(name: &str, tokens: Tokens) -> Self {
+        let cut = tokens.len() - tokens.len() / 10;
         Corpus {
-            train: bytes[..cut].to_vec(),
-            val: bytes[cut..].to_vec(),
+            train: tokens.slice(0..cut),
+            val: tokens.slice(cut..tokens.len()),
             name: name.into(),
         }
     }
@@ -103,7 +109,7 @@ impl Corpus {
     pub fn check(&self, seq_len: usize) -> Result<(), String> {
         if self.val.len() <= seq_len + 1 || self.train.len() <= seq_len + 1 {
             return Err(format!(
-                "{}: {} bytes is too short for sequences of {seq_len} (need more than {} bytes in each of the train and held-out parts)",
+                "{}: {} tokens is too short for sequences of {seq_len} (need more than {} in each of the train and held-out parts)",
                 self.name,
                 self.train.len() + self.val.len(),
                 seq_len + 1
@@ -115,15 +121,16 @@ impl Corpus {
     /// Cross-entropy (nats) of predicting held-out bytes from training-set byte frequencies:
     /// the bar a model must clear to have learnt anything beyond frequencies.
     pub fn unigram_baseline(&self) -> f64 {
-        let mut counts = [1.0f64; 256]; // add-one smoothing
-        for &b in &self.train {
+        let ids = 256.max(self.train.id_bound()).max(self.val.id_bound());
+        let mut counts = vec![1.0f64; ids]; // add-one smoothing
+        for b in self.train.iter() {
             counts[b as usize] += 1.0;
         }
         let total: f64 = counts.iter().sum();
         -self
             .val
             .iter()
-            .map(|&b| (counts[b as usize] / total).ln())
+            .map(|b| (counts[b as usize] / total).ln())
             .sum::<f64>()
             / self.val.len() as f64
     }
@@ -175,7 +182,7 @@ impl MicroBatch {
 /// Micro-batch number `index` of optimizer step `step`: random windows of the text, the same
 /// whichever worker or replica asks.
 pub fn micro_batch(
-    text: &[u8],
+    text: &Tokens,
     seq_len: usize,
     rows: usize,
     seed: u64,
@@ -284,12 +291,13 @@ impl MicroBatch {
     }
 
     /// The windows of `seq_len` inputs (and their next bytes) at `offsets` of `text`.
-    fn at(text: &[u8], seq_len: usize, offsets: &[usize], samples: Vec<u64>) -> Self {
+    fn at(text: &Tokens, seq_len: usize, offsets: &[usize], samples: Vec<u64>) -> Self {
         let mut tokens = Vec::with_capacity(offsets.len() * seq_len);
         let mut targets = Vec::with_capacity(offsets.len() * seq_len);
         for &o in offsets {
-            tokens.extend(text[o..o + seq_len].iter().map(|&b| b as i64));
-            targets.extend(text[o + 1..o + seq_len + 1].iter().map(|&b| b as i64));
+            let w = text.window(o, seq_len + 1);
+            tokens.extend_from_slice(&w[..seq_len]);
+            targets.extend_from_slice(&w[1..]);
         }
         MicroBatch {
             rows: offsets.len(),
@@ -372,7 +380,7 @@ impl Sampler {
     /// Steps in one epoch of `text` with `microbatches` micro-batches a step; an error naming
     /// the sizes when the text holds fewer samples than one step takes.
     /// (Random windows: the steps that draw as many bytes as the text holds.)
-    pub fn steps_per_epoch(&self, text: &[u8], microbatches: usize) -> Result<u64, String> {
+    pub fn steps_per_epoch(&self, text: &Tokens, microbatches: usize) -> Result<u64, String> {
         let n = samples_in(text.len(), self.seq_len);
         let batch = microbatches.saturating_mul(self.rows).max(1);
         if self.sampling == Sampling::Windows {
@@ -391,7 +399,7 @@ impl Sampler {
     /// The `microbatches` micro-batches of optimizer step `step` (numbered over the job).
     pub fn batches(
         &mut self,
-        text: &[u8],
+        text: &Tokens,
         step: u64,
         microbatches: usize,
     ) -> Result<Vec<MicroBatch>, String> {
@@ -454,7 +462,7 @@ mod tests {
 
     #[test]
     fn epochs_visit_every_sample_once_whatever_the_step_shape() {
-        let text = synthetic_text(16 * 100 + 1, 3).into_bytes();
+        let text = Tokens::bytes(synthetic_text(16 * 100 + 1, 3).into_bytes());
         let mut s = Sampler::new(Sampling::Epochs, 16, 3, 9);
         // 100 samples, 2 micro-batches of 3 a step: 16 steps an epoch, 4 samples left over.
         assert_eq!(s.steps_per_epoch(&text, 2), Ok(16));
@@ -466,8 +474,8 @@ mod tests {
                         assert!(seen.insert(x), "sample {x} twice in epoch {epoch}");
                         let o = x as usize * 16;
                         let row = &m.tokens[r * 16..(r + 1) * 16];
-                        assert!(row.iter().zip(&text[o..]).all(|(&t, &b)| t == b as i64));
-                        assert_eq!(m.targets[r * 16 + 15], text[o + 16] as i64);
+                        assert_eq!(row, &text.window(o, 16)[..]);
+                        assert_eq!(m.targets[r * 16 + 15], text.get(o + 16) as i64);
                     }
                 }
             }

@@ -479,7 +479,8 @@ fn cached_frozen_prefix_stays_exact() {
     use pipewright_runtime::data::{synthetic_text, Sampling};
     use std::sync::Arc;
     // 40 samples of 8 bytes; 4 micro-batches of 2 a step: 5 steps an epoch.
-    let text = synthetic_text(8 * 40 + 1, 5).into_bytes();
+    let text =
+        pipewright_runtime::tokens::Tokens::bytes(synthetic_text(8 * 40 + 1, 5).into_bytes());
     let corpus = Corpus {
         train: text.clone(),
         val: text,
