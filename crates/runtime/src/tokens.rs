@@ -180,7 +180,7 @@ fn map_shard(path: &Path, first: usize) -> Result<Shard, String> {
                 }
             };
             let have = (map.len() - SHARD_HEADER_BYTES) / width;
-            if count < 0 || count as usize != have || (map.len() - SHARD_HEADER_BYTES) % width != 0
+            if count < 0 || count as usize != have || !(map.len() - SHARD_HEADER_BYTES).is_multiple_of(width)
             {
                 return Err(format!(
                     "{name}: the header says {count} tokens, the file holds {} bytes after it ({width}-byte tokens)",
@@ -190,7 +190,7 @@ fn map_shard(path: &Path, first: usize) -> Result<Shard, String> {
             (SHARD_HEADER_BYTES, width, have)
         }
         _ => {
-            if map.len() % 2 != 0 {
+            if !map.len().is_multiple_of(2) {
                 return Err(format!(
                     "{name}: {} bytes is not a whole number of uint16 tokens (nanoGPT's headerless .bin)",
                     map.len()
