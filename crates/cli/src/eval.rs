@@ -5,7 +5,6 @@ use crate::BadInput;
 use anyhow::Result;
 use clap::Args;
 use pipewright_core::rng::Lcg;
-use pipewright_runtime::data::Corpus;
 use pipewright_runtime::train::{checkpoint_config, TrainConfig, Trainer};
 use serde_json::json;
 use std::path::PathBuf;
@@ -86,13 +85,10 @@ pub fn cmd_eval(a: EvalArgs) -> Result<()> {
     };
     let st = Stages::of(&per, cfg.model.num_blocks());
     st.check_omit(&a.omit)?;
-    let corpus = match &a.data {
-        Some(f) => Corpus::load(f).map_err(BadInput)?,
-        None => Corpus::builtin(),
-    };
+    let corpus = crate::train::corpus(&a.data, &cfg)?;
     corpus
         .check(cfg.model.seq_len)
-        .and_then(|()| cfg.model.check_text(&corpus.name))
+        .and_then(|()| cfg.model.check_text(&corpus.name, corpus.ids))
         .map_err(BadInput)?;
     // Evaluation needs the weights only: one worker, one stage.
     (cfg.stages, cfg.replicas, cfg.chunks) = (1, 1, 1);

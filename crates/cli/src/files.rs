@@ -79,3 +79,16 @@ pub fn write_with(
 pub fn write_file(path: &Path, text: &str) -> Result<()> {
     write_with(path, |w| w.write_all(text.as_bytes()))
 }
+
+/// An output directory, created if missing; refused if the path is something else.
+pub fn output_dir(dir: &Path) -> Result<()> {
+    if dir.exists() && !dir.is_dir() {
+        return Err(BadInput(format!(
+            "--out {}: exists and is not a directory",
+            dir.display()
+        ))
+        .into());
+    }
+    std::fs::create_dir_all(dir)
+        .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", dir.display()))
+}

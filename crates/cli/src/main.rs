@@ -12,6 +12,7 @@ mod plan;
 mod ranks;
 mod simulate;
 mod skip;
+mod tokenize;
 mod train;
 
 use error::BadInput;
@@ -83,6 +84,8 @@ enum Cmd {
     /// PipeTransformer's ablations on a profile and cluster: throughput per epoch and speedup of
     /// freeze only, + AutoPipe + AutoCache, + AutoPipe + AutoDP, and all four.
     ElasticSim(elastic::ElasticSimArgs),
+    /// Turn text into token shards (llm.c's format) with a tokenizer, once for many runs.
+    Tokenize(tokenize::TokenizeArgs),
     /// Write a checkpoint (whatever plan trained it) as a Hugging Face model directory.
     Export(model::ExportArgs),
     /// Run one batch through a pipeline plan: logits, loss and every gradient under Hugging
@@ -224,6 +227,7 @@ fn main() {
         | Cmd::Profile(_)
         | Cmd::Validate { .. }
         | Cmd::Export(_)
+        | Cmd::Tokenize(_)
         | Cmd::Generate(_) => error::Flags::None,
         _ => error::Flags::Pipeline,
     };
@@ -287,6 +291,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Profile(a) => train::cmd_profile(a),
         Cmd::Eval(a) => eval::cmd_eval(a),
         Cmd::Export(a) => model::cmd_export(a),
+        Cmd::Tokenize(a) => tokenize::cmd_tokenize(a),
         Cmd::Forward(a) => model::cmd_forward(a),
         Cmd::Generate(a) => model::cmd_generate(a),
         Cmd::ElasticSim(a) => elastic::cmd_elastic_sim(a),

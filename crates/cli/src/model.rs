@@ -3,7 +3,7 @@
 
 use crate::files::{check_output, write_with};
 use crate::BadInput;
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Args;
 use pipewright_core::schedule::ScheduleKind;
 use pipewright_runtime::data::MicroBatch;
@@ -11,6 +11,18 @@ use pipewright_runtime::model::hf::{config_from_hf, config_to_hf};
 use pipewright_runtime::model::{ModelConfig, TaskHead};
 use pipewright_runtime::train::{checkpoint_config, hf_layers, hf_params, TrainConfig, Trainer};
 use std::path::{Path, PathBuf};
+
+/// The run's tokenizer: `cfg.tokenizer`, else the pretrained model directory's
+/// tokenizer.json, else bytes.
+pub fn tokenizer(cfg: &TrainConfig) -> Result<pipewright_runtime::tokenizer::Tokenizer> {
+    use pipewright_runtime::tokenizer::Tokenizer;
+    let t = match (&cfg.tokenizer, &cfg.pretrained) {
+        (Some(spec), _) => Tokenizer::load(spec),
+        (None, Some(dir)) => Tokenizer::of_model_dir(dir).unwrap_or(Ok(Tokenizer::Bytes)),
+        (None, None) => Ok(Tokenizer::Bytes),
+    };
+    Ok(t.map_err(BadInput)?)
+}
 
 /// Which model: a Hugging Face directory, a Hugging Face config for fresh weights, or (no
 /// flag) the command's default.
@@ -83,15 +95,7 @@ pub struct ExportArgs {
 pub fn cmd_export(a: ExportArgs) -> Result<()> {
     let (mut cfg, _, step) = checkpoint_config(&a.checkpoint_dir)?;
     let config = config_to_hf(&cfg.model).map_err(BadInput)?;
-    if a.out.exists() && !a.out.is_dir() {
-        return Err(BadInput(format!(
-            "--out {}: exists and is not a directory",
-            a.out.display()
-        ))
-        .into());
-    }
-    std::fs::create_dir_all(&a.out)
-        .with_context(|| format!("cannot create {}", a.out.display()))?;
+    crate::files::output_dir(&a.out)?;
     let (w, c) = (a.out.join("model.safetensors"), a.out.join("config.json"));
     check_output(&w)?;
     check_output(&c)?;
@@ -517,9 +521,13 @@ pub struct GenerateArgs {
     /// Checkpoint directory of a `train` run (instead of --model).
     #[arg(long, conflicts_with_all = ["model", "model_config"])]
     checkpoint_dir: Option<PathBuf>,
-    /// Text to continue (its bytes are the tokens: the byte-level vocabulary).
+    /// Text to continue.
     #[arg(long)]
     prompt: String,
+    /// How text becomes tokens (bytes, gpt2, cl100k, a tokenizer.json); default: the one
+    /// the checkpoint was trained with, or the model directory's tokenizer.json, or bytes.
+    #[arg(long)]
+    tokenizer: Option<String>,
     /// New tokens to generate.
     #[arg(long, default_value_t = 64)]
     max_tokens: usize,
@@ -543,7 +551,55 @@ pub fn cmd_generate(a: GenerateArgs) -> Result<()> {
         ))
         .into());
     }
-    let (model, blocks) = match (&a.checkpoint_dir, a.model.resolve()?) {
+    let (model, blocks, spec) = generation_source(&a)?;
+    if let Some(head) = model.head {
+        return Err(BadInput(format!(
+            "generate needs a causal language model (gpt, llama, gpt2); this {} model has a {head} head",
+            model.family.name()
+        ))
+        .into());
+    }
+    let tok = match a.tokenizer.as_ref().or(spec.as_ref()) {
+        Some(s) => pipewright_runtime::tokenizer::Tokenizer::load(s).map_err(BadInput)?,
+        None => pipewright_runtime::tokenizer::Tokenizer::Bytes,
+    };
+    tok.check_fits(model.vocab).map_err(BadInput)?;
+    let prompt: Vec<i64> = tok
+        .encode(&a.prompt)
+        .map_err(BadInput)?
+        .into_iter()
+        .map(i64::from)
+        .collect();
+    let how = Sampling {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        seed: a.seed,
+    };
+    // gpt's learned positions end at seq_len; the others' at max_positions.
+    let limit = match model.family {
+        pipewright_runtime::model::Family::Gpt => model.seq_len,
+        _ => model.max_positions(),
+    };
+    let new = generate(&blocks, &prompt, a.max_tokens, limit, &how).map_err(BadInput)?;
+    let ids: Vec<u32> = new.iter().map(|&x| x as u32).collect();
+    println!("{}{}", a.prompt, tok.decode(&ids).map_err(BadInput)?);
+    Ok(())
+}
+
+/// The model to generate with, its layer blocks, and the tokenizer it was trained with (a
+/// checkpoint's, or a model directory's tokenizer.json).
+fn generation_source(
+    a: &GenerateArgs,
+) -> Result<(
+    ModelConfig,
+    Vec<pipewright_runtime::model::LayerBlock>,
+    Option<String>,
+)> {
+    let dir_tokenizer = |d: &Path| {
+        let f = d.join("tokenizer.json");
+        f.is_file().then(|| f.display().to_string())
+    };
+    Ok(match (&a.checkpoint_dir, a.model.resolve()?) {
         (Some(dir), _) => checkpoint_blocks(dir)?,
         (None, Some(c)) => {
             let blocks = match &c.weights {
@@ -555,64 +611,26 @@ pub fn cmd_generate(a: GenerateArgs) -> Result<()> {
                 )
                 .into_blocks(),
             };
-            (c.config, blocks)
+            let spec = c.weights.as_deref().and_then(dir_tokenizer);
+            (c.config, blocks, spec)
         }
         (None, None) => checkpoint_blocks(Path::new("checkpoints"))?,
-    };
-    if let Some(head) = model.head {
-        return Err(BadInput(format!(
-            "generate needs a causal language model (gpt, llama, gpt2); this {} model has a {head} head",
-            model.family.name()
-        ))
-        .into());
-    }
-    let prompt: Vec<i64> = a.prompt.bytes().map(i64::from).collect();
-    if model.vocab < 256 {
-        return Err(BadInput(format!(
-            "the prompt's bytes are tokens, but the model's vocabulary is {} (< 256)",
-            model.vocab
-        ))
-        .into());
-    }
-    let how = Sampling {
-        temperature: a.temperature,
-        top_k: a.top_k,
-        seed: a.seed,
-    };
-    // gpt's learned positions end at seq_len; llama's rotary ones at max_positions.
-    let limit = match model.family {
-        pipewright_runtime::model::Family::Gpt => model.seq_len,
-        _ => model.max_positions(),
-    };
-    let new = generate(&blocks, &prompt, a.max_tokens, limit, &how).map_err(BadInput)?;
-    println!("{}{}", a.prompt, detokenize(&new));
-    Ok(())
+    })
 }
 
-/// The model of a checkpoint directory's newest checkpoint, whatever plan wrote it.
+/// The model of a checkpoint directory's newest checkpoint, whatever plan wrote it, and the
+/// tokenizer it was trained with.
 fn checkpoint_blocks(
     dir: &Path,
-) -> Result<(ModelConfig, Vec<pipewright_runtime::model::LayerBlock>)> {
+) -> Result<(
+    ModelConfig,
+    Vec<pipewright_runtime::model::LayerBlock>,
+    Option<String>,
+)> {
     let (mut cfg, _, _) = checkpoint_config(dir)?;
     (cfg.stages, cfg.replicas, cfg.chunks, cfg.pretrained) = (1, 1, 1, None);
     let plan = cfg.plan()?;
     let mut trainer = Trainer::new(cfg.clone(), plan)?;
     trainer.load_checkpoint(dir)?;
-    Ok((cfg.model, trainer.layer_blocks()?))
-}
-
-/// Byte tokens as text; an id past the bytes (a model with a larger vocabulary, until a
-/// tokenizer is given) as `<id>`.
-fn detokenize(ids: &[i64]) -> String {
-    let mut out = String::new();
-    let mut bytes = Vec::new();
-    for &x in ids {
-        if (0..256).contains(&x) {
-            bytes.push(x as u8);
-        } else {
-            out.push_str(&String::from_utf8_lossy(&std::mem::take(&mut bytes)));
-            out.push_str(&format!("<{x}>"));
-        }
-    }
-    out + &String::from_utf8_lossy(&bytes)
+    Ok((cfg.model, trainer.layer_blocks()?, cfg.tokenizer))
 }

@@ -101,6 +101,10 @@ pub struct TrainArgs {
     trace: Option<PathBuf>,
     #[command(flatten)]
     model: crate::model::ModelArgs,
+    /// How text becomes tokens: bytes (default), gpt2, cl100k, or a tokenizer.json (or a
+    /// directory with one); default with --model DIR: its tokenizer.json if it has one.
+    #[arg(long)]
+    tokenizer: Option<String>,
     /// Model width.
     #[arg(long)]
     d_model: Option<usize>,
@@ -334,6 +338,9 @@ fn config(a: &TrainArgs) -> Result<TrainConfig> {
         }
         (cfg.model, cfg.pretrained) = (chosen.config, chosen.weights);
     }
+    if let Some(t) = &a.tokenizer {
+        cfg.tokenizer = Some(t.clone());
+    }
     macro_rules! set_model {
         ($($f:ident),*) => { $(if let Some(v) = a.$f { cfg.model.$f = v; })* };
     }
@@ -358,6 +365,32 @@ fn config(a: &TrainArgs) -> Result<TrainConfig> {
     }
     cfg.check()?;
     Ok(cfg)
+}
+
+/// The training data as the run's tokenizer reads it (checked against the model's
+/// vocabulary).
+pub(crate) fn corpus(data: &Option<PathBuf>, cfg: &TrainConfig) -> Result<Corpus> {
+    let tok = crate::model::tokenizer(cfg)?;
+    tok.check_fits(cfg.model.vocab).map_err(BadInput)?;
+    Ok(match data {
+        Some(f) => Corpus::open(f, &tok).map_err(BadInput)?,
+        None => Corpus::builtin_with(&tok).map_err(BadInput)?,
+    })
+}
+
+/// A progress bar of `len` steps on a terminal (hidden otherwise: logs stay clean).
+pub(crate) fn progress_bar(len: u64, what: &str) -> indicatif::ProgressBar {
+    use std::io::IsTerminal;
+    if !std::io::stderr().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(len);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} ETA {eta}")
+            .expect("template"),
+    );
+    bar.set_message(what.to_string());
+    bar
 }
 
 /// This process's part in an MPI job, once MPI is up.
@@ -428,10 +461,7 @@ fn train(a: TrainArgs) -> Result<()> {
     let cfg = config(&a)?;
     check_flags(&a, &cfg, procs.is_some())?;
     let plan = agree(&procs, train_plan(&a, &cfg)?)?;
-    let corpus = match &a.data {
-        Some(f) => Corpus::load(f).map_err(BadInput)?,
-        None => Corpus::builtin(),
-    };
+    let corpus = corpus(&a.data, &cfg)?;
     let links = links(&a, &plan)?;
     let run_cfg = run_config(&a, &cfg, links.as_ref())?;
     let trainer = trainer(&procs, cfg, plan, links, &run_cfg, a.peer_timeout)?;

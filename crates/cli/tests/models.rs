@@ -386,3 +386,99 @@ fn bert_forward_gives_transformers_outputs_and_text_tasks_are_refused() {
         "{err}"
     );
 }
+
+/// Text to GPT-2 tokens in shards, a LLaMA trained on them as a pipeline, and text generated
+/// back with the checkpoint's tokenizer; a tokenizer larger than the model's vocabulary, and
+/// shards over shards, are refused.
+#[test]
+fn tokenize_then_train_on_shards_then_generate() {
+    let dir = fresh_dir("models-shards");
+    let docs = dir.join("docs");
+    std::fs::create_dir_all(&docs).unwrap();
+    for i in 0..6 {
+        let text = format!("document {i}: the pipeline cuts the model into stages. ").repeat(200);
+        std::fs::write(docs.join(format!("d{i}.txt")), text).unwrap();
+    }
+    let shards = dir.join("shards");
+    let (docs, shards_s) = (docs.to_str().unwrap(), shards.to_str().unwrap());
+    let out = ok(&[
+        "tokenize",
+        "--data",
+        docs,
+        "--tokenizer",
+        "gpt2",
+        "--out",
+        shards_s,
+    ]);
+    assert!(out.contains("6 file(s) with gpt2"), "{out}");
+    assert!(shards.join("val_000000.bin").is_file() && shards.join("train_000000.bin").is_file());
+    let o = pw(&["tokenize", "--data", docs, "--out", shards_s]);
+    assert_eq!(o.status.code(), Some(2), "tokenizing over shards");
+    let cfg = dir.join("config.json");
+    std::fs::write(
+        &cfg,
+        r#"{"model_type": "llama", "vocab_size": 50257, "hidden_size": 16, "intermediate_size": 32,
+            "num_hidden_layers": 2, "num_attention_heads": 2, "max_position_embeddings": 64}"#,
+    )
+    .unwrap();
+    let (cfg, ck) = (cfg.to_str().unwrap(), dir.join("ck"));
+    let ck = ck.to_str().unwrap();
+    let train = [
+        "train",
+        "--model-config",
+        cfg,
+        "--tokenizer",
+        "gpt2",
+        "--data",
+        shards_s,
+        "--stages",
+        "2",
+        "--steps",
+        "3",
+        "--seq-len",
+        "16",
+        "--eval-batches",
+        "1",
+        "--checkpoint-dir",
+        ck,
+    ];
+    ok(&train);
+    let text = ok(&[
+        "generate",
+        "--checkpoint-dir",
+        ck,
+        "--prompt",
+        "the pipeline",
+        "--max-tokens",
+        "4",
+    ]);
+    assert!(
+        text.starts_with("the pipeline") && text.len() > "the pipeline".len(),
+        "{text:?}"
+    );
+    let small = dir.join("small.json");
+    std::fs::write(
+        &small,
+        std::fs::read_to_string(cfg)
+            .unwrap()
+            .replace("50257", "1000"),
+    )
+    .unwrap();
+    let o = pw(&[
+        "train",
+        "--model-config",
+        small.to_str().unwrap(),
+        "--tokenizer",
+        "gpt2",
+        "--data",
+        shards_s,
+        "--steps",
+        "1",
+        "--no-checkpoint",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        o.status.code() == Some(2) && err.contains("more than the model's vocabulary"),
+        "{err}"
+    );
+}

@@ -11,6 +11,9 @@ pub struct Corpus {
     pub train: Tokens,
     pub val: Tokens,
     pub name: String,
+    /// Ids its tokens may take: 256 for bytes, a tokenizer's vocabulary, or (shards) one more
+    /// than the largest id they hold. A model's vocabulary must cover it.
+    pub ids: usize,
 }
 
 /// SplitMix64: a tiny deterministic generator for data order (not for anything secret).
@@ -62,6 +65,20 @@ pub fn synthetic_text(bytes: usize, seed: u64) -> String {
     s
 }
 
+/// A UTF-8 text file's contents. A FIFO or device would block the read: only regular files
+/// are read.
+fn read_text(path: &Path) -> Result<String, String> {
+    if std::fs::metadata(path).is_ok_and(|m| !m.is_file()) {
+        return Err(format!(
+            "{}: cannot read data file: not a regular file (a directory, FIFO or device)",
+            path.display()
+        ));
+    }
+    let bytes = std::fs::read(path)
+        .map_err(|e| format!("{}: cannot read data file: {e}", path.display()))?;
+    String::from_utf8(bytes).map_err(|e| format!("{}: not UTF-8 text: {e}", path.display()))
+}
+
 impl Corpus {
     /// The built-in corpus: 256 KiB of synthetic text, the last 10% held out.
     pub fn builtin() -> Self {
@@ -72,18 +89,21 @@ impl Corpus {
     }
 
     pub fn load(path: &Path) -> Result<Self, String> {
-        // A FIFO or device would block the read: only regular files are read.
-        if std::fs::metadata(path).is_ok_and(|m| !m.is_file()) {
-            return Err(format!(
-                "{}: cannot read data file: not a regular file (a directory, FIFO or device)",
-                path.display()
-            ));
+        let text = read_text(path)?;
+        Ok(Self::from_bytes(
+            &path.display().to_string(),
+            text.into_bytes(),
+        ))
+    }
+
+    /// The built-in corpus as `tok` reads it.
+    pub fn builtin_with(tok: &crate::tokenizer::Tokenizer) -> Result<Self, String> {
+        if matches!(tok, crate::tokenizer::Tokenizer::Bytes) {
+            return Ok(Self::builtin());
         }
-        let bytes = std::fs::read(path)
-            .map_err(|e| format!("{}: cannot read data file: {e}", path.display()))?;
-        std::str::from_utf8(&bytes)
-            .map_err(|e| format!("{}: not UTF-8 text: {e}", path.display()))?;
-        Ok(Self::from_bytes(&path.display().to_string(), bytes))
+        let ids = tok.encode(&synthetic_text(256 * 1024, 7))?;
+        let name = format!("built-in synthetic corpus ({} tokens)", tok.name());
+        Ok(Self::from_tokens(&name, Tokens::ids(ids), tok.vocab_size()))
     }
 
     /// A corpus of `text` named `name` (the last 10% held out), for library users and tests.
@@ -92,17 +112,79 @@ impl Corpus {
     }
 
     fn from_bytes(name: &str, bytes: Vec<u8>) -> Self {
-        Self::from_tokens(name, Tokens::bytes(bytes))
+        Self::from_tokens(name, Tokens::bytes(bytes), 256)
     }
 
-    /// A corpus of `tokens` named `name`, the last 10% held out.
-    pub fn from_tokens(name: &str, tokens: Tokens) -> Self {
+    /// A corpus of `tokens` (ids below `ids`) named `name`, the last 10% held out.
+    pub fn from_tokens(name: &str, tokens: Tokens, ids: usize) -> Self {
         let cut = tokens.len() - tokens.len() / 10;
         Corpus {
             train: tokens.slice(0..cut),
             val: tokens.slice(cut..tokens.len()),
             name: name.into(),
+            ids,
         }
+    }
+
+    /// The data at `path` as `tok` sees it: a UTF-8 text file, a directory of them (`*.txt`,
+    /// in name order), token shards (`*.bin`: llm.c's or nanoGPT's; those named `*val*` are
+    /// the held-out part), or one shard.
+    pub fn open(path: &Path, tok: &crate::tokenizer::Tokenizer) -> Result<Self, String> {
+        let name = path.display().to_string();
+        let listed = |ext: &str| -> Result<Vec<std::path::PathBuf>, String> {
+            let mut v: Vec<_> = std::fs::read_dir(path)
+                .map_err(|e| format!("{name}: cannot list: {e}"))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.is_file() && p.extension().is_some_and(|x| x == ext))
+                .collect();
+            v.sort();
+            Ok(v)
+        };
+        let (texts, shards) = if path.is_dir() {
+            (listed("txt")?, listed("bin")?)
+        } else if path.extension().is_some_and(|x| x == "bin") {
+            (Vec::new(), vec![path.to_path_buf()])
+        } else {
+            (vec![path.to_path_buf()], Vec::new())
+        };
+        if !shards.is_empty() {
+            return Self::from_shards(&name, &shards);
+        }
+        if texts.is_empty() {
+            return Err(format!("{name}: no .txt or .bin files"));
+        }
+        if !path.is_dir() && matches!(tok, crate::tokenizer::Tokenizer::Bytes) {
+            return Self::load(path);
+        }
+        if let Some(f) = texts.iter().find(|f| !f.is_file()) {
+            return Err(format!(
+                "{}: cannot read data file: not a regular file (a directory, FIFO or device)",
+                f.display()
+            ));
+        }
+        let ids = tok.encode_files(&texts, &|| {})?;
+        Ok(Self::from_tokens(&name, Tokens::ids(ids), tok.vocab_size()))
+    }
+
+    /// Shards, those named `*val*` held out (else the last 10%).
+    fn from_shards(name: &str, shards: &[std::path::PathBuf]) -> Result<Self, String> {
+        let is_val = |p: &std::path::PathBuf| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().contains("val"))
+        };
+        let (val, train): (Vec<_>, Vec<_>) = shards.iter().cloned().partition(is_val);
+        let train_tokens = Tokens::shards(&train)?;
+        let mut corpus = match val.is_empty() {
+            true => Self::from_tokens(name, train_tokens, 0),
+            false => Corpus {
+                train: train_tokens,
+                val: Tokens::shards(&val)?,
+                name: name.into(),
+                ids: 0,
+            },
+        };
+        corpus.ids = corpus.train.id_bound().max(corpus.val.id_bound());
+        Ok(corpus)
     }
 
     /// Check the corpus is long enough for sequences of `seq_len`.

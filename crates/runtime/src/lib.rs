@@ -9,6 +9,7 @@ pub mod grads;
 pub mod kernels;
 pub mod model;
 pub mod profile;
+pub mod tokenizer;
 pub mod tokens;
 pub mod train;
 pub mod transport;

@@ -180,7 +180,9 @@ fn map_shard(path: &Path, first: usize) -> Result<Shard, String> {
                 }
             };
             let have = (map.len() - SHARD_HEADER_BYTES) / width;
-            if count < 0 || count as usize != have || !(map.len() - SHARD_HEADER_BYTES).is_multiple_of(width)
+            if count < 0
+                || count as usize != have
+                || !(map.len() - SHARD_HEADER_BYTES).is_multiple_of(width)
             {
                 return Err(format!(
                     "{name}: the header says {count} tokens, the file holds {} bytes after it ({width}-byte tokens)",

@@ -485,6 +485,7 @@ fn cached_frozen_prefix_stays_exact() {
         train: text.clone(),
         val: text,
         name: "40 samples".into(),
+        ids: 256,
     };
     let cfg = TrainConfig {
         sampling: Sampling::Epochs,

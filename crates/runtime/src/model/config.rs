@@ -197,16 +197,16 @@ impl ModelConfig {
 
     /// Can this model learn from text (next-token prediction over bytes or token ids)? Not
     /// with a task head, nor with a vocabulary smaller than the 256 byte values.
-    pub fn check_text(&self, what: &str) -> Result<(), String> {
+    pub fn check_text(&self, what: &str, ids: usize) -> Result<(), String> {
         if let Some(head) = self.head {
             return Err(format!(
                 "{what}: a {} model's {head} head learns from labelled examples, not from text; training it needs a labelled task (not yet supported: `forward` runs one)",
                 self.family.name()
             ));
         }
-        if self.vocab < 256 {
+        if self.vocab < ids {
             return Err(format!(
-                "{what}: the model's vocabulary of {} is smaller than the 256 byte values of this text",
+                "{what}: its tokens take {ids} ids (256 for bytes), more than the model's vocabulary of {}",
                 self.vocab
             ));
         }

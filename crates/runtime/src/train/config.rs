@@ -43,6 +43,10 @@ pub struct TrainConfig {
     /// none: fresh weights from the seed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pretrained: Option<std::path::PathBuf>,
+    /// The tokenizer the data was read with (`gpt2`, `cl100k`, a tokenizer.json); none:
+    /// bytes. Kept in checkpoints so that `generate` reads and writes text the same way.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<String>,
 }
 
 impl Default for TrainConfig {
@@ -64,6 +68,7 @@ impl Default for TrainConfig {
             seed: 42,
             sampling: Sampling::Windows,
             pretrained: None,
+            tokenizer: None,
         }
     }
 }

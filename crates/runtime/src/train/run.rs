@@ -216,7 +216,7 @@ impl TrainingRun {
         check_run(&trainer, &cfg)?;
         corpus
             .check(trainer.cfg.model.seq_len)
-            .and_then(|()| trainer.cfg.model.check_text(&corpus.name))
+            .and_then(|()| trainer.cfg.model.check_text(&corpus.name, corpus.ids))
             .map_err(Error::Config)?;
         let epoch_steps = trainer
             .cfg

@@ -1,0 +1,178 @@
+//! Tokenizers: bytes (the default), GPT-2's and cl100k's BPE ranks embedded in `tiktoken-rs`,
+//! or a Hugging Face `tokenizer.json` through the `tokenizers` crate (built pure Rust).
+
+use std::path::Path;
+
+/// Byte tokens as text; an id past the bytes (a model of a larger vocabulary) as `<id>`.
+fn bytes_text(ids: &[u32]) -> String {
+    let mut out = String::new();
+    let mut bytes = Vec::new();
+    for &x in ids {
+        if x < 256 {
+            bytes.push(x as u8);
+        } else {
+            out.push_str(&String::from_utf8_lossy(&std::mem::take(&mut bytes)));
+            out.push_str(&format!("<{x}>"));
+        }
+    }
+    out + &String::from_utf8_lossy(&bytes)
+}
+
+pub enum Tokenizer {
+    /// Each byte of the UTF-8 text is a token.
+    Bytes,
+    /// A BPE from `tiktoken-rs`: its name and vocabulary size (special tokens included).
+    Bpe {
+        name: &'static str,
+        bpe: &'static tiktoken_rs::CoreBPE,
+        vocab: usize,
+    },
+    /// A Hugging Face `tokenizer.json`.
+    Hf {
+        path: String,
+        tok: Box<tokenizers::Tokenizer>,
+    },
+}
+
+impl Tokenizer {
+    /// `bytes`, `gpt2`, `cl100k`, a `tokenizer.json` file, or a directory holding one (a
+    /// Hugging Face model directory).
+    pub fn load(spec: &str) -> Result<Self, String> {
+        match spec {
+            "bytes" => return Ok(Tokenizer::Bytes),
+            "gpt2" | "r50k" => {
+                return Ok(Tokenizer::Bpe {
+                    name: "gpt2",
+                    bpe: tiktoken_rs::r50k_base_singleton(),
+                    vocab: 50257,
+                })
+            }
+            "cl100k" => {
+                return Ok(Tokenizer::Bpe {
+                    name: "cl100k",
+                    bpe: tiktoken_rs::cl100k_base_singleton(),
+                    vocab: 100277,
+                })
+            }
+            _ => {}
+        }
+        let p = Path::new(spec);
+        let file = if p.is_dir() {
+            p.join("tokenizer.json")
+        } else {
+            p.to_path_buf()
+        };
+        if !file.is_file() {
+            return Err(format!(
+                "--tokenizer {spec}: not bytes, gpt2, cl100k, a tokenizer.json file or a directory with one"
+            ));
+        }
+        let tok = tokenizers::Tokenizer::from_file(&file)
+            .map_err(|e| format!("{}: not a Hugging Face tokenizer.json: {e}", file.display()))?;
+        Ok(Tokenizer::Hf {
+            path: file.display().to_string(),
+            tok: Box::new(tok),
+        })
+    }
+
+    /// The tokenizer of a model directory when it has one.
+    pub fn of_model_dir(dir: &Path) -> Option<Result<Self, String>> {
+        let f = dir.join("tokenizer.json");
+        f.is_file().then(|| Self::load(&f.display().to_string()))
+    }
+
+    pub fn name(&self) -> String {
+        match self {
+            Tokenizer::Bytes => "bytes".into(),
+            Tokenizer::Bpe { name, .. } => name.to_string(),
+            Tokenizer::Hf { path, .. } => path.clone(),
+        }
+    }
+
+    /// Ids the tokenizer can produce: its vocabulary (special tokens included).
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            Tokenizer::Bytes => 256,
+            Tokenizer::Bpe { vocab, .. } => *vocab,
+            Tokenizer::Hf { tok, .. } => tok.get_vocab_size(true),
+        }
+    }
+
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
+        Ok(match self {
+            Tokenizer::Bytes => text.bytes().map(u32::from).collect(),
+            Tokenizer::Bpe { bpe, .. } => bpe.encode_ordinary(text),
+            Tokenizer::Hf { tok, path } => tok
+                .encode(text, false)
+                .map_err(|e| format!("{path}: {e}"))?
+                .get_ids()
+                .to_vec(),
+        })
+    }
+
+    /// Text of `ids`; bytes that are not UTF-8 become U+FFFD.
+    pub fn decode(&self, ids: &[u32]) -> Result<String, String> {
+        match self {
+            Tokenizer::Bytes => Ok(bytes_text(ids)),
+            Tokenizer::Bpe { bpe, name, .. } => bpe
+                .decode_bytes(ids)
+                .map(|b| String::from_utf8_lossy(&b).into_owned())
+                .map_err(|e| format!("{name}: {e}")),
+            Tokenizer::Hf { tok, path } => {
+                tok.decode(ids, false).map_err(|e| format!("{path}: {e}"))
+            }
+        }
+    }
+
+    /// The end-of-text token that separates documents, where the tokenizer has one (GPT-2's
+    /// `<|endoftext|>`, as llm.c and nanoGPT put it before each document).
+    pub fn eot(&self) -> Option<u32> {
+        match self {
+            Tokenizer::Bpe { name: "gpt2", .. } => Some(50256),
+            Tokenizer::Bpe { name: "cl100k", .. } => Some(100257),
+            _ => None,
+        }
+    }
+
+    /// Every file's text as tokens, each file a document (after the end-of-text token where
+    /// there is one), in the files' order; files are tokenized in parallel and `done` is called
+    /// as each finishes.
+    pub fn encode_files(
+        &self,
+        files: &[std::path::PathBuf],
+        done: &(dyn Fn() + Sync),
+    ) -> Result<Vec<u32>, String> {
+        use rayon::prelude::*;
+        let parts: Vec<Vec<u32>> = files
+            .par_iter()
+            .map(|f| {
+                let bytes =
+                    std::fs::read(f).map_err(|e| format!("{}: cannot read: {e}", f.display()))?;
+                let text = String::from_utf8(bytes)
+                    .map_err(|e| format!("{}: not UTF-8 text: {e}", f.display()))?;
+                let mut ids: Vec<u32> = self.eot().into_iter().collect();
+                ids.extend(self.encode(&text)?);
+                done();
+                Ok(ids)
+            })
+            .collect::<Result<_, String>>()?;
+        Ok(parts.concat())
+    }
+
+    /// Round trip check helper: `encode` then `decode` gives the text back (bytes and BPE).
+    pub fn round_trips(&self, text: &str) -> Result<bool, String> {
+        Ok(self.decode(&self.encode(text)?)? == text)
+    }
+
+    /// Refuse a model whose vocabulary cannot hold this tokenizer's ids.
+    pub fn check_fits(&self, model_vocab: usize) -> Result<(), String> {
+        if self.vocab_size() > model_vocab {
+            return Err(format!(
+                "tokenizer {} has {} tokens, more than the model's vocabulary of {model_vocab}",
+                self.name(),
+                self.vocab_size()
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,104 @@
+//! Tokenizers and token shards: round trips, ids as their own libraries give them, shards
+//! read back as written (llm.c's and nanoGPT's), and damaged shards refused by name.
+
+use pipewright_runtime::data::Corpus;
+use pipewright_runtime::tokenizer::Tokenizer;
+use pipewright_runtime::tokens::{shard_bytes, Tokens};
+use std::path::{Path, PathBuf};
+
+const TEXT: &str = "Pipelines cut a model into stages; héllo wörld, 3+4=7.\n\tdone. 日本語";
+
+fn scratch(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("pw-tokens-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn every_tokenizer_round_trips_and_knows_its_vocabulary() {
+    let hf = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
+    for (spec, vocab) in [("bytes", 256), ("gpt2", 50257), ("cl100k", 100277)] {
+        let t = Tokenizer::load(spec).unwrap();
+        assert_eq!(t.vocab_size(), vocab, "{spec}");
+        assert!(t.round_trips(TEXT).unwrap(), "{spec} does not round-trip");
+    }
+    // GPT-2's ids as OpenAI's tiktoken gives them: "hello world" is [31373, 995].
+    assert_eq!(
+        Tokenizer::load("gpt2")
+            .unwrap()
+            .encode("hello world")
+            .unwrap(),
+        [31373, 995]
+    );
+    // A Hugging Face tokenizer.json (a directory holding one works too): the ids the Python
+    // library gives (scripts/hf-fixtures), and the text back.
+    for spec in [hf.join("tokenizer.json"), hf.clone()] {
+        let t = Tokenizer::load(spec.to_str().unwrap()).unwrap();
+        assert_eq!(t.vocab_size(), 300);
+        let ids = t.encode("the lazy fox, stage by stage").unwrap();
+        assert_eq!(ids, [83, 263, 293, 88, 290, 87, 11, 270, 265, 88, 270]);
+        assert!(t.round_trips(TEXT).unwrap());
+    }
+    let e = Tokenizer::load("no-such-tokenizer").err().unwrap();
+    assert!(e.contains("no-such-tokenizer"), "{e}");
+    let t = Tokenizer::load("gpt2").unwrap();
+    assert!(t.check_fits(50257).is_ok());
+    let e = t.check_fits(256).unwrap_err();
+    assert!(e.contains("50257") && e.contains("256"), "{e}");
+}
+
+#[test]
+fn shards_read_back_as_written() {
+    let d = scratch("shards");
+    let narrow: Vec<u32> = (0..1000).map(|i| (i * 7919) % 50257).collect();
+    let wide: Vec<u32> = (0..500).map(|i| 70_000 + i).collect();
+    std::fs::write(d.join("a.bin"), shard_bytes(&narrow)).unwrap();
+    std::fs::write(d.join("b.bin"), shard_bytes(&wide)).unwrap();
+    // nanoGPT's headerless uint16 tokens.
+    let plain: Vec<u8> = narrow[..300]
+        .iter()
+        .flat_map(|&x| (x as u16).to_le_bytes())
+        .collect();
+    std::fs::write(d.join("c.bin"), plain).unwrap();
+    let t = Tokens::shards(&[d.join("a.bin"), d.join("b.bin"), d.join("c.bin")]).unwrap();
+    let all: Vec<u32> = narrow
+        .iter()
+        .chain(&wide)
+        .chain(&narrow[..300])
+        .copied()
+        .collect();
+    assert_eq!(t.len(), all.len());
+    assert!(t.iter().eq(all.iter().copied()));
+    // A window across two shards.
+    let w = t.window(995, 10);
+    assert_eq!(
+        w,
+        all[995..1005].iter().map(|&x| x as i64).collect::<Vec<_>>()
+    );
+    assert_eq!(t.id_bound(), 70_500);
+    // A directory: `val` shards are held out.
+    std::fs::rename(d.join("c.bin"), d.join("val_000000.bin")).unwrap();
+    let c = Corpus::open(&d, &Tokenizer::Bytes).unwrap();
+    assert_eq!((c.train.len(), c.val.len(), c.ids), (1500, 300, 70_500));
+}
+
+#[test]
+fn damaged_shards_are_refused_by_name() {
+    let d = scratch("bad");
+    std::fs::write(d.join("odd.bin"), [1u8, 2, 3]).unwrap();
+    let e = Tokens::shards(&[d.join("odd.bin")]).err().unwrap();
+    assert!(e.contains("odd.bin") && e.contains("whole number"), "{e}");
+    let mut short = shard_bytes(&[1, 2, 3, 4]);
+    short.truncate(short.len() - 2);
+    std::fs::write(d.join("short.bin"), short).unwrap();
+    let e = Tokens::shards(&[d.join("short.bin")]).err().unwrap();
+    assert!(
+        e.contains("short.bin") && e.contains("header says 4 tokens"),
+        "{e}"
+    );
+    let e = Tokens::shards(&[d.join("missing.bin")]).err().unwrap();
+    assert!(e.contains("missing.bin"), "{e}");
+    let e = Corpus::open(&scratch("empty"), &Tokenizer::Bytes).unwrap_err();
+    assert!(e.contains("no .txt or .bin files"), "{e}");
+}
