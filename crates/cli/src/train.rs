@@ -370,7 +370,9 @@ fn config(a: &TrainArgs) -> Result<TrainConfig> {
 /// The training data as the run's tokenizer reads it (checked against the model's
 /// vocabulary).
 pub(crate) fn corpus(data: &Option<PathBuf>, cfg: &TrainConfig) -> Result<Corpus> {
-    let what = data.as_ref().map_or("the built-in corpus".into(), |d| d.display().to_string());
+    let what = data
+        .as_ref()
+        .map_or("the built-in corpus".into(), |d| d.display().to_string());
     cfg.model.check_text(&what, 0).map_err(BadInput)?; // a task head learns no text
     let tok = crate::model::tokenizer(cfg)?;
     tok.check_fits(cfg.model.vocab).map_err(BadInput)?;

@@ -279,3 +279,26 @@ fn vit_matches_transformers_on_every_pipeline() {
         same_loss_and_gradients(&what, &model, &trainer, &out, &expected);
     }
 }
+
+/// What `export` writes as config.json reads back as the same model, for every family.
+#[test]
+fn exported_configs_read_back_as_the_same_model() {
+    use pipewright_runtime::model::hf::config_to_hf;
+    for name in [
+        "llama-gqa",
+        "llama-tied-llama3",
+        "gpt2",
+        "bert-classify",
+        "bert-qa",
+        "vit",
+    ] {
+        let text = std::fs::read_to_string(fixture(name).join("config.json")).unwrap();
+        let model = config_from_hf(&text, name).unwrap();
+        let out = config_to_hf(&model).unwrap().to_string();
+        let back = config_from_hf(&out, name).unwrap();
+        assert!(
+            model.same_parameters(&back),
+            "{name}: {model:?} became {back:?}"
+        );
+    }
+}

@@ -265,115 +265,130 @@ fn rope_scaling(s: &Value) -> Result<Option<Llama3Scaling>, String> {
 /// The Hugging Face `config.json` of a model (what `from_pretrained` needs).
 pub fn config_to_hf(cfg: &ModelConfig) -> Result<Value, String> {
     match cfg.family {
-        Family::Llama => {
-            let mut rope = json!({"rope_type": "default", "rope_theta": cfg.rope_theta()});
-            if let Some(s) = &cfg.rope_scaling {
-                rope = json!({"rope_type": "llama3", "rope_theta": cfg.rope_theta(),
-                    "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-                    "high_freq_factor": s.high_freq_factor,
-                    "original_max_position_embeddings": s.original_max_position_embeddings});
-            }
-            let mut v = json!({
-                "architectures": ["LlamaForCausalLM"],
-                "model_type": "llama",
-                "vocab_size": cfg.vocab,
-                "hidden_size": cfg.d_model,
-                "intermediate_size": cfg.ffn(),
-                "num_hidden_layers": cfg.layers,
-                "num_attention_heads": cfg.heads,
-                "num_key_value_heads": cfg.kv_heads(),
-                "head_dim": cfg.head_dim(),
-                "max_position_embeddings": cfg.max_positions(),
-                "rms_norm_eps": cfg.norm_eps(),
-                "hidden_act": "silu",
-                "attention_bias": false,
-                "mlp_bias": false,
-                "tie_word_embeddings": cfg.tie_embeddings,
-                "rope_parameters": rope.clone(),
-                // What transformers before version 5 reads.
-                "rope_theta": cfg.rope_theta(),
-                "torch_dtype": "float32",
-            });
-            if cfg.rope_scaling.is_some() {
-                v["rope_scaling"] = rope;
-            }
-            Ok(v)
-        }
-        Family::Gpt2 => Ok(json!({
-            "architectures": ["GPT2LMHeadModel"],
-            "model_type": "gpt2",
-            "vocab_size": cfg.vocab,
-            "n_embd": cfg.d_model,
-            "n_layer": cfg.layers,
-            "n_head": cfg.heads,
-            "n_positions": cfg.max_positions(),
-            "n_inner": cfg.ffn(),
-            "layer_norm_epsilon": cfg.norm_eps(),
-            "activation_function": "gelu_new",
-            "tie_word_embeddings": cfg.tie_embeddings,
-            // pipewright trains without dropout.
-            "attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0,
-            "torch_dtype": "float32",
-        })),
-        Family::Bert => {
-            let mut v = json!({
-                "model_type": "bert",
-                "vocab_size": cfg.vocab,
-                "hidden_size": cfg.d_model,
-                "num_hidden_layers": cfg.layers,
-                "num_attention_heads": cfg.heads,
-                "intermediate_size": cfg.ffn(),
-                "max_position_embeddings": cfg.max_positions(),
-                "type_vocab_size": cfg.type_vocab(),
-                "layer_norm_eps": cfg.norm_eps(),
-                "hidden_act": "gelu",
-                "position_embedding_type": "absolute",
-                // pipewright trains without dropout.
-                "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
-                "torch_dtype": "float32",
-            });
-            match cfg.head {
-                Some(TaskHead::Classify { classes }) => {
-                    v["architectures"] = json!(["BertForSequenceClassification"]);
-                    v["num_labels"] = json!(classes);
-                    v["id2label"] = (0..classes).map(|i| (i.to_string(), json!(format!("LABEL_{i}")))).collect();
-                    v["label2id"] = (0..classes).map(|i| (format!("LABEL_{i}"), json!(i))).collect();
-                }
-                _ => v["architectures"] = json!(["BertForQuestionAnswering"]),
-            }
-            Ok(v)
-        }
-        Family::Vit => {
-            let classes = match cfg.head {
-                Some(TaskHead::Classify { classes }) => classes,
-                _ => 0,
-            };
-            Ok(json!({
-                "architectures": ["ViTForImageClassification"],
-                "model_type": "vit",
-                "hidden_size": cfg.d_model,
-                "num_hidden_layers": cfg.layers,
-                "num_attention_heads": cfg.heads,
-                "intermediate_size": cfg.ffn(),
-                "image_size": cfg.image(),
-                "patch_size": cfg.patch(),
-                "num_channels": cfg.channels(),
-                "layer_norm_eps": cfg.norm_eps(),
-                "hidden_act": "gelu",
-                "qkv_bias": true,
-                "num_labels": classes,
-                "id2label": (0..classes).map(|i| (i.to_string(), json!(format!("LABEL_{i}")))).collect::<serde_json::Map<_, _>>(),
-                "label2id": (0..classes).map(|i| (format!("LABEL_{i}"), json!(i))).collect::<serde_json::Map<_, _>>(),
-                // pipewright trains without dropout.
-                "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
-                "torch_dtype": "float32",
-            }))
-        }
+        Family::Llama => llama_to_hf(cfg),
+        Family::Gpt2 => gpt2_to_hf(cfg),
+        Family::Bert => bert_to_hf(cfg),
+        Family::Vit => vit_to_hf(cfg),
         Family::Gpt => Err(
-            "the gpt family is pipewright's own and has no Hugging Face layout (use llama, gpt2, bert or vit)"
+            "the gpt family is pipewright's own and has no Hugging Face layout \
+             (use llama, gpt2, bert or vit)"
                 .into(),
         ),
     }
+}
+
+fn llama_to_hf(cfg: &ModelConfig) -> Result<Value, String> {
+    let mut rope = json!({"rope_type": "default", "rope_theta": cfg.rope_theta()});
+    if let Some(s) = &cfg.rope_scaling {
+        rope = json!({"rope_type": "llama3", "rope_theta": cfg.rope_theta(),
+            "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings});
+    }
+    let mut v = json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.ffn(),
+        "num_hidden_layers": cfg.layers,
+        "num_attention_heads": cfg.heads,
+        "num_key_value_heads": cfg.kv_heads(),
+        "head_dim": cfg.head_dim(),
+        "max_position_embeddings": cfg.max_positions(),
+        "rms_norm_eps": cfg.norm_eps(),
+        "hidden_act": "silu",
+        "attention_bias": false,
+        "mlp_bias": false,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "rope_parameters": rope.clone(),
+        // What transformers before version 5 reads.
+        "rope_theta": cfg.rope_theta(),
+        "torch_dtype": "float32",
+    });
+    if cfg.rope_scaling.is_some() {
+        v["rope_scaling"] = rope;
+    }
+    Ok(v)
+}
+
+fn gpt2_to_hf(cfg: &ModelConfig) -> Result<Value, String> {
+    Ok(json!({
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": cfg.vocab,
+        "n_embd": cfg.d_model,
+        "n_layer": cfg.layers,
+        "n_head": cfg.heads,
+        "n_positions": cfg.max_positions(),
+        "n_inner": cfg.ffn(),
+        "layer_norm_epsilon": cfg.norm_eps(),
+        "activation_function": "gelu_new",
+        "tie_word_embeddings": cfg.tie_embeddings,
+        // pipewright trains without dropout.
+        "attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0,
+        "torch_dtype": "float32",
+    }))
+}
+
+fn bert_to_hf(cfg: &ModelConfig) -> Result<Value, String> {
+    let mut v = json!({
+        "model_type": "bert",
+        "vocab_size": cfg.vocab,
+        "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.layers,
+        "num_attention_heads": cfg.heads,
+        "intermediate_size": cfg.ffn(),
+        "max_position_embeddings": cfg.max_positions(),
+        "type_vocab_size": cfg.type_vocab(),
+        "layer_norm_eps": cfg.norm_eps(),
+        "hidden_act": "gelu",
+        "position_embedding_type": "absolute",
+        // pipewright trains without dropout.
+        "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+        "torch_dtype": "float32",
+    });
+    match cfg.head {
+        Some(TaskHead::Classify { classes }) => {
+            v["architectures"] = json!(["BertForSequenceClassification"]);
+            v["num_labels"] = json!(classes);
+            v["id2label"] = (0..classes)
+                .map(|i| (i.to_string(), json!(format!("LABEL_{i}"))))
+                .collect();
+            v["label2id"] = (0..classes)
+                .map(|i| (format!("LABEL_{i}"), json!(i)))
+                .collect();
+        }
+        _ => v["architectures"] = json!(["BertForQuestionAnswering"]),
+    }
+    Ok(v)
+}
+
+fn vit_to_hf(cfg: &ModelConfig) -> Result<Value, String> {
+    let classes = match cfg.head {
+        Some(TaskHead::Classify { classes }) => classes,
+        _ => 0,
+    };
+    Ok(json!({
+        "architectures": ["ViTForImageClassification"],
+        "model_type": "vit",
+        "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.layers,
+        "num_attention_heads": cfg.heads,
+        "intermediate_size": cfg.ffn(),
+        "image_size": cfg.image(),
+        "patch_size": cfg.patch(),
+        "num_channels": cfg.channels(),
+        "layer_norm_eps": cfg.norm_eps(),
+        "hidden_act": "gelu",
+        "qkv_bias": true,
+        "num_labels": classes,
+        "id2label": (0..classes).map(|i| (i.to_string(), json!(format!("LABEL_{i}")))).collect::<serde_json::Map<_, _>>(),
+        "label2id": (0..classes).map(|i| (format!("LABEL_{i}"), json!(i))).collect::<serde_json::Map<_, _>>(),
+        // pipewright trains without dropout.
+        "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+        "torch_dtype": "float32",
+    }))
 }
 
 /// Where a family's Hugging Face names put each layer block's parameters: the prefixes of the
