@@ -431,3 +431,56 @@ fn sigusr1_checkpoints_every_rank_at_one_step_and_resume_continues_exactly() {
     assert!(worst <= 1e-6, "resumed after the stop differs by {worst}");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// A LLaMA with tied embeddings over 4 ranks (2 stages x 2 replicas, ZB-H1): the tied matrix's
+/// two copies sit on different ranks and sum their gradients through their own group; the
+/// result is the same run as the same plan's worker threads in one process.
+#[test]
+fn tied_llama_over_four_ranks_equals_the_same_plan_in_threads() {
+    let _one = one_at_a_time();
+    let d = dir("tied");
+    let cfg = d.join("config.json");
+    std::fs::write(
+        &cfg,
+        r#"{"model_type": "llama", "vocab_size": 256, "hidden_size": 16, "intermediate_size": 24,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 32, "tie_word_embeddings": true}"#,
+    )
+    .unwrap();
+    let ck = d.join("ck");
+    let o = mpirun(4)
+        .args(["train", "--transport", "mpi", "--model-config"])
+        .arg(&cfg)
+        .args([
+            "--seq-len",
+            "16",
+            "--schedule",
+            "zbh1",
+            "--stages",
+            "2",
+            "--replicas",
+            "2",
+        ])
+        .args(SHORT)
+        .arg("--checkpoint-dir")
+        .arg(&ck)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "tied llama over MPI: {}", text(&o));
+    let (cfg, plan, got) = checkpoint_params(&ck);
+    let mut threads = Trainer::new(cfg, plan).unwrap();
+    let corpus = Corpus::builtin();
+    for _ in 0..3 {
+        threads.train_step(&corpus).unwrap();
+    }
+    let want = threads.flat_params().unwrap();
+    let worst = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(
+        got.len() == want.len() && worst <= 1e-5,
+        "max |diff| {worst}"
+    );
+}
