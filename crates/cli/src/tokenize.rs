@@ -60,11 +60,13 @@ pub fn cmd_tokenize(a: TokenizeArgs) -> Result<()> {
     }
     let tok = Tokenizer::load(&a.tokenizer).map_err(BadInput)?;
     let files = text_files(&a.data)?;
-    crate::files::output_dir(&a.out)?;
-    if std::fs::read_dir(&a.out)?
-        .flatten()
-        .any(|e| e.path().extension().is_some_and(|x| x == "bin"))
-    {
+    if a.out.exists() && !a.out.is_dir() {
+        crate::files::output_dir(&a.out)?; // names the path that is in the way
+    }
+    if std::fs::read_dir(&a.out).is_ok_and(|d| {
+        d.flatten()
+            .any(|e| e.path().extension().is_some_and(|x| x == "bin"))
+    }) {
         return Err(BadInput(format!(
             "--out {}: already holds .bin shards; remove them or choose another directory",
             a.out.display()
@@ -74,6 +76,11 @@ pub fn cmd_tokenize(a: TokenizeArgs) -> Result<()> {
     let bar = crate::train::progress_bar(files.len() as u64, "files tokenized");
     let ids = tok.encode_files(&files, &|| bar.inc(1)).map_err(BadInput)?;
     bar.finish_and_clear();
+    // Only end-of-text markers (one per file) means there was no text.
+    if ids.len() <= files.len() * usize::from(tok.eot().is_some()) {
+        return Err(BadInput(format!("--data {}: no text to tokenize", a.data.display())).into());
+    }
+    crate::files::output_dir(&a.out)?;
     let val = (ids.len() as f64 * a.val_fraction) as usize;
     let (train, held) = ids.split_at(ids.len() - val);
     let mut written = Vec::new();

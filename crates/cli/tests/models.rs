@@ -414,6 +414,21 @@ fn tokenize_then_train_on_shards_then_generate() {
     assert!(shards.join("val_000000.bin").is_file() && shards.join("train_000000.bin").is_file());
     let o = pw(&["tokenize", "--data", docs, "--out", shards_s]);
     assert_eq!(o.status.code(), Some(2), "tokenizing over shards");
+    let empty = dir.join("empty.txt");
+    std::fs::write(&empty, "").unwrap();
+    let nowhere = dir.join("nowhere");
+    let o = pw(&[
+        "tokenize",
+        "--data",
+        empty.to_str().unwrap(),
+        "--out",
+        nowhere.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(2), "an empty data set");
+    assert!(
+        !nowhere.exists(),
+        "nothing is written for an empty data set"
+    );
     let cfg = dir.join("config.json");
     std::fs::write(
         &cfg,
