@@ -43,25 +43,37 @@ pub struct HeldStage {
 pub struct StepInput<'a> {
     /// Micro-batch `m` of the job is `batches[m]`.
     pub batches: &'a [MicroBatch],
-    /// Each micro-batch's loss is scaled by this (1 / all micro-batches).
-    pub scale: f32,
+    /// What each micro-batch's mean loss is scaled by (see [`StepInput::new`]).
+    pub scales: Vec<f32>,
     /// AutoCache for the frozen prefix's outputs, if on.
     pub cache: Option<&'a PrefixCache>,
     /// Keep each micro-batch's logits (`forward`'s output); training does not.
     pub keep_logits: bool,
 }
 
-impl StepInput<'_> {
-    /// What micro-batch `m`'s mean loss is scaled by so that the step's loss is the mean over
-    /// every target of the batch: `scale` when every position has a target, else its share of
-    /// the batch's targets (Hugging Face's mean over labelled tokens).
-    pub fn loss_scale(&self, m: usize) -> f32 {
+impl<'a> StepInput<'a> {
+    /// The input of a step on `batches`. Each micro-batch's mean loss is scaled so that the
+    /// step's loss is the mean over every target of the batch: by 1 / micro-batches when every
+    /// position has a target, else by its share of the batch's targets (Hugging Face's mean
+    /// over labelled tokens). Counted once here, not at every forward.
+    pub fn new(
+        batches: &'a [MicroBatch],
+        cache: Option<&'a PrefixCache>,
+        keep_logits: bool,
+    ) -> Self {
         let labelled = |b: &MicroBatch| b.targets.iter().filter(|&&t| t >= 0).count();
-        if self.batches.iter().all(|b| labelled(b) == b.targets.len()) {
-            return self.scale;
+        let scales = if batches.iter().all(|b| labelled(b) == b.targets.len()) {
+            vec![1.0 / batches.len().max(1) as f32; batches.len()]
+        } else {
+            let total = batches.iter().map(labelled).sum::<usize>().max(1) as f32;
+            batches.iter().map(|b| labelled(b) as f32 / total).collect()
+        };
+        StepInput {
+            batches,
+            scales,
+            cache,
+            keep_logits,
         }
-        let total: usize = self.batches.iter().map(labelled).sum();
-        labelled(&self.batches[m]) as f32 / total.max(1) as f32
     }
 }
 
@@ -81,7 +93,7 @@ pub struct WorkerOutput {
     pub grads: Vec<Vec<Vec<f32>>>,
     /// Sum of the (unscaled) mean losses of the micro-batches whose route ends here.
     pub loss_sum: f64,
-    /// The same, each scaled by its [`StepInput::loss_scale`].
+    /// The same, each scaled by its [`StepInput::scales`].
     pub scaled_loss: f64,
     pub actions: Vec<TimedAction>,
     /// (micro-batch, logits) where routes end here, with `keep_logits`.
@@ -295,7 +307,7 @@ impl<'a> Iteration<'a> {
                 if !v.is_finite() {
                     return Err(ExecError::NonFinite(v));
                 }
-                let scale = self.input.loss_scale(a.mb);
+                let scale = self.input.scales[a.mb];
                 self.loss_sum += v;
                 self.scaled_loss += v * scale as f64;
                 Out::Loss(l * scale)

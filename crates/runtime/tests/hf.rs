@@ -10,6 +10,14 @@ use pipewright_runtime::train::{hf_layers, hf_params, TrainConfig, Trainer};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+/// 1 stage; 2 and 4 stages of 1F1B; ZB-H1's split backward: (schedule, stages, micro-batches).
+const PIPELINES: [(&str, usize, usize); 4] = [
+    ("1f1b", 1, 1),
+    ("1f1b", 2, 2),
+    ("1f1b", 4, 1),
+    ("zbh1", 2, 2),
+];
+
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures/hf")
@@ -133,12 +141,7 @@ fn llama_tied_with_llama3_rope_matches_transformers() {
 
 #[test]
 fn gpt2_matches_transformers_on_every_pipeline() {
-    for (schedule, p, m) in [
-        ("1f1b", 1, 1),
-        ("1f1b", 2, 2),
-        ("1f1b", 4, 1),
-        ("zbh1", 2, 2),
-    ] {
+    for (schedule, p, m) in PIPELINES {
         check("gpt2", schedule, p, m);
     }
 }
@@ -230,12 +233,7 @@ fn check_bert(name: &str, schedule: &str, stages: usize, m: usize) {
 #[test]
 fn bert_classification_and_qa_match_transformers_on_every_pipeline() {
     for name in ["bert-classify", "bert-qa"] {
-        for (schedule, p, m) in [
-            ("1f1b", 1, 1),
-            ("1f1b", 2, 2),
-            ("1f1b", 4, 1),
-            ("zbh1", 2, 2),
-        ] {
+        for (schedule, p, m) in PIPELINES {
             check_bert(name, schedule, p, m);
         }
     }
@@ -255,12 +253,7 @@ fn vit_matches_transformers_on_every_pipeline() {
     let pixels: Vec<f32> = pixels.iter().map(|&x| x as f32).collect();
     let image = [shape[1], shape[2], shape[3]];
     let batch = MicroBatch::images(pixels, image, labels, model.seq_len);
-    for (schedule, p, m) in [
-        ("1f1b", 1, 1),
-        ("1f1b", 2, 2),
-        ("1f1b", 4, 1),
-        ("zbh1", 2, 2),
-    ] {
+    for (schedule, p, m) in PIPELINES {
         let what = format!("vit {schedule} P={p} M={m}");
         let cfg = TrainConfig {
             model: model.clone(),

@@ -5,9 +5,9 @@
 //! does, so only the head (an `nn.Linear`) is stored transposed there.
 
 use super::{linear, Deferred, ModelConfig};
-use crate::kernels::{causal_attention, layer_norm, LN_EPS};
+use crate::kernels::{causal_attention, layer_norm};
 use burn::module::Module;
-use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor};
 
 #[derive(Module, Debug)]
@@ -91,11 +91,7 @@ pub(super) fn build(cfg: &ModelConfig, device: &Device) -> Vec<super::LayerBlock
     use super::LayerBlock as L;
     let d = cfg.d_model;
     let lin = |i: usize, o: usize| LinearConfig::new(i, o).init(device);
-    let ln = || {
-        LayerNormConfig::new(d)
-            .with_epsilon(LN_EPS as f64)
-            .init(device)
-    };
+    let ln = || super::layer_norm_of(d, device);
     let embed = L::Gpt2Embed(Gpt2Embed {
         wte: EmbeddingConfig::new(cfg.vocab, d).init(device),
         wpe: EmbeddingConfig::new(cfg.max_positions(), d).init(device),

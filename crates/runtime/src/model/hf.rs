@@ -123,22 +123,10 @@ fn llama_config(v: &Value) -> Result<ModelConfig, String> {
 /// BERT's task head from `architectures`: sequence classification (`num_labels`, or the size
 /// of `id2label`) or extractive question answering.
 fn bert_head(v: &Value) -> Result<TaskHead, String> {
-    let arch = v
-        .get("architectures")
-        .and_then(|a| a.get(0))
-        .and_then(Value::as_str)
-        .unwrap_or("");
-    match arch {
-        "BertForSequenceClassification" => {
-            let classes = match usize_field(v, "num_labels")? {
-                Some(n) => n,
-                None => v
-                    .get("id2label")
-                    .and_then(Value::as_object)
-                    .map_or(2, |m| m.len()),
-            };
-            Ok(TaskHead::Classify { classes })
-        }
+    match architecture(v).unwrap_or("") {
+        "BertForSequenceClassification" => Ok(TaskHead::Classify {
+            classes: num_labels(v)?,
+        }),
         "BertForQuestionAnswering" => Ok(TaskHead::Span),
         other => Err(format!(
             "architectures [\"{other}\"] is not supported for bert (supported: BertForSequenceClassification, BertForQuestionAnswering)"
@@ -149,24 +137,14 @@ fn bert_head(v: &Value) -> Result<TaskHead, String> {
 fn vit_config(v: &Value) -> Result<ModelConfig, String> {
     refuse_unless(v, "hidden_act", |x| x == "gelu")?;
     refuse_unless(v, "qkv_bias", |x| x == true)?;
-    refuse_unless(v, "encoder_stride", |_| true)?;
-    let arch = v
-        .get("architectures")
-        .and_then(|a| a.get(0))
-        .and_then(Value::as_str);
+    let arch = architecture(v);
     if arch.is_some_and(|a| a != "ViTForImageClassification") {
         return Err(format!(
             "architectures [{:?}] is not supported for vit (supported: ViTForImageClassification)",
             arch.unwrap_or("")
         ));
     }
-    let classes = match usize_field(v, "num_labels")? {
-        Some(n) => n,
-        None => v
-            .get("id2label")
-            .and_then(Value::as_object)
-            .map_or(2, |m| m.len()),
-    };
+    let classes = num_labels(v)?;
     let (image, patch) = (need(v, "image_size")?, need(v, "patch_size")?);
     if patch == 0 || image % patch != 0 {
         return Err(format!(
@@ -187,6 +165,25 @@ fn vit_config(v: &Value) -> Result<ModelConfig, String> {
         patch: Some(patch),
         channels: Some(usize_field(v, "num_channels")?.unwrap_or(3)),
         ..ModelConfig::default()
+    })
+}
+
+/// The first of `architectures`, which names the head.
+fn architecture(v: &Value) -> Option<&str> {
+    v.get("architectures")
+        .and_then(|a| a.get(0))
+        .and_then(Value::as_str)
+}
+
+/// Classes of a classification head: `num_labels`, or the size of `id2label`, else 2 (as
+/// transformers defaults).
+fn num_labels(v: &Value) -> Result<usize, String> {
+    Ok(match usize_field(v, "num_labels")? {
+        Some(n) => n,
+        None => v
+            .get("id2label")
+            .and_then(Value::as_object)
+            .map_or(2, |m| m.len()),
     })
 }
 

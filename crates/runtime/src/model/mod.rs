@@ -239,14 +239,17 @@ fn tie(blocks: &mut [LayerBlock]) {
     });
 }
 
+/// A LayerNorm of width `d` with the kernels' epsilon ([`LN_EPS`]).
+pub(crate) fn layer_norm_of(d: usize, device: &Device) -> LayerNorm {
+    LayerNormConfig::new(d)
+        .with_epsilon(LN_EPS as f64)
+        .init(device)
+}
+
 fn gpt_blocks(cfg: &ModelConfig, device: &Device) -> Vec<LayerBlock> {
     let d = cfg.d_model;
     let lin = |i: usize, o: usize| LinearConfig::new(i, o).init(device);
-    let ln = || {
-        LayerNormConfig::new(d)
-            .with_epsilon(LN_EPS as f64)
-            .init(device)
-    };
+    let ln = || layer_norm_of(d, device);
     let embed = Embed {
         tok: EmbeddingConfig::new(cfg.vocab, d).init(device),
         pos: EmbeddingConfig::new(cfg.seq_len, d).init(device),

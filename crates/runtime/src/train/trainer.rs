@@ -365,12 +365,7 @@ impl Trainer {
         let clock = Instant::now();
         let (plan, routes, topo) = (&self.plan, &self.routes, &self.topo);
         let transport = self.transport.as_ref();
-        let input = StepInput {
-            batches: &batches,
-            scale: 1.0 / n as f32,
-            cache: self.cache.as_deref(),
-            keep_logits: false,
-        };
+        let input = StepInput::new(&batches, self.cache.as_deref(), false);
         let tied = self.tied.as_ref();
         let last = self.cfg.model.num_blocks() - 1;
         let results = on_workers(&mut self.workers, transport, |worker| {
@@ -516,12 +511,7 @@ impl Trainer {
         }
         let (plan, routes, topo) = (&self.plan, &self.routes, &self.topo);
         let transport = self.transport.as_ref();
-        let input = StepInput {
-            batches,
-            scale: 1.0 / n as f32,
-            cache: None,
-            keep_logits: true,
-        };
+        let input = StepInput::new(batches, None, true);
         let clock = Instant::now();
         let results = on_workers(&mut self.workers, transport, |worker| {
             let mut out = worker.run(plan, routes, transport, &input, clock)?;
