@@ -85,7 +85,7 @@ pub fn cmd_eval(a: EvalArgs) -> Result<()> {
     };
     let st = Stages::of(&per, cfg.model.num_blocks());
     st.check_omit(&a.omit)?;
-    let corpus = crate::train::corpus(&a.data, &cfg)?;
+    let corpus = crate::data::corpus(&crate::data::DataArgs::text(a.data.clone()), &mut cfg)?;
     corpus
         .check(cfg.model.seq_len)
         .and_then(|()| cfg.model.check_text(&corpus.name, corpus.ids))

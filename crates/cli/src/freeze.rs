@@ -24,6 +24,10 @@ pub struct FreezeArgs {
     /// Relative change of a layer's gradient norm below which it has settled (adaptive).
     #[arg(long, default_value_t = 0.1)]
     freeze_threshold: f64,
+    /// Or below this percentile of the changes of all layers still training (adaptive; 0:
+    /// the threshold only). 50, the median, is the released code's rule.
+    #[arg(long, default_value_t = 50.0)]
+    freeze_percentile: f64,
     /// Decisions over which a layer must stay settled (adaptive).
     #[arg(long, default_value_t = 2)]
     freeze_window: usize,
@@ -100,6 +104,7 @@ impl FreezeArgs {
             mode: self.freeze,
             alpha: self.freeze_alpha,
             threshold: self.freeze_threshold,
+            percentile: self.freeze_percentile,
             window: self.freeze_window,
             max_fraction: self.max_frozen,
         };

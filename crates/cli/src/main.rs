@@ -1,5 +1,6 @@
 //! `pipewright`: plan, simulate and run pipeline-parallel training.
 
+mod data;
 mod elastic;
 mod error;
 mod eval;

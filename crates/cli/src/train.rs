@@ -9,7 +9,7 @@ use pipewright_core::job::{build, JobSpec, Routes, SkipRoutes};
 use pipewright_core::plan::ir::Plan;
 use pipewright_core::schedule::ScheduleKind;
 use pipewright_core::sim::devices_for_plan;
-use pipewright_runtime::data::{Corpus, Sampling};
+use pipewright_runtime::data::Sampling;
 use pipewright_runtime::model::ModelConfig;
 use pipewright_runtime::train::run::SimComparison;
 use pipewright_runtime::train::{
@@ -68,9 +68,8 @@ pub struct TrainArgs {
     lr: Option<f64>,
     #[arg(long)]
     seed: Option<u64>,
-    /// UTF-8 text file to learn (default: the built-in synthetic corpus).
-    #[arg(long)]
-    data: Option<PathBuf>,
+    #[command(flatten)]
+    data: crate::data::DataArgs,
     /// Write metrics as JSON lines.
     #[arg(long)]
     metrics: Option<PathBuf>,
@@ -367,21 +366,6 @@ fn config(a: &TrainArgs) -> Result<TrainConfig> {
     Ok(cfg)
 }
 
-/// The training data as the run's tokenizer reads it (checked against the model's
-/// vocabulary).
-pub(crate) fn corpus(data: &Option<PathBuf>, cfg: &TrainConfig) -> Result<Corpus> {
-    let what = data
-        .as_ref()
-        .map_or("the built-in corpus".into(), |d| d.display().to_string());
-    cfg.model.check_text(&what, 0).map_err(BadInput)?; // a task head learns no text
-    let tok = crate::model::tokenizer(cfg)?;
-    tok.check_fits(cfg.model.vocab).map_err(BadInput)?;
-    Ok(match data {
-        Some(f) => Corpus::open(f, &tok).map_err(BadInput)?,
-        None => Corpus::builtin_with(&tok).map_err(BadInput)?,
-    })
-}
-
 /// A progress bar of `len` steps on a terminal (hidden otherwise: logs stay clean).
 pub(crate) fn progress_bar(len: u64, what: &str) -> indicatif::ProgressBar {
     use std::io::IsTerminal;
@@ -462,10 +446,10 @@ fn train(a: TrainArgs) -> Result<()> {
     }
     let procs = start_transport(&a)?;
     crate::ranks::stop_on_signals(procs.is_some());
-    let cfg = config(&a)?;
+    let mut cfg = config(&a)?;
+    let corpus = crate::data::corpus(&a.data, &mut cfg)?;
     check_flags(&a, &cfg, procs.is_some())?;
     let plan = agree(&procs, train_plan(&a, &cfg)?)?;
-    let corpus = corpus(&a.data, &cfg)?;
     let links = links(&a, &plan)?;
     let run_cfg = run_config(&a, &cfg, links.as_ref())?;
     let trainer = trainer(&procs, cfg, plan, links, &run_cfg, a.peer_timeout)?;
@@ -733,8 +717,11 @@ impl RunSink for Progress {
 
     fn step(&mut self, row: &StepRow) -> pipewright_runtime::error::Result<()> {
         self.emit(row.to_json())?;
+        let acc = row
+            .last_accuracy
+            .map_or(String::new(), |a| format!(" acc {a:.3}"));
         self.bar.set_message(format!(
-            "loss {:.3} val {:.3} {:.0} tok/s",
+            "loss {:.3} val {:.3}{acc} {:.0} tok/s",
             row.report.loss,
             row.last_val,
             row.tokens_per_s()
@@ -769,14 +756,20 @@ fn report(a: &TrainArgs, run: &mut TrainingRun, s: &RunSummary) -> Result<()> {
             c.disk_bytes as f64 / 1e6
         );
     }
-    println!(
-        "val loss {:.4} -> {:.4} (perplexity {:.2}; unigram baseline {:.4}) after {} steps",
-        s.first_val,
-        s.last_val,
-        s.last_val.exp(),
-        run.baseline(),
-        s.step
-    );
+    let (base, base_name) = run.baseline();
+    match (s.first_accuracy, s.last_accuracy) {
+        (Some(a0), Some(a1)) => println!(
+            "val loss {:.4} -> {:.4}, accuracy {:.3} -> {:.3} ({base_name} {base:.4}) after {} steps",
+            s.first_val, s.last_val, a0, a1, s.step
+        ),
+        _ => println!(
+            "val loss {:.4} -> {:.4} (perplexity {:.2}; {base_name} {base:.4}) after {} steps",
+            s.first_val,
+            s.last_val,
+            s.last_val.exp(),
+            s.step
+        ),
+    }
     if a.compare_sim {
         if s.steps_run < 3 {
             return Err(BadInput(format!(

@@ -1,19 +1,92 @@
-//! Byte-level language-modelling data: any UTF-8 text file, or a built-in deterministic
-//! synthetic corpus with learnable structure (so `pipewright train` works on a fresh machine).
+//! Training data: text (bytes, token ids or shards) for language modelling, or labelled
+//! examples for a task head; and a built-in deterministic synthetic corpus with learnable
+//! structure (so `pipewright train` works on a fresh machine).
 
+use crate::labelled::Examples;
 use crate::tokens::Tokens;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
-/// A corpus split into training and held-out bytes.
+/// A corpus split into training and held-out parts.
 #[derive(Debug, Clone)]
 pub struct Corpus {
-    pub train: Tokens,
-    pub val: Tokens,
+    pub train: Part,
+    pub val: Part,
     pub name: String,
     /// Ids its tokens may take: 256 for bytes, a tokenizer's vocabulary, or (shards) one more
     /// than the largest id they hold. A model's vocabulary must cover it.
     pub ids: usize,
+}
+
+/// One part of a corpus: text to model, or labelled examples.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Part {
+    Text(Tokens),
+    Examples(Examples),
+}
+
+impl Part {
+    /// Tokens of a text, examples of a task.
+    pub fn len(&self) -> usize {
+        match self {
+            Part::Text(t) => t.len(),
+            Part::Examples(e) => e.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The text (a task's examples have none).
+    pub fn text(&self) -> Option<&Tokens> {
+        match self {
+            Part::Text(t) => Some(t),
+            Part::Examples(_) => None,
+        }
+    }
+
+    /// Fixed samples: non-overlapping windows of `seq_len` (and their next token) of a text,
+    /// or the examples.
+    pub fn samples(&self, seq_len: usize) -> usize {
+        match self {
+            Part::Text(t) => samples_in(t.len(), seq_len),
+            Part::Examples(e) => e.len(),
+        }
+    }
+
+    fn id_bound(&self) -> usize {
+        match self {
+            Part::Text(t) => t.id_bound(),
+            Part::Examples(e) => e.id_bound(),
+        }
+    }
+
+    /// A micro-batch of the fixed samples `samples` (numbered as [`Part::samples`] counts).
+    pub fn batch(&self, seq_len: usize, samples: Vec<u64>) -> MicroBatch {
+        match self {
+            Part::Text(t) => {
+                let offsets: Vec<usize> = samples.iter().map(|&s| s as usize * seq_len).collect();
+                MicroBatch::at(t, seq_len, &offsets, samples)
+            }
+            Part::Examples(e) => {
+                let mut mb = MicroBatch {
+                    rows: samples.len(),
+                    seq_len: e.seq_len,
+                    target_len: 1,
+                    ..MicroBatch::default()
+                };
+                for &s in &samples {
+                    let (tokens, mask, label) = e.row(s as usize);
+                    mb.tokens.extend_from_slice(tokens);
+                    mb.mask.extend_from_slice(mask);
+                    mb.targets.push(label);
+                }
+                mb.samples = samples;
+                mb
+            }
+        }
+    }
 }
 
 /// SplitMix64: a tiny deterministic generator for data order (not for anything secret).
@@ -96,6 +169,26 @@ impl Corpus {
         ))
     }
 
+    /// The data at `path` to train on, and at `val` to validate with (each as
+    /// [`Corpus::open`] reads it; `val`'s shards are held out whatever their names).
+    pub fn open_with_val(
+        path: &Path,
+        val: &Path,
+        tok: &crate::tokenizer::Tokenizer,
+    ) -> Result<Self, String> {
+        let train = Self::open_split(path, tok, 0.0)?;
+        let held = Self::open_split(val, tok, 1.0)?;
+        Ok(Corpus {
+            name: format!("{} (validation: {})", train.name, held.name),
+            ids: train.ids.max(held.ids),
+            train: train.train,
+            val: match held.val.is_empty() {
+                true => held.train,
+                false => held.val,
+            },
+        })
+    }
+
     /// The built-in corpus as `tok` reads it.
     pub fn builtin_with(tok: &crate::tokenizer::Tokenizer) -> Result<Self, String> {
         if matches!(tok, crate::tokenizer::Tokenizer::Bytes) {
@@ -117,10 +210,15 @@ impl Corpus {
 
     /// A corpus of `tokens` (ids below `ids`) named `name`, the last 10% held out.
     pub fn from_tokens(name: &str, tokens: Tokens, ids: usize) -> Self {
-        let cut = tokens.len() - tokens.len() / 10;
+        Self::split_tokens(name, tokens, ids, 0.1)
+    }
+
+    /// The same with the last `val_fraction` (0..=1) held out.
+    fn split_tokens(name: &str, tokens: Tokens, ids: usize, val_fraction: f64) -> Self {
+        let cut = tokens.len() - (tokens.len() as f64 * val_fraction) as usize;
         Corpus {
-            train: tokens.slice(0..cut),
-            val: tokens.slice(cut..tokens.len()),
+            train: Part::Text(tokens.slice(0..cut)),
+            val: Part::Text(tokens.slice(cut..tokens.len())),
             name: name.into(),
             ids,
         }
@@ -130,6 +228,16 @@ impl Corpus {
     /// in name order), token shards (`*.bin`: llm.c's or nanoGPT's; those named `*val*` are
     /// the held-out part), or one shard.
     pub fn open(path: &Path, tok: &crate::tokenizer::Tokenizer) -> Result<Self, String> {
+        Self::open_split(path, tok, 0.1)
+    }
+
+    /// [`Corpus::open`] with the last `val_fraction` held out (where no shards are named for
+    /// validation).
+    pub fn open_split(
+        path: &Path,
+        tok: &crate::tokenizer::Tokenizer,
+        val_fraction: f64,
+    ) -> Result<Self, String> {
         let name = path.display().to_string();
         let listed = |ext: &str| -> Result<Vec<std::path::PathBuf>, String> {
             let mut v: Vec<_> = std::fs::read_dir(path)
@@ -148,13 +256,19 @@ impl Corpus {
             (vec![path.to_path_buf()], Vec::new())
         };
         if !shards.is_empty() {
-            return Self::from_shards(&name, &shards);
+            return Self::from_shards(&name, &shards, val_fraction);
         }
         if texts.is_empty() {
             return Err(format!("{name}: no .txt or .bin files"));
         }
         if !path.is_dir() && matches!(tok, crate::tokenizer::Tokenizer::Bytes) {
-            return Self::load(path);
+            let bytes = read_text(path)?.into_bytes();
+            return Ok(Self::split_tokens(
+                &name,
+                Tokens::bytes(bytes),
+                256,
+                val_fraction,
+            ));
         }
         if let Some(f) = texts.iter().find(|f| !f.is_file()) {
             return Err(format!(
@@ -163,11 +277,21 @@ impl Corpus {
             ));
         }
         let ids = tok.encode_files(&texts, &|| {})?;
-        Ok(Self::from_tokens(&name, Tokens::ids(ids), tok.vocab_size()))
+        let ids = Tokens::ids(ids);
+        Ok(Self::split_tokens(
+            &name,
+            ids,
+            tok.vocab_size(),
+            val_fraction,
+        ))
     }
 
-    /// Shards, those named `*val*` held out (else the last 10%).
-    fn from_shards(name: &str, shards: &[std::path::PathBuf]) -> Result<Self, String> {
+    /// Shards, those named `*val*` held out (else the last `val_fraction`).
+    fn from_shards(
+        name: &str,
+        shards: &[std::path::PathBuf],
+        val_fraction: f64,
+    ) -> Result<Self, String> {
         let is_val = |p: &std::path::PathBuf| {
             p.file_name()
                 .is_some_and(|n| n.to_string_lossy().contains("val"))
@@ -175,10 +299,10 @@ impl Corpus {
         let (val, train): (Vec<_>, Vec<_>) = shards.iter().cloned().partition(is_val);
         let train_tokens = Tokens::shards(&train)?;
         let mut corpus = match val.is_empty() {
-            true => Self::from_tokens(name, train_tokens, 0),
+            true => Self::split_tokens(name, train_tokens, 0, val_fraction),
             false => Corpus {
-                train: train_tokens,
-                val: Tokens::shards(&val)?,
+                train: Part::Text(train_tokens),
+                val: Part::Text(Tokens::shards(&val)?),
                 name: name.into(),
                 ids: 0,
             },
@@ -187,8 +311,78 @@ impl Corpus {
         Ok(corpus)
     }
 
+    /// A task's corpus: labelled examples for training and for validation, of a tokenizer
+    /// with `ids` ids.
+    pub fn examples(name: &str, train: Examples, val: Examples, ids: usize) -> Self {
+        Corpus {
+            train: Part::Examples(train),
+            val: Part::Examples(val),
+            name: name.into(),
+            ids,
+        }
+    }
+
+    /// A task's corpus from one set of examples: `val_fraction` of them, drawn by `seed`,
+    /// held out (files are often sorted by label, so the tail would not do).
+    pub fn examples_split(
+        name: &str,
+        all: &Examples,
+        ids: usize,
+        val_fraction: f64,
+        seed: u64,
+    ) -> Self {
+        let mut order: Vec<usize> = (0..all.len()).collect();
+        let mut r = Rng::new(seed ^ 0x5A11_DA7A);
+        for i in (1..order.len()).rev() {
+            order.swap(i, r.below(i + 1));
+        }
+        let held = (all.len() as f64 * val_fraction).round() as usize;
+        let pick = |idx: &[usize]| {
+            let mut e = Examples {
+                seq_len: all.seq_len,
+                ..Examples::default()
+            };
+            for &i in idx {
+                let (t, m, l) = all.row(i);
+                e.tokens.extend_from_slice(t);
+                e.mask.extend_from_slice(m);
+                e.labels.push(l);
+            }
+            e
+        };
+        let (val, train) = order.split_at(held);
+        Self::examples(name, pick(train), pick(val), ids)
+    }
+
+    /// Classes the labels take (the largest + 1); 0 for text.
+    pub fn classes(&self) -> usize {
+        let most = |p: &Part| match p {
+            Part::Examples(e) => e.labels.iter().max().map_or(0, |&m| m as usize + 1),
+            Part::Text(_) => 0,
+        };
+        most(&self.train).max(most(&self.val))
+    }
+
+    /// Labelled examples (a task) rather than text?
+    pub fn is_task(&self) -> bool {
+        matches!(self.train, Part::Examples(_))
+    }
+
     /// Check the corpus is long enough for sequences of `seq_len`.
     pub fn check(&self, seq_len: usize) -> Result<(), String> {
+        if let (Part::Examples(t), Part::Examples(v)) = (&self.train, &self.val) {
+            return match (t.seq_len == seq_len, t.is_empty() || v.is_empty()) {
+                (false, _) => Err(format!(
+                    "{}: examples of {} tokens for a model of seq_len {seq_len}",
+                    self.name, t.seq_len
+                )),
+                (_, true) => Err(format!(
+                    "{}: needs examples both to train on and to validate with",
+                    self.name
+                )),
+                _ => Ok(()),
+            };
+        }
         if self.val.len() <= seq_len + 1 || self.train.len() <= seq_len + 1 {
             return Err(format!(
                 "{}: {} tokens is too short for sequences of {seq_len} (need more than {} in each of the train and held-out parts)",
@@ -200,21 +394,30 @@ impl Corpus {
         Ok(())
     }
 
-    /// Cross-entropy (nats) of predicting held-out bytes from training-set byte frequencies:
-    /// the bar a model must clear to have learnt anything beyond frequencies.
+    /// Cross-entropy (nats) of predicting held-out tokens (or a task's labels) from their
+    /// training-set frequencies: the bar a model must clear to have learnt anything beyond
+    /// frequencies.
     pub fn unigram_baseline(&self) -> f64 {
-        let ids = 256.max(self.train.id_bound()).max(self.val.id_bound());
-        let mut counts = vec![1.0f64; ids]; // add-one smoothing
-        for b in self.train.iter() {
-            counts[b as usize] += 1.0;
+        // Streamed: a sharded corpus may be larger than memory.
+        fn values(p: &Part) -> Box<dyn Iterator<Item = usize> + '_> {
+            match p {
+                Part::Text(t) => Box::new(t.iter().map(|x| x as usize)),
+                Part::Examples(e) => Box::new(e.labels.iter().map(|&l| l as usize)),
+            }
+        }
+        let bound = |p: &Part| match p {
+            Part::Text(t) => 256.max(t.id_bound()),
+            Part::Examples(e) => e.labels.iter().max().map_or(0, |&m| m as usize + 1),
+        };
+        let mut counts = vec![1.0f64; bound(&self.train).max(bound(&self.val))]; // add-one smoothing
+        for b in values(&self.train) {
+            counts[b] += 1.0;
         }
         let total: f64 = counts.iter().sum();
-        -self
-            .val
-            .iter()
-            .map(|b| (counts[b as usize] / total).ln())
+        -values(&self.val)
+            .map(|b| (counts[b] / total).ln())
             .sum::<f64>()
-            / self.val.len() as f64
+            / self.val.len().max(1) as f64
     }
 }
 
@@ -462,37 +665,46 @@ impl Sampler {
     /// Steps in one epoch of `text` with `microbatches` micro-batches a step; an error naming
     /// the sizes when the text holds fewer samples than one step takes.
     /// (Random windows: the steps that draw as many bytes as the text holds.)
-    pub fn steps_per_epoch(&self, text: &Tokens, microbatches: usize) -> Result<u64, String> {
-        let n = samples_in(text.len(), self.seq_len);
+    pub fn steps_per_epoch(&self, data: &Part, microbatches: usize) -> Result<u64, String> {
+        let n = data.samples(self.seq_len);
         let batch = microbatches.saturating_mul(self.rows).max(1);
-        if self.sampling == Sampling::Windows {
+        if self.windows(data) {
             return Ok((n / batch).max(1) as u64);
         }
-        match n / batch {
-            0 => Err(format!(
-                "the training text holds {n} samples of {} bytes, fewer than one step's {batch} ({microbatches} micro-batches of {} sequences); use a longer text, fewer micro-batches or rows, or window sampling",
+        match (n / batch, data) {
+            (0, Part::Text(_)) => Err(format!(
+                "the training text holds {n} samples of {} tokens, fewer than one step's {batch} ({microbatches} micro-batches of {} sequences); use a longer text, fewer micro-batches or rows, or window sampling",
                 self.seq_len + 1,
                 self.rows
             )),
-            s => Ok(s as u64),
+            (0, Part::Examples(_)) => Err(format!(
+                "{n} training examples are fewer than one step's {batch} ({microbatches} micro-batches of {}); use fewer micro-batches or rows",
+                self.rows
+            )),
+            (s, _) => Ok(s as u64),
         }
+    }
+
+    /// Random windows? Only of a text: a task's examples are always drawn in epochs.
+    fn windows(&self, data: &Part) -> bool {
+        self.sampling == Sampling::Windows && matches!(data, Part::Text(_))
     }
 
     /// The `microbatches` micro-batches of optimizer step `step` (numbered over the job).
     pub fn batches(
         &mut self,
-        text: &Tokens,
+        data: &Part,
         step: u64,
         microbatches: usize,
     ) -> Result<Vec<MicroBatch>, String> {
         let (seq_len, rows, seed) = (self.seq_len, self.rows, self.seed);
-        if self.sampling == Sampling::Windows {
+        if let (true, Part::Text(text)) = (self.windows(data), data) {
             return Ok((0..microbatches)
                 .map(|i| micro_batch(text, seq_len, rows, seed, step, i as u64))
                 .collect());
         }
-        let per_epoch = self.steps_per_epoch(text, microbatches)?;
-        let n = samples_in(text.len(), seq_len);
+        let per_epoch = self.steps_per_epoch(data, microbatches)?;
+        let n = data.samples(seq_len);
         let batch = microbatches * rows;
         let (mut epoch, mut first) = match self.pos {
             Some(p) if p.step == step => (p.epoch, p.offset),
@@ -519,9 +731,10 @@ impl Sampler {
         }
         Ok((0..microbatches)
             .map(|i| {
-                let samples = self.order[first + i * rows..first + (i + 1) * rows].to_vec();
-                let offsets: Vec<usize> = samples.iter().map(|&s| s as usize * seq_len).collect();
-                MicroBatch::at(text, seq_len, &offsets, samples)
+                data.batch(
+                    seq_len,
+                    self.order[first + i * rows..first + (i + 1) * rows].to_vec(),
+                )
             })
             .collect())
     }
@@ -537,14 +750,16 @@ mod tests {
         assert_eq!(a.train, Corpus::builtin().train);
         let base = a.unigram_baseline();
         assert!(base > 2.0 && base < 4.0, "unigram baseline {base}");
-        let m = micro_batch(&a.train, 16, 2, 1, 3, 4);
-        assert_eq!(m, micro_batch(&a.train, 16, 2, 1, 3, 4));
+        let text = a.train.text().unwrap();
+        let m = micro_batch(text, 16, 2, 1, 3, 4);
+        assert_eq!(m, micro_batch(text, 16, 2, 1, 3, 4));
         assert_eq!(m.tokens[1..16], m.targets[..15]);
     }
 
     #[test]
     fn epochs_visit_every_sample_once_whatever_the_step_shape() {
-        let text = Tokens::bytes(synthetic_text(16 * 100 + 1, 3).into_bytes());
+        let tokens = Tokens::bytes(synthetic_text(16 * 100 + 1, 3).into_bytes());
+        let text = Part::Text(tokens.clone());
         let mut s = Sampler::new(Sampling::Epochs, 16, 3, 9);
         // 100 samples, 2 micro-batches of 3 a step: 16 steps an epoch, 4 samples left over.
         assert_eq!(s.steps_per_epoch(&text, 2), Ok(16));
@@ -556,8 +771,8 @@ mod tests {
                         assert!(seen.insert(x), "sample {x} twice in epoch {epoch}");
                         let o = x as usize * 16;
                         let row = &m.tokens[r * 16..(r + 1) * 16];
-                        assert_eq!(row, &text.window(o, 16)[..]);
-                        assert_eq!(m.targets[r * 16 + 15], text.get(o + 16) as i64);
+                        assert_eq!(row, &tokens.window(o, 16)[..]);
+                        assert_eq!(m.targets[r * 16 + 15], tokens.get(o + 16) as i64);
                     }
                 }
             }

@@ -7,6 +7,7 @@ pub mod error;
 pub mod exec;
 pub mod grads;
 pub mod kernels;
+pub mod labelled;
 pub mod model;
 pub mod profile;
 pub mod tokenizer;

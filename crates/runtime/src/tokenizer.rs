@@ -110,6 +110,19 @@ impl Tokenizer {
         })
     }
 
+    /// One example's ids for a task: as [`Tokenizer::encode`], with the special tokens a
+    /// Hugging Face tokenizer adds around a sequence (BERT's [CLS] and [SEP]).
+    pub fn encode_example(&self, text: &str) -> Result<Vec<u32>, String> {
+        match self {
+            Tokenizer::Hf { tok, path } => Ok(tok
+                .encode(text, true)
+                .map_err(|e| format!("{path}: {e}"))?
+                .get_ids()
+                .to_vec()),
+            _ => self.encode(text),
+        }
+    }
+
     /// Text of `ids`; bytes that are not UTF-8 become U+FFFD.
     pub fn decode(&self, ids: &[u32]) -> Result<String, String> {
         match self {

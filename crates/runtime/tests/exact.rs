@@ -476,14 +476,14 @@ fn fresh_counts(cfg: &TrainConfig) -> Vec<usize> {
 #[test]
 fn cached_frozen_prefix_stays_exact() {
     use pipewright_runtime::cache::PrefixCache;
-    use pipewright_runtime::data::{synthetic_text, Sampling};
+    use pipewright_runtime::data::{synthetic_text, Part, Sampling};
     use std::sync::Arc;
     // 40 samples of 8 bytes; 4 micro-batches of 2 a step: 5 steps an epoch.
     let text =
         pipewright_runtime::tokens::Tokens::bytes(synthetic_text(8 * 40 + 1, 5).into_bytes());
     let corpus = Corpus {
-        train: text.clone(),
-        val: text,
+        train: Part::Text(text.clone()),
+        val: Part::Text(text),
         name: "40 samples".into(),
         ids: 256,
     };

@@ -2,8 +2,16 @@
 //! training. Only a prefix ever freezes, and it only grows.
 //!
 //! `adaptive` freezes a layer once its gradient norm has settled: the relative change between
-//! successive decisions stayed below a threshold over a window. `schedule` is the released
-//! code's fixed rule, frozen(e) = L (1 - (1 - alpha)^e) after decision e, kept for comparison.
+//! successive decisions stayed, over a window, below a bar. The bar is the larger of a fixed
+//! threshold and a percentile (the median by default) of the changes of all layers still
+//! training. The released code's adaptive rule (`auto_freeze.py`) freezes up to the first
+//! layer whose change reaches the median: settling is relative to the rest of the model, since
+//! while fine-tuning every norm keeps moving as the loss falls, the front layers least.
+//! Layer block 0, the embedding, is judged by the first transformer block's norm (the released
+//! code judges encoder layers only): its gradient touches only the rows of the batch's tokens,
+//! so its norm follows the batch's vocabulary more than convergence.
+//! `schedule` is the released code's fixed rule, frozen(e) = L (1 - (1 - alpha)^e) after
+//! decision e, kept for comparison.
 
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -27,6 +35,8 @@ pub struct FreezePolicy {
     pub alpha: f64,
     /// Relative change of a layer's gradient norm below which it counts as settled.
     pub threshold: f64,
+    /// Or below this percentile (0-100; 0: off) of the changes of the layers still training.
+    pub percentile: f64,
     /// Decisions over which a layer must have stayed settled.
     pub window: usize,
     /// At most this fraction of the freezable layers is ever frozen.
@@ -39,6 +49,7 @@ impl Default for FreezePolicy {
             mode: FreezeMode::Off,
             alpha: 0.3,
             threshold: 0.1,
+            percentile: 50.0,
             window: 2,
             max_fraction: 0.8,
         }
@@ -58,6 +69,12 @@ impl FreezePolicy {
             return Err(Error::Invalid(format!(
                 "freeze threshold {} must be >= 0 and window {} at least 1",
                 self.threshold, self.window
+            )));
+        }
+        if !(0.0..=100.0).contains(&self.percentile) {
+            return Err(Error::Invalid(format!(
+                "freeze percentile {} must be between 0 and 100",
+                self.percentile
             )));
         }
         Ok(())
@@ -83,7 +100,7 @@ impl FreezePolicy {
                 // At least one layer may go per decision, at most alpha of the active ones.
                 let step = ((self.alpha * active as f64).floor() as usize).max(1);
                 let settled = (frozen..freezable)
-                    .take_while(|&l| self.settled(l, norms))
+                    .take_while(|&l| self.settled(l, frozen, freezable, norms))
                     .count();
                 frozen + settled.min(step)
             }
@@ -91,22 +108,44 @@ impl FreezePolicy {
         want.clamp(frozen, cap.max(frozen))
     }
 
-    /// Has layer `l`'s gradient norm changed by less than the threshold (relative) between
-    /// each of the last `window` pairs of decisions?
-    fn settled(&self, l: usize, norms: &[Vec<f64>]) -> bool {
+    /// Has layer `l`'s gradient norm changed by less than the bar (relative) between each of
+    /// the last `window` pairs of decisions? The bar is the threshold, or the percentile of the
+    /// changes of the transformer blocks still training at that pair if larger. (The
+    /// embedding, layer 0, goes by layer 1.)
+    fn settled(&self, l: usize, frozen: usize, freezable: usize, norms: &[Vec<f64>]) -> bool {
         if norms.len() <= self.window {
             return false;
         }
-        norms[norms.len() - self.window - 1..].windows(2).all(|w| {
-            let (a, b) = (w[0].get(l).copied(), w[1].get(l).copied());
-            match (a, b) {
-                (Some(a), Some(b)) if a.is_finite() && b.is_finite() && a > 0.0 => {
-                    ((b - a) / a).abs() < self.threshold
-                }
-                _ => false,
+        let (l, first) = match freezable > 1 {
+            true => (l.max(1), frozen.max(1)),
+            false => (l, frozen),
+        };
+        let change = |w: &[Vec<f64>], l: usize| match (w[0].get(l), w[1].get(l)) {
+            (Some(&a), Some(&b)) if a.is_finite() && b.is_finite() && a > 0.0 => {
+                Some(((b - a) / a).abs())
             }
+            _ => None,
+        };
+        norms[norms.len() - self.window - 1..].windows(2).all(|w| {
+            let Some(c) = change(w, l) else {
+                return false;
+            };
+            let mut all: Vec<f64> = (first..freezable).filter_map(|k| change(w, k)).collect();
+            c < self.threshold.max(percentile(&mut all, self.percentile))
         })
     }
+}
+
+/// The `p`th percentile (0-100) of `v`, linearly interpolated (as numpy's default); 0 for
+/// none or `p` 0.
+fn percentile(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() || p <= 0.0 {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    let x = p / 100.0 * (v.len() - 1) as f64;
+    let (lo, hi) = (x.floor() as usize, x.ceil() as usize);
+    v[lo] + (v[hi] - v[lo]) * (x - lo as f64)
 }
 
 /// The most layer blocks `plan` lets freeze: a prefix inside stage 0 (whose input is tokens,
@@ -146,9 +185,43 @@ mod tests {
             mode: FreezeMode::Adaptive,
             alpha: 0.5,
             threshold: 0.05,
+            percentile: 50.0,
             window: 2,
             max_fraction: 0.75,
         }
+    }
+
+    #[test]
+    fn adaptive_settles_relative_to_the_layers_still_training() {
+        // Every norm falls (as while a fine-tune's loss falls): layer 1 by 10% a decision,
+        // the other blocks by 50-60%. Below the blocks' median change (60%): block 1 and the
+        // embedding before it (whose own norm jumps about) freeze; by the fixed threshold
+        // alone (percentile 0), nothing does.
+        let row = |d: i32| {
+            let f = |r: f64| (1.0 - r).powi(d);
+            vec![
+                [1.0, 3.0][d as usize % 2],
+                f(0.1),
+                f(0.6),
+                f(0.5),
+                f(0.6),
+                f(0.6),
+            ]
+        };
+        let norms: Vec<Vec<f64>> = (0..4).map(row).collect();
+        let p = adaptive();
+        assert_eq!(p.decide(2, 0, 6, &norms), 2);
+        let fixed = FreezePolicy {
+            percentile: 0.0,
+            ..p
+        };
+        assert_eq!(fixed.decide(2, 0, 6, &norms), 0);
+        // The median is over the blocks still training: with 0-1 frozen it is 60%, and layer
+        // 2 (60%) is not below it, so it keeps training (and so does layer 3 behind it).
+        assert_eq!(p.decide(3, 2, 6, &norms), 2);
+        let mut v = vec![3.0, 1.0, 2.0, 4.0];
+        assert_eq!(percentile(&mut v, 50.0), 2.5);
+        assert_eq!(percentile(&mut v, 100.0), 4.0);
     }
 
     #[test]
@@ -230,6 +303,10 @@ mod tests {
             },
             FreezePolicy {
                 threshold: f64::NAN,
+                ..FreezePolicy::default()
+            },
+            FreezePolicy {
+                percentile: 101.0,
                 ..FreezePolicy::default()
             },
         ] {

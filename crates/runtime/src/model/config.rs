@@ -145,6 +145,25 @@ impl ModelConfig {
     pub fn num_blocks(&self) -> usize {
         self.layers + 2
     }
+    /// Classes of a classification head (0 without one).
+    pub fn classes(&self) -> usize {
+        match self.head {
+            Some(TaskHead::Classify { classes }) => classes,
+            _ => 0,
+        }
+    }
+
+    /// This model with `head` in place of its own (a fine-tune for another task). A task head
+    /// is untied: only an LM head shares the embedding's matrix.
+    pub fn with_head(&self, head: Option<TaskHead>) -> ModelConfig {
+        let mut m = self.clone();
+        if head.is_some() {
+            m.tie_embeddings = false;
+        }
+        m.head = head;
+        m
+    }
+
     pub fn kv_heads(&self) -> usize {
         self.kv_heads.unwrap_or(self.heads)
     }
@@ -195,12 +214,39 @@ impl ModelConfig {
         }
     }
 
+    /// Can this model learn labelled examples of `classes` classes over `ids` token ids? It
+    /// needs a classification head with room for every class, and the vocabulary.
+    pub fn check_examples(&self, what: &str, ids: usize, classes: usize) -> Result<(), String> {
+        match self.head {
+            Some(TaskHead::Classify { classes: c }) if c >= classes => {}
+            Some(TaskHead::Classify { classes: c }) => {
+                return Err(format!(
+                    "{what}: labels of {classes} classes, but the model's head has {c}"
+                ))
+            }
+            _ => {
+                return Err(format!(
+                    "{what}: labelled examples need a classification head; this {} model {} (train with --task classify)",
+                    self.family.name(),
+                    self.head.map_or("predicts the next token".into(), |h| format!("has an {h} head"))
+                ))
+            }
+        }
+        if self.vocab < ids {
+            return Err(format!(
+                "{what}: its tokens take {ids} ids, more than the model's vocabulary of {}",
+                self.vocab
+            ));
+        }
+        Ok(())
+    }
+
     /// Can this model learn from text (next-token prediction over bytes or token ids)? Not
     /// with a task head, nor with a vocabulary smaller than the 256 byte values.
     pub fn check_text(&self, what: &str, ids: usize) -> Result<(), String> {
         if let Some(head) = self.head {
             return Err(format!(
-                "{what}: a {} model's {head} head learns from labelled examples, not from text; training it needs a labelled task (not yet supported: `forward` runs one)",
+                "{what}: a {} model's {head} head learns from labelled examples, not from text (train it with --task classify on labelled data)",
                 self.family.name()
             ));
         }
@@ -238,11 +284,29 @@ impl ModelConfig {
             Family::Bert => self.check_bert()?,
             Family::Vit => self.check_vit()?,
         }
-        if self.head.is_some() && !matches!(self.family, Family::Bert | Family::Vit) {
-            return Err(format!(
-                "a task head (classify, span) is a bert setting; {} predicts the next token",
-                self.family.name()
-            ));
+        match (self.family, self.head) {
+            (Family::Gpt, Some(_)) => {
+                return Err(
+                    "pipewright's gpt predicts the next token only; a task head needs family llama, gpt2, bert or vit"
+                        .into(),
+                )
+            }
+            (Family::Llama | Family::Gpt2, Some(TaskHead::Span)) => {
+                return Err(format!(
+                    "an answer-span head is a bert setting; {} takes a classification head",
+                    self.family.name()
+                ))
+            }
+            (_, Some(TaskHead::Classify { classes: 0 })) => {
+                return Err("a classification head needs at least 1 class".into())
+            }
+            (_, Some(_)) if self.tie_embeddings => {
+                return Err(
+                    "tie_embeddings ties the LM head to the embedding; a task head has none to tie"
+                        .into(),
+                )
+            }
+            _ => {}
         }
         let params = self.param_count();
         if params.is_none_or(|p| p > 1 << 34) {
@@ -367,9 +431,6 @@ impl ModelConfig {
                 "a bert model needs a task head: head = { classify = { classes = N } } or \"span\""
                     .into(),
             ),
-            Some(TaskHead::Classify { classes: 0 }) => {
-                Err("a classification head needs at least 1 class".into())
-            }
             _ if self.ffn() == 0 || self.type_vocab() == 0 => {
                 Err("ffn (intermediate_size) and type_vocab must be positive".into())
             }
@@ -423,22 +484,23 @@ impl ModelConfig {
             ),
             Family::Llama => {
                 let emb = self.vocab.checked_mul(d)?;
-                (emb, self.block_params()?, emb.checked_add(d)?)
+                (
+                    emb,
+                    self.block_params()?,
+                    self.out_width().checked_mul(d)?.checked_add(d)?,
+                )
             }
             Family::Gpt2 => (
                 self.vocab
                     .checked_add(self.max_positions())?
                     .checked_mul(d)?,
                 self.block_params()?,
-                self.vocab.checked_mul(d)?.checked_add(2 * d)?,
+                self.out_width().checked_mul(d)?.checked_add(2 * d)?,
             ),
             Family::Vit => {
                 let pixels = self.channels() * self.patch() * self.patch();
                 let emb = (pixels + self.patches() + 3).checked_mul(d)?;
-                let classes = match self.head {
-                    Some(TaskHead::Classify { classes }) => classes,
-                    _ => 0,
-                };
+                let classes = self.classes();
                 let head = d.checked_mul(classes)?.checked_add(classes + 2 * d)?;
                 (emb, self.block_params()?, head)
             }
@@ -460,6 +522,27 @@ impl ModelConfig {
                 )
             }
         })
+    }
+
+    /// Values the head puts out per position: the vocabulary's logits, or a class's (read at
+    /// one position per sequence), or an answer span's start and end.
+    fn out_width(&self) -> usize {
+        match self.head {
+            None => self.vocab,
+            Some(TaskHead::Classify { classes }) => classes,
+            Some(TaskHead::Span) => 2,
+        }
+    }
+
+    /// The head's multiply-adds per token: a classifier (and BERT's pooler) runs on one
+    /// position of each sequence.
+    fn head_flops(&self) -> f64 {
+        let (d, t) = (self.d_model as f64, self.seq_len.max(1) as f64);
+        match (self.head, self.family) {
+            (Some(TaskHead::Classify { classes }), Family::Bert) => d * (d + classes as f64) / t,
+            (Some(TaskHead::Classify { classes }), _) => d * (1.0 + classes as f64) / t,
+            _ => d * self.out_width() as f64,
+        }
     }
 
     /// All parameters (None on overflow).
@@ -524,7 +607,7 @@ impl ModelConfig {
         let layer = |i: usize| {
             let (flops, params, width) = match i {
                 0 => (d, emb, self.d_model),
-                i if i == self.layers + 1 => (d * self.vocab as f64, head, self.vocab),
+                i if i == self.layers + 1 => (self.head_flops(), head, self.out_width()),
                 _ => (self.block_flops() + 2.0 * t * d, block, self.d_model),
             };
             Layer {

@@ -89,7 +89,9 @@ fn forward_cached(model: &Stage, new: &[i64], start: usize, caches: &mut [KvCach
         x = Some(match (layer, x) {
             (LayerBlock::LlamaEmbed(e), _) => e.forward(ids(new)),
             (LayerBlock::LlamaBlock(b), Some(h)) => b.forward_cached(h, start, cache),
-            (LayerBlock::LlamaHead(h), Some(x)) => h.forward_with(x, &mut None),
+            (LayerBlock::LlamaHead(h), Some(x)) => {
+                h.forward_with(x, &super::Ctx::default(), &mut None)
+            }
             _ => unreachable!("a cached model is llama's embedding, blocks and head in order"),
         });
     }

@@ -41,7 +41,10 @@ pub struct Gpt2Block {
 #[derive(Module, Debug)]
 pub struct Gpt2Head {
     pub ln_f: LayerNorm,
-    pub lm_head: Linear,
+    /// The LM head, or (`GPT2ForSequenceClassification`) `score`, read at each sequence's
+    /// last token.
+    pub lm_head: Option<Linear>,
+    pub score: Option<Linear>,
 }
 
 impl Gpt2Embed {
@@ -81,8 +84,14 @@ impl Gpt2Block {
 }
 
 impl Gpt2Head {
-    pub(super) fn forward_with(&self, x: Tensor<3>, cap: &mut Option<&mut Deferred>) -> Tensor<3> {
-        linear(&self.lm_head, layer_norm(&self.ln_f, x), cap)
+    pub(super) fn forward_with(
+        &self,
+        x: Tensor<3>,
+        ctx: &super::Ctx,
+        cap: &mut Option<&mut Deferred>,
+    ) -> Tensor<3> {
+        let norm = |x| layer_norm(&self.ln_f, x);
+        super::causal_head(x, norm, &self.lm_head, &self.score, ctx, cap)
     }
 }
 
@@ -111,11 +120,11 @@ pub(super) fn build(cfg: &ModelConfig, device: &Device) -> Vec<super::LayerBlock
             },
         })
     };
+    let (lm_head, score) = super::head_linears(cfg, device);
     let head = L::Gpt2Head(Gpt2Head {
         ln_f: ln(),
-        lm_head: LinearConfig::new(d, cfg.vocab)
-            .with_bias(false)
-            .init(device),
+        lm_head,
+        score,
     });
     std::iter::once(embed)
         .chain((0..cfg.layers).map(block))

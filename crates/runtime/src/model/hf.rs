@@ -77,6 +77,32 @@ fn refuse_unless(v: &Value, key: &str, ok: impl Fn(&Value) -> bool) -> Result<()
     }
 }
 
+/// The task head a causal model's `architectures` names: none (`*ForCausalLM`, or none
+/// given) or a classifier (`*ForSequenceClassification`).
+fn causal_head(v: &Value, family: &str) -> Result<Option<TaskHead>, String> {
+    match architecture(v) {
+        Some(a) if a.ends_with("ForSequenceClassification") => Ok(Some(TaskHead::Classify {
+            classes: num_labels(v)?,
+        })),
+        Some(a) if a.ends_with("ForCausalLM") || a.ends_with("LMHeadModel") || a.ends_with("Model") => Ok(None),
+        None => Ok(None),
+        Some(other) => Err(format!(
+            "architectures [\"{other}\"] is not supported for {family} (supported: a causal LM or sequence classification)"
+        )),
+    }
+}
+
+/// transformers' label fields for a classifier of `classes`.
+fn label_fields(v: &mut Value, classes: usize) {
+    v["num_labels"] = json!(classes);
+    v["id2label"] = (0..classes)
+        .map(|i| (i.to_string(), json!(format!("LABEL_{i}"))))
+        .collect();
+    v["label2id"] = (0..classes)
+        .map(|i| (format!("LABEL_{i}"), json!(i)))
+        .collect();
+}
+
 fn llama_config(v: &Value) -> Result<ModelConfig, String> {
     refuse_unless(v, "hidden_act", |x| x == "silu")?;
     refuse_unless(v, "attention_bias", |x| x == false)?;
@@ -117,7 +143,8 @@ fn llama_config(v: &Value) -> Result<ModelConfig, String> {
             .and_then(Value::as_bool)
             .unwrap_or(false),
         ..ModelConfig::default()
-    })
+    }
+    .with_head(causal_head(v, "llama")?))
 }
 
 /// BERT's task head from `architectures`: sequence classification (`num_labels`, or the size
@@ -232,7 +259,8 @@ fn gpt2_config(v: &Value) -> Result<ModelConfig, String> {
             .and_then(Value::as_bool)
             .unwrap_or(true),
         ..ModelConfig::default()
-    })
+    }
+    .with_head(causal_head(v, "gpt2")?))
 }
 
 /// `None` for plain rotary positions; llama3 scaling; anything else refused by name.
@@ -306,11 +334,15 @@ fn llama_to_hf(cfg: &ModelConfig) -> Result<Value, String> {
     if cfg.rope_scaling.is_some() {
         v["rope_scaling"] = rope;
     }
+    if cfg.head.is_some() {
+        v["architectures"] = json!(["LlamaForSequenceClassification"]);
+        label_fields(&mut v, cfg.classes());
+    }
     Ok(v)
 }
 
 fn gpt2_to_hf(cfg: &ModelConfig) -> Result<Value, String> {
-    Ok(json!({
+    let mut v = json!({
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
         "vocab_size": cfg.vocab,
@@ -325,7 +357,12 @@ fn gpt2_to_hf(cfg: &ModelConfig) -> Result<Value, String> {
         // pipewright trains without dropout.
         "attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0,
         "torch_dtype": "float32",
-    }))
+    });
+    if cfg.head.is_some() {
+        v["architectures"] = json!(["GPT2ForSequenceClassification"]);
+        label_fields(&mut v, cfg.classes());
+    }
+    Ok(v)
 }
 
 fn bert_to_hf(cfg: &ModelConfig) -> Result<Value, String> {
@@ -348,13 +385,7 @@ fn bert_to_hf(cfg: &ModelConfig) -> Result<Value, String> {
     match cfg.head {
         Some(TaskHead::Classify { classes }) => {
             v["architectures"] = json!(["BertForSequenceClassification"]);
-            v["num_labels"] = json!(classes);
-            v["id2label"] = (0..classes)
-                .map(|i| (i.to_string(), json!(format!("LABEL_{i}"))))
-                .collect();
-            v["label2id"] = (0..classes)
-                .map(|i| (format!("LABEL_{i}"), json!(i)))
-                .collect();
+            label_fields(&mut v, classes);
         }
         _ => v["architectures"] = json!(["BertForQuestionAnswering"]),
     }
@@ -362,11 +393,7 @@ fn bert_to_hf(cfg: &ModelConfig) -> Result<Value, String> {
 }
 
 fn vit_to_hf(cfg: &ModelConfig) -> Result<Value, String> {
-    let classes = match cfg.head {
-        Some(TaskHead::Classify { classes }) => classes,
-        _ => 0,
-    };
-    Ok(json!({
+    let mut v = json!({
         "architectures": ["ViTForImageClassification"],
         "model_type": "vit",
         "hidden_size": cfg.d_model,
@@ -379,13 +406,12 @@ fn vit_to_hf(cfg: &ModelConfig) -> Result<Value, String> {
         "layer_norm_eps": cfg.norm_eps(),
         "hidden_act": "gelu",
         "qkv_bias": true,
-        "num_labels": classes,
-        "id2label": (0..classes).map(|i| (i.to_string(), json!(format!("LABEL_{i}")))).collect::<serde_json::Map<_, _>>(),
-        "label2id": (0..classes).map(|i| (format!("LABEL_{i}"), json!(i))).collect::<serde_json::Map<_, _>>(),
         // pipewright trains without dropout.
         "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
         "torch_dtype": "float32",
-    }))
+    });
+    label_fields(&mut v, cfg.classes());
+    Ok(v)
 }
 
 /// Where a family's Hugging Face names put each layer block's parameters: the prefixes of the
@@ -586,15 +612,30 @@ fn to_f32(dtype: safetensors::Dtype, data: &[u8]) -> Result<Vec<f32>, String> {
 /// Checkpoint-named tensors (as the model holds them) from Hugging Face ones: every parameter
 /// `wanted` (checkpoint name, shape) found under its HF name with the HF shape; a tied model's
 /// head takes the embedding's matrix. Missing, misshaped and left-over tensors are named.
+///
+/// With `new_head` (a fine-tune for another task than the checkpoint's) the head's last
+/// linear (`lm_head`, `score`, `classifier`, `qa_outputs`) is neither read nor wanted: it is
+/// left out of the result, for the caller to start fresh, as transformers does.
 pub fn from_hf(
     cfg: &ModelConfig,
     wanted: &[(String, Vec<usize>)],
     mut hf: HashMap<String, HfTensor>,
+    new_head: bool,
 ) -> Result<BTreeMap<String, HfTensor>, String> {
     let mut out = BTreeMap::new();
     let embedding = hf.get(embedding_name(cfg)).cloned();
+    let task_output = |k: &str| {
+        new_head
+            && ["lm_head.", "score.", "classifier.", "qa_outputs."]
+                .iter()
+                .any(|p| k.starts_with(p))
+    };
+    hf.retain(|k, _| !task_output(k));
     for (name, shape) in wanted {
         let key = hf_name(cfg, name);
+        if task_output(&key) {
+            continue;
+        }
         let tied = cfg.tie_embeddings && key == "lm_head.weight";
         let t = if tied {
             embedding.clone()

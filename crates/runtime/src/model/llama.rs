@@ -132,7 +132,10 @@ pub struct LlamaBlock {
 #[derive(Module, Debug)]
 pub struct LlamaHead {
     pub norm: RmsNorm,
-    pub lm_head: Linear,
+    /// The LM head, or (`LlamaForSequenceClassification`) `score`, read at each sequence's
+    /// last token.
+    pub lm_head: Option<Linear>,
+    pub score: Option<Linear>,
 }
 
 /// One layer's keys and values so far (generation): `[b, kv_heads, t, dh]`.
@@ -235,8 +238,14 @@ fn repeat_kv(x: Tensor<4>, n: usize) -> Tensor<4> {
 }
 
 impl LlamaHead {
-    pub(super) fn forward_with(&self, x: Tensor<3>, cap: &mut Option<&mut Deferred>) -> Tensor<3> {
-        linear(&self.lm_head, self.norm.forward(x), cap)
+    pub(super) fn forward_with(
+        &self,
+        x: Tensor<3>,
+        ctx: &super::Ctx,
+        cap: &mut Option<&mut Deferred>,
+    ) -> Tensor<3> {
+        let norm = |x| self.norm.forward(x);
+        super::causal_head(x, norm, &self.lm_head, &self.score, ctx, cap)
     }
 }
 
@@ -269,9 +278,11 @@ pub(super) fn build(cfg: &ModelConfig, device: &Device) -> Vec<super::LayerBlock
             rope: Rope::new(cfg),
         })
     };
+    let (lm_head, score) = super::head_linears(cfg, device);
     let head = L::LlamaHead(LlamaHead {
         norm: RmsNorm::new(d, eps, device),
-        lm_head: lin(d, cfg.vocab),
+        lm_head,
+        score,
     });
     std::iter::once(embed)
         .chain((0..cfg.layers).map(block))

@@ -229,14 +229,46 @@ fn tie(blocks: &mut [LayerBlock]) {
     let vals = w.into_data().try_into_vec::<f32>().expect("f32 weights");
     let t = hf::transpose(&vals, v, d);
     let head = match blocks.last_mut() {
-        Some(LayerBlock::LlamaHead(h)) => &mut h.lm_head,
-        Some(LayerBlock::Gpt2Head(h)) => &mut h.lm_head,
-        _ => return,
+        Some(LayerBlock::LlamaHead(h)) => h.lm_head.as_mut(),
+        Some(LayerBlock::Gpt2Head(h)) => h.lm_head.as_mut(),
+        _ => None,
     };
+    let Some(head) = head else { return };
     let device = head.weight.val().device();
     head.weight = head.weight.clone().map(|_| {
         Tensor::<2>::from_data(burn::tensor::TensorData::new(t, [d, v]), &device).require_grad()
     });
+}
+
+/// A causal model's head: its final norm, then the LM head at every position, or a task's
+/// `score` at each sequence's last token.
+fn causal_head(
+    x: Tensor<3>,
+    norm: impl Fn(Tensor<3>) -> Tensor<3>,
+    lm_head: &Option<Linear>,
+    score: &Option<Linear>,
+    ctx: &Ctx,
+    cap: &mut Option<&mut Deferred>,
+) -> Tensor<3> {
+    match (score, lm_head) {
+        (Some(s), _) => linear(s, norm(ctx.last_token(x)), cap),
+        (None, Some(h)) => linear(h, norm(x), cap),
+        (None, None) => unreachable!("a causal head is built with an LM head or a score"),
+    }
+}
+
+/// A causal model's last linear: the LM head (over the vocabulary, no bias), or a task's
+/// `score` (over the classes, no bias), as transformers builds them.
+fn head_linears(cfg: &ModelConfig, device: &Device) -> (Option<Linear>, Option<Linear>) {
+    let lin = |o: usize| {
+        burn::nn::LinearConfig::new(cfg.d_model, o)
+            .with_bias(false)
+            .init(device)
+    };
+    match cfg.head {
+        Some(_) => (None, Some(lin(cfg.classes()))),
+        None => (Some(lin(cfg.vocab)), None),
+    }
 }
 
 /// A LayerNorm of width `d` with the kernels' epsilon ([`LN_EPS`]).
@@ -388,6 +420,10 @@ pub struct Ctx {
     /// Added to attention scores: `[b, 1, 1, t]`, 0 where a key is a token, `f32::MIN` where
     /// it is padding (as transformers' extended attention mask).
     pub mask: Option<Tensor<4>>,
+    /// `[b, 1, t]`, 1 at each sequence's last token (the last the mask keeps): where a causal
+    /// model's classifier reads (as transformers' `*ForSequenceClassification`). None: the
+    /// last position.
+    pub last: Option<Tensor<3>>,
 }
 
 impl Ctx {
@@ -402,7 +438,30 @@ impl Ctx {
                 .collect();
             Tensor::<4>::from_data(burn::tensor::TensorData::new(add, [b, 1, 1, t]), device)
         });
-        Ctx { token_types, mask }
+        let last = mask.is_some().then(|| {
+            let mut one_hot = vec![0f32; b * t];
+            for (r, row) in mb.mask.chunks(t).enumerate() {
+                let at = row.iter().rposition(|&m| m != 0).unwrap_or(t - 1);
+                one_hot[r * t + at] = 1.0;
+            }
+            Tensor::<3>::from_data(burn::tensor::TensorData::new(one_hot, [b, 1, t]), device)
+        });
+        Ctx {
+            token_types,
+            mask,
+            last,
+        }
+    }
+
+    /// Each sequence's hidden state at its last token: `[b, t, d]` to `[b, 1, d]`.
+    pub fn last_token(&self, x: Tensor<3>) -> Tensor<3> {
+        match &self.last {
+            Some(one_hot) => one_hot.clone().matmul(x),
+            None => {
+                let t = x.dims()[1];
+                x.narrow(1, t - 1, 1)
+            }
+        }
     }
 }
 
@@ -433,11 +492,11 @@ impl LayerBlock {
             (LayerBlock::LlamaEmbed(e), StageInput::Tokens(t)) => e.forward(t),
             (LayerBlock::Gpt2Embed(e), StageInput::Tokens(t)) => e.forward(t),
             (LayerBlock::Gpt2Block(b), StageInput::Hidden(h)) => b.forward_with(h, cap),
-            (LayerBlock::Gpt2Head(h), StageInput::Hidden(x)) => h.forward_with(x, cap),
+            (LayerBlock::Gpt2Head(h), StageInput::Hidden(x)) => h.forward_with(x, ctx, cap),
             (LayerBlock::Block(b), StageInput::Hidden(h)) => b.forward_with(h, cap),
             (LayerBlock::LlamaBlock(b), StageInput::Hidden(h)) => b.forward_with(h, cap),
             (LayerBlock::Head(h), StageInput::Hidden(x)) => h.forward_with(x, cap),
-            (LayerBlock::LlamaHead(h), StageInput::Hidden(x)) => h.forward_with(x, cap),
+            (LayerBlock::LlamaHead(h), StageInput::Hidden(x)) => h.forward_with(x, ctx, cap),
             (
                 LayerBlock::Embed(_)
                 | LayerBlock::LlamaEmbed(_)

@@ -43,20 +43,28 @@ pub fn hf_layers(
     seed: u64,
 ) -> std::result::Result<Vec<LayerBlock>, String> {
     let blocks = Layers::new(model, seed, &train_device()).into_blocks();
-    let wanted: Vec<_> = named_params(blocks.iter().enumerate(), model.layers)
-        .into_iter()
-        .map(|(n, shape, _)| (n, shape))
+    let fresh = named_params(blocks.iter().enumerate(), model.layers);
+    let wanted: Vec<_> = fresh
+        .iter()
+        .map(|(n, s, _)| (n.clone(), s.clone()))
         .collect();
+    let saved = crate::model::hf::config_from_hf(
+        &std::fs::read_to_string(dir.join("config.json"))
+            .map_err(|e| format!("{}: {e}", dir.join("config.json").display()))?,
+        &dir.display().to_string(),
+    )?;
     let hf = crate::model::hf::read_weights(dir)?;
-    let ours = crate::model::hf::from_hf(model, &wanted, hf)
+    let mut ours = crate::model::hf::from_hf(model, &wanted, hf, saved.head != model.head)
         .map_err(|e| format!("{}: {e}", dir.display()))?;
-    let entries: Vec<_> = ours
-        .into_iter()
-        .map(|(n, t)| {
-            let bytes = t.values.iter().flat_map(|x| x.to_le_bytes()).collect();
-            (n, safetensors::Dtype::F32, t.shape, bytes)
-        })
-        .collect();
+    // A new task's output layer starts from the seed.
+    let mut entries = Vec::new();
+    for (n, shape, bytes) in fresh {
+        let bytes = match ours.remove(&n) {
+            Some(t) => t.values.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            None => bytes,
+        };
+        entries.push((n, safetensors::Dtype::F32, shape, bytes));
+    }
     let bytes = to_safetensors(&entries)?;
     let tensors = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| e.to_string())?;
     blocks

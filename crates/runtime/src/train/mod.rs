@@ -17,4 +17,4 @@ pub use freeze::{FreezeController, FreezeSettings};
 pub use layers::{hf_layers, hf_params};
 pub use plain::PlainTrainer;
 pub use run::{Checkpointing, RunConfig, RunSink, RunStart, RunSummary, StepRow, TrainingRun};
-pub use trainer::{describe, BatchGradients, ReplanReport, StepReport, Trainer};
+pub use trainer::{describe, BatchGradients, ReplanReport, StepReport, Trainer, Validation};

@@ -4,7 +4,7 @@
 //! another.
 
 use super::freeze::{FreezeController, FreezeSettings};
-use super::{describe, StepReport, Trainer};
+use super::{describe, StepReport, Trainer, Validation};
 use crate::cache::{CacheStats, PrefixCache};
 use crate::data::{Corpus, Sampling};
 use crate::error::{Error, Result};
@@ -99,8 +99,9 @@ pub struct RunStart {
     /// Steps already done (a resume's step, else 0) and in all.
     pub step: u64,
     pub steps: u64,
-    /// Validation loss before the first step of this run.
+    /// Validation loss before the first step of this run (and a task's accuracy).
     pub val_loss: f64,
+    pub accuracy: Option<f64>,
     /// The step a resume continued from.
     pub resumed: Option<u64>,
 }
@@ -108,7 +109,7 @@ pub struct RunStart {
 impl RunStart {
     /// The metrics row of the starting point (a fresh run's step 0).
     pub fn to_json(&self) -> Value {
-        json!({"step": self.step, "loss": null, "val_loss": self.val_loss, "val_perplexity": self.val_loss.exp(), "tokens_per_s": null})
+        json!({"step": self.step, "loss": null, "val_loss": self.val_loss, "val_perplexity": self.val_loss.exp(), "accuracy": self.accuracy, "tokens_per_s": null})
     }
 }
 
@@ -116,10 +117,12 @@ impl RunStart {
 pub struct StepRow<'a> {
     pub report: &'a StepReport,
     pub steps: u64,
-    /// This step's validation loss, if it validated.
+    /// This step's validation loss (and a task's accuracy), if it validated.
     pub val_loss: Option<f64>,
-    /// The latest validation loss.
+    pub accuracy: Option<f64>,
+    /// The latest validation loss, and accuracy.
     pub last_val: f64,
+    pub last_accuracy: Option<f64>,
     pub samples_per_s: f64,
     pub frozen: usize,
     pub stages: usize,
@@ -135,7 +138,7 @@ impl StepRow<'_> {
     /// The metrics row (JSON lines): the one place that names its fields.
     pub fn to_json(&self) -> Value {
         let r = self.report;
-        json!({"step": r.step, "loss": r.loss, "val_loss": self.val_loss, "val_perplexity": self.val_loss.map(f64::exp), "tokens_per_s": self.tokens_per_s(), "samples_per_s": self.samples_per_s, "lr": r.lr, "grad_norm": r.grad_norm, "busy": r.busy, "seconds": r.seconds, "frozen_layers": self.frozen, "stages": self.stages, "replicas": self.replicas, "cache": self.cache.as_ref().map(|c| json!({"hits": c.hits, "extended": c.extended, "misses": c.misses, "memory_bytes": c.memory_bytes, "disk_bytes": c.disk_bytes}))})
+        json!({"step": r.step, "loss": r.loss, "val_loss": self.val_loss, "val_perplexity": self.val_loss.map(f64::exp), "accuracy": self.accuracy, "tokens_per_s": self.tokens_per_s(), "samples_per_s": self.samples_per_s, "lr": r.lr, "grad_norm": r.grad_norm, "busy": r.busy, "seconds": r.seconds, "frozen_layers": self.frozen, "stages": self.stages, "replicas": self.replicas, "cache": self.cache.as_ref().map(|c| json!({"hits": c.hits, "extended": c.extended, "misses": c.misses, "memory_bytes": c.memory_bytes, "disk_bytes": c.disk_bytes}))})
     }
 }
 
@@ -144,6 +147,9 @@ impl StepRow<'_> {
 pub struct RunSummary {
     pub first_val: f64,
     pub last_val: f64,
+    /// A task's held-out accuracy at the start and at the end.
+    pub first_accuracy: Option<f64>,
+    pub last_accuracy: Option<f64>,
     /// Steps done in all.
     pub step: u64,
     /// Steps this run took (after any resume).
@@ -214,9 +220,13 @@ impl TrainingRun {
     /// A run of `trainer` on `corpus`; every setting is checked here, before any step.
     pub fn new(mut trainer: Trainer, corpus: Corpus, cfg: RunConfig) -> Result<Self> {
         check_run(&trainer, &cfg)?;
+        let model = &trainer.cfg.model;
         corpus
-            .check(trainer.cfg.model.seq_len)
-            .and_then(|()| trainer.cfg.model.check_text(&corpus.name, corpus.ids))
+            .check(model.seq_len)
+            .and_then(|()| match corpus.is_task() {
+                true => model.check_examples(&corpus.name, corpus.ids, corpus.classes()),
+                false => model.check_text(&corpus.name, corpus.ids),
+            })
             .map_err(Error::Config)?;
         let epoch_steps = trainer
             .cfg
@@ -271,9 +281,14 @@ impl TrainingRun {
         self.epoch_steps
     }
 
-    /// The unigram loss of the training data: what a model that learnt nothing scores.
-    pub fn baseline(&self) -> f64 {
-        self.corpus.unigram_baseline()
+    /// The unigram loss of the training data (a task's: of its labels): what a model that
+    /// learnt nothing scores, and its name.
+    pub fn baseline(&self) -> (f64, &'static str) {
+        let name = match self.corpus.is_task() {
+            true => "class-prior baseline",
+            false => "unigram baseline",
+        };
+        (self.corpus.unigram_baseline(), name)
     }
 
     /// Resume if asked, then train to the configured steps; write the final checkpoint.
@@ -286,12 +301,15 @@ impl TrainingRun {
             &mut quiet
         };
         let resumed = self.resume(sink)?;
-        let first_val = self.trainer.evaluate(&self.corpus, self.cfg.eval_batches)?;
+        let first = self
+            .trainer
+            .validate(&self.corpus, self.cfg.eval_batches, &[])?;
         sink.start(&RunStart {
             header: self.header(),
             step: self.trainer.step,
             steps: self.trainer.cfg.steps,
-            val_loss: first_val,
+            val_loss: first.loss,
+            accuracy: first.accuracy,
             resumed,
         })?;
         self.whole = (self.cfg.trace && self.freezer.is_some()).then(|| WholeRun {
@@ -300,7 +318,7 @@ impl TrainingRun {
             marks: Vec::new(),
             workers: self.trainer.plan.num_workers(),
         });
-        let mut last_val = first_val;
+        let mut last_val = first;
         let mut stopped = false;
         while self.trainer.step < self.trainer.cfg.steps {
             if self.stop_requested()? {
@@ -322,8 +340,10 @@ impl TrainingRun {
             None => None,
         };
         Ok(RunSummary {
-            first_val,
-            last_val,
+            first_val: first.loss,
+            last_val: last_val.loss,
+            first_accuracy: first.accuracy,
+            last_accuracy: last_val.accuracy,
             step: self.trainer.step,
             steps_run: self.step_seconds.len(),
             checkpoint,
@@ -390,7 +410,7 @@ impl TrainingRun {
     fn header(&self) -> String {
         let cfg = &self.trainer.cfg;
         format!(
-            "training {}{} ({} layer blocks, d_model {}) on {}: {}; {} steps{}; unigram baseline {:.3}",
+            "training {}{} ({} layer blocks, d_model {}) on {}: {}; {} steps{}; {} {:.3}",
             cfg.model.family.name(),
             match &cfg.pretrained {
                 Some(dir) => format!(" from {}", dir.display()),
@@ -401,17 +421,18 @@ impl TrainingRun {
             self.corpus.name,
             describe(&self.trainer.plan),
             cfg.steps,
-            match cfg.sampling {
-                Sampling::Epochs => format!(" in epochs of {}", self.epoch_steps),
-                Sampling::Windows => String::new(),
+            match cfg.sampling == Sampling::Epochs || self.corpus.is_task() {
+                true => format!(" in epochs of {}", self.epoch_steps),
+                false => String::new(),
             },
-            self.baseline()
+            self.baseline().1,
+            self.baseline().0
         )
     }
 
     /// One step and what follows it: validation, metrics, checkpoint, profiling, freezing and
-    /// plan switches. Returns the latest validation loss.
-    fn one_step(&mut self, sink: &mut dyn RunSink, last_val: f64) -> Result<f64> {
+    /// plan switches. Returns the latest validation.
+    fn one_step(&mut self, sink: &mut dyn RunSink, last_val: Validation) -> Result<Validation> {
         let steps = self.trainer.cfg.steps;
         let r = self
             .trainer
@@ -421,7 +442,10 @@ impl TrainingRun {
                 exec: e,
             })?;
         let val = if r.step % self.cfg.eval_every == 0 || r.step == steps {
-            Some(self.trainer.evaluate(&self.corpus, self.cfg.eval_batches)?)
+            Some(
+                self.trainer
+                    .validate(&self.corpus, self.cfg.eval_batches, &[])?,
+            )
         } else {
             None
         };
@@ -429,8 +453,10 @@ impl TrainingRun {
         sink.step(&StepRow {
             report: &r,
             steps,
-            val_loss: val,
-            last_val: val.unwrap_or(last_val),
+            val_loss: val.map(|v| v.loss),
+            accuracy: val.and_then(|v| v.accuracy),
+            last_val: val.unwrap_or(last_val).loss,
+            last_accuracy: val.unwrap_or(last_val).accuracy,
             samples_per_s: (plan.num_microbatches * self.trainer.cfg.rows) as f64 / r.seconds,
             frozen: self.trainer.frozen(),
             stages: plan.num_stages(),

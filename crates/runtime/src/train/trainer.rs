@@ -7,11 +7,11 @@ use super::tied::Tied;
 use super::TrainConfig;
 use crate::backend::{autodiff_lock, plain_device};
 use crate::cache::{CacheStats, PrefixCache};
-use crate::data::{micro_batch, Corpus, MicroBatch, Sampler, Sampling};
+use crate::data::{micro_batch, Corpus, MicroBatch, Part, Sampler, Sampling};
 use crate::error::{Error, Result};
 use crate::exec::{ExecError, HeldStage, StepInput, Worker, WorkerOutput};
 use crate::grads::{clip_factor, flat_params, grads_params, squares};
-use crate::model::{batch_loss, fresh_copy, LayerBlock, Stage, StageInput};
+use crate::model::{batch_input, batch_loss, fresh_copy, Ctx, LayerBlock, Stage};
 use crate::transport::{InProcess, Transport, DEFAULT_TIMEOUT};
 use burn::module::Module;
 use pipewright_core::cluster::Cluster;
@@ -58,6 +58,14 @@ pub fn describe(plan: &Plan) -> String {
         plan.num_microbatches,
         replicas
     )
+}
+
+/// Held-out figures: the loss, and a task's accuracy (the share of examples whose most likely
+/// class is their label).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Validation {
+    pub loss: f64,
+    pub accuracy: Option<f64>,
 }
 
 pub struct Trainer {
@@ -552,18 +560,42 @@ impl Trainer {
     /// order. Runs on `valid()` copies without autodiff, so it joins no worker's graph. Across
     /// processes every rank calls it (the layers are gathered first).
     pub fn evaluate(&self, corpus: &Corpus, batches: usize) -> Result<f64> {
-        self.evaluate_omitting(corpus, batches, &[])
+        Ok(self.validate(corpus, batches, &[])?.loss)
     }
 
-    /// [`Trainer::evaluate`] with the layer blocks `omit` (model indices) left out: their
-    /// input passes on unchanged, as on a route that skips them (SkipPipe's skip-robust
-    /// inference). The embedding and the head cannot be left out.
+    /// [`Trainer::evaluate`] with the layer blocks `omit` left out (see
+    /// [`Trainer::validate`]).
     pub fn evaluate_omitting(
         &self,
         corpus: &Corpus,
         batches: usize,
         omit: &[usize],
     ) -> Result<f64> {
+        Ok(self.validate(corpus, batches, omit)?.loss)
+    }
+
+    /// The held-out micro-batches: `batches` fixed windows of a text, or every example of a
+    /// task (in micro-batches of at least 32).
+    fn held_out(&self, corpus: &Corpus, batches: usize) -> Vec<MicroBatch> {
+        let (seq_len, rows) = (self.cfg.model.seq_len, self.cfg.rows);
+        match &corpus.val {
+            Part::Text(t) => (0..batches)
+                .map(|i| micro_batch(t, seq_len, rows, self.cfg.seed, u64::MAX, i as u64))
+                .collect(),
+            Part::Examples(e) => {
+                let ids: Vec<u64> = (0..e.len() as u64).collect();
+                ids.chunks(rows.max(32))
+                    .map(|c| corpus.val.batch(seq_len, c.to_vec()))
+                    .collect()
+            }
+        }
+    }
+
+    /// Held-out loss (the mean over samples) and a task's accuracy, with the layer blocks
+    /// `omit` (model indices) left out: their input passes on unchanged, as on a route that
+    /// skips them (SkipPipe's skip-robust inference). The embedding and the head cannot be left
+    /// out.
+    pub fn validate(&self, corpus: &Corpus, batches: usize, omit: &[usize]) -> Result<Validation> {
         let last = self.cfg.model.num_blocks() - 1;
         if let Some(&i) = omit.iter().find(|&&i| i == 0 || i >= last) {
             return Err(Error::Config(format!(
@@ -580,20 +612,31 @@ impl Trainer {
         let _guard = autodiff_lock();
         let model = Stage { layers }.valid();
         let dev = plain_device();
-        let mut total = 0.0;
-        for i in 0..batches {
-            let mb = micro_batch(
-                &corpus.val,
-                self.cfg.model.seq_len,
-                self.cfg.rows,
-                self.cfg.seed,
-                u64::MAX,
-                i as u64,
-            );
-            let logits = model.forward(StageInput::Tokens(mb.ids_on(&mb.tokens, &dev)));
-            total += batch_loss(logits, &mb).into_scalar::<f32>() as f64;
+        let (mut total, mut rows, mut right) = (0.0, 0, 0);
+        for mb in self.held_out(corpus, batches) {
+            let logits = model
+                .forward_in(batch_input(&mb, &dev), &Ctx::of(&mb, &dev))
+                .map_err(Error::Config)?;
+            if corpus.is_task() {
+                let guess = logits
+                    .clone()
+                    .argmax(2)
+                    .into_data()
+                    .iter::<i64>()
+                    .collect::<Vec<_>>();
+                right += guess
+                    .iter()
+                    .zip(&mb.targets)
+                    .filter(|(g, t)| g == t)
+                    .count();
+            }
+            total += batch_loss(logits, &mb).into_scalar::<f32>() as f64 * mb.rows as f64;
+            rows += mb.rows;
         }
-        Ok(total / batches.max(1) as f64)
+        Ok(Validation {
+            loss: total / rows.max(1) as f64,
+            accuracy: corpus.is_task().then(|| right as f64 / rows.max(1) as f64),
+        })
     }
 
     /// All parameters in model order, flattened (for comparisons).

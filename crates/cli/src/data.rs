@@ -1,0 +1,150 @@
+//! `--data` and its companions: what a run learns from, and how it is held out.
+
+use crate::BadInput;
+use anyhow::Result;
+use pipewright_runtime::data::Corpus;
+use pipewright_runtime::labelled::{Classes, Examples, Fields};
+use pipewright_runtime::model::TaskHead;
+use pipewright_runtime::train::TrainConfig;
+use std::path::PathBuf;
+
+/// What the model learns.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Task {
+    /// Language modelling: the next token of a text.
+    #[default]
+    Lm,
+    /// A class per text (JSONL or CSV with text and label fields); the model gets a
+    /// classification head (fresh, from --seed, unless it has one).
+    Classify,
+}
+
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct DataArgs {
+    /// Training data. For --task lm: a UTF-8 text file, a directory of .txt files, or token
+    /// shards (.bin, from `pipewright tokenize`; those named *val* are held out); default: the
+    /// built-in synthetic corpus. For --task classify: a JSONL or CSV file of texts and labels.
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Held-out data in the same form as --data (default: part of --data, see
+    /// --val-fraction).
+    #[arg(long, value_name = "PATH")]
+    pub val_data: Option<PathBuf>,
+    /// The share of --data held out for validation when there is no --val-data: the end of a
+    /// text, or examples drawn by --seed.
+    #[arg(long, default_value_t = 0.1, value_name = "F")]
+    pub val_fraction: f64,
+    #[arg(long, value_enum, default_value_t)]
+    pub task: Task,
+    /// The field (JSONL) or column (CSV) that holds each example's text.
+    #[arg(long, default_value = "text")]
+    pub text_field: String,
+    /// The field or column of its label: a whole number (a class index) or a name (classes
+    /// are the names, sorted).
+    #[arg(long, default_value = "label")]
+    pub label_field: String,
+}
+
+impl DataArgs {
+    /// Just a text (or the built-in corpus), as commands without the other flags take it.
+    pub fn text(data: Option<PathBuf>) -> Self {
+        DataArgs {
+            data,
+            val_fraction: 0.1,
+            ..DataArgs::default()
+        }
+    }
+
+    fn check(&self) -> Result<()> {
+        let f = self.val_fraction;
+        if !(f.is_finite() && f > 0.0 && f < 1.0) {
+            return Err(BadInput(format!(
+                "--val-fraction {f}: expected a number between 0 and 1"
+            ))
+            .into());
+        }
+        if self.task == Task::Classify && self.data.is_none() {
+            return Err(BadInput(
+                "--task classify needs labelled examples: --data FILE.jsonl or FILE.csv".into(),
+            )
+            .into());
+        }
+        if self.val_data.is_some() && self.data.is_none() {
+            return Err(BadInput("--val-data goes with --data".into()).into());
+        }
+        Ok(())
+    }
+}
+
+/// The training data as the run's tokenizer reads it, checked against the model. A task's
+/// classes decide the model's head: one it lacks is added (and `cfg.model` changed).
+pub fn corpus(a: &DataArgs, cfg: &mut TrainConfig) -> Result<Corpus> {
+    a.check()?;
+    let tok = crate::model::tokenizer(cfg)?;
+    tok.check_fits(cfg.model.vocab).map_err(BadInput)?;
+    let Some(data) = &a.data else {
+        cfg.model
+            .check_text("the built-in corpus", 0)
+            .map_err(BadInput)?;
+        return Ok(Corpus::builtin_with(&tok).map_err(BadInput)?);
+    };
+    let corpus = match a.task {
+        Task::Lm => {
+            cfg.model
+                .check_text(&data.display().to_string(), 0)
+                .map_err(BadInput)?;
+            match &a.val_data {
+                Some(v) => Corpus::open_with_val(data, v, &tok),
+                None => Corpus::open_split(data, &tok, a.val_fraction),
+            }
+            .map_err(BadInput)?
+        }
+        Task::Classify => examples(a, data, cfg, &tok)?,
+    };
+    Ok(corpus)
+}
+
+/// Labelled examples from `data` (and --val-data), the model given a head for their classes.
+fn examples(
+    a: &DataArgs,
+    data: &std::path::Path,
+    cfg: &mut TrainConfig,
+    tok: &pipewright_runtime::tokenizer::Tokenizer,
+) -> Result<Corpus> {
+    let fields = Fields {
+        text: a.text_field.clone(),
+        label: a.label_field.clone(),
+    };
+    let seq_len = cfg.model.seq_len;
+    // A model that is already a classifier fixes the classes; else the training labels do.
+    let known = match cfg.model.head {
+        Some(TaskHead::Classify { classes }) => Some(Classes::Numbered(classes)),
+        _ => None,
+    };
+    let (train, classes) =
+        Examples::load(data, tok, &fields, seq_len, known.as_ref()).map_err(BadInput)?;
+    let name = data.display().to_string();
+    let ids = tok.vocab_size();
+    let corpus = match &a.val_data {
+        Some(v) => {
+            let (val, _) =
+                Examples::load(v, tok, &fields, seq_len, Some(&classes)).map_err(BadInput)?;
+            Corpus::examples(
+                &format!("{name} (validation: {})", v.display()),
+                train,
+                val,
+                ids,
+            )
+        }
+        None => Corpus::examples_split(&name, &train, ids, a.val_fraction, cfg.seed),
+    };
+    if known.is_none() {
+        cfg.model = cfg.model.with_head(Some(TaskHead::Classify {
+            classes: classes.count(),
+        }));
+    }
+    // Every example is drawn once an epoch (what the frozen-prefix cache keys on).
+    cfg.sampling = pipewright_runtime::data::Sampling::Epochs;
+    cfg.model.check().map_err(BadInput)?;
+    Ok(corpus)
+}

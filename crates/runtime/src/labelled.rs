@@ -1,0 +1,337 @@
+//! Labelled examples for a task head: texts with a class each, read from JSON lines or CSV,
+//! tokenized, cut to the model's sequence length and padded on the right.
+//!
+//! Right padding keeps a causal model's real tokens unaffected by the padding (they never
+//! attend forward), and its classifier reads the last real token, as transformers'
+//! `*ForSequenceClassification` does; a bidirectional model (bert) masks the padding.
+
+use crate::tokenizer::Tokenizer;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// Fixed examples: `len()` rows of `seq_len` token ids, their padding mask (1: a token), and
+/// one class each.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Examples {
+    pub seq_len: usize,
+    pub tokens: Vec<i64>,
+    pub mask: Vec<i64>,
+    pub labels: Vec<i64>,
+    /// Texts longer than `seq_len` tokens, cut to it.
+    pub truncated: usize,
+}
+
+/// How labels in the data become classes: integers as they are, names in sorted order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Classes {
+    Numbered(usize),
+    Named(Vec<String>),
+}
+
+impl Classes {
+    pub fn count(&self) -> usize {
+        match self {
+            Classes::Numbered(n) => *n,
+            Classes::Named(v) => v.len(),
+        }
+    }
+}
+
+/// Which fields of a record hold the text and the label.
+#[derive(Debug, Clone)]
+pub struct Fields {
+    pub text: String,
+    pub label: String,
+}
+
+impl Default for Fields {
+    fn default() -> Self {
+        Fields {
+            text: "text".into(),
+            label: "label".into(),
+        }
+    }
+}
+
+/// A record's label as found: a whole number or a name.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+enum Label {
+    Number(u64),
+    Name(String),
+}
+
+/// Texts and labels of a JSONL or CSV file (by extension: `.csv` is CSV, anything else JSON
+/// lines), each with where it was read ("file:line").
+fn records(path: &Path, f: &Fields) -> Result<Vec<(String, Label, String)>, String> {
+    let name = path.display().to_string();
+    if std::fs::metadata(path).is_ok_and(|m| !m.is_file()) {
+        return Err(format!("{name}: not a regular file"));
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{name}: cannot read: {e}"))?;
+    let rows = match path.extension().is_some_and(|x| x == "csv") {
+        true => csv_records(&name, &text, f)?,
+        false => jsonl_records(&name, &text, f)?,
+    };
+    if rows.is_empty() {
+        return Err(format!("{name}: no examples (an empty data set)"));
+    }
+    Ok(rows)
+}
+
+fn jsonl_records(
+    name: &str,
+    text: &str,
+    f: &Fields,
+) -> Result<Vec<(String, Label, String)>, String> {
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let at = format!("{name}:{}", i + 1);
+        let v: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| format!("{at}: not a JSON object: {e}"))?;
+        let field = |k: &str| {
+            v.get(k).ok_or_else(|| {
+                format!("{at}: no \"{k}\" field (choose it with --text-field / --label-field)")
+            })
+        };
+        let text = field(&f.text)?
+            .as_str()
+            .ok_or_else(|| format!("{at}: \"{}\" is not a string", f.text))?;
+        let label = match field(&f.label)? {
+            serde_json::Value::String(s) => Label::Name(s.clone()),
+            n => Label::Number(n.as_u64().ok_or_else(|| {
+                format!("{at}: label {n} is neither a whole number >= 0 nor a string")
+            })?),
+        };
+        out.push((text.to_string(), label, at));
+    }
+    Ok(out)
+}
+
+fn csv_records(name: &str, text: &str, f: &Fields) -> Result<Vec<(String, Label, String)>, String> {
+    let mut r = csv::Reader::from_reader(text.as_bytes());
+    let header = r.headers().map_err(|e| format!("{name}: {e}"))?.clone();
+    let col = |k: &str| {
+        header.iter().position(|h| h == k).ok_or_else(|| {
+            format!("{name}: no \"{k}\" column in the header (choose it with --text-field / --label-field)")
+        })
+    };
+    let (t, l) = (col(&f.text)?, col(&f.label)?);
+    let mut out = Vec::new();
+    for row in r.records() {
+        let row = row.map_err(|e| format!("{name}: {e}"))?;
+        let line = row.position().map_or(0, |p| p.line());
+        let at = format!("{name}:{line}");
+        let label = &row[l];
+        let label = match label.trim().parse::<u64>() {
+            Ok(n) => Label::Number(n),
+            Err(_) => Label::Name(label.to_string()),
+        };
+        out.push((row[t].to_string(), label, at));
+    }
+    Ok(out)
+}
+
+/// The classes labels of `rows` make: the largest number + 1, or the names sorted. Numbers and
+/// names mixed are refused.
+fn classes_of(rows: &[(String, Label, String)]) -> Result<Classes, String> {
+    let names: BTreeMap<&str, &str> = rows
+        .iter()
+        .filter_map(|(_, l, at)| match l {
+            Label::Name(n) => Some((n.as_str(), at.as_str())),
+            _ => None,
+        })
+        .collect();
+    match (
+        names.is_empty(),
+        rows.iter().find(|(_, l, _)| matches!(l, Label::Number(_))),
+    ) {
+        (true, _) => {
+            let max = rows.iter().filter_map(|(_, l, _)| match l {
+                Label::Number(n) => Some(*n),
+                _ => None,
+            });
+            let n = max.max().unwrap_or(0).saturating_add(1);
+            usize::try_from(n)
+                .ok()
+                .filter(|&n| n <= 1 << 20)
+                .map(Classes::Numbered)
+                .ok_or_else(|| format!("a label of {} is more classes than a head can hold", n - 1))
+        }
+        (false, None) => Ok(Classes::Named(
+            names.keys().map(|s| s.to_string()).collect(),
+        )),
+        (false, Some((_, _, at))) => Err(format!(
+            "{at}: a numbered label where others are names (e.g. {:?} at {}); use one kind",
+            names.keys().next().unwrap_or(&""),
+            names.values().next().unwrap_or(&"")
+        )),
+    }
+}
+
+impl Examples {
+    /// The examples of `path` as `tok` reads them (special tokens, such as BERT's [CLS] and
+    /// [SEP], added as the tokenizer defines). `classes`: the labels' classes when known (the
+    /// training set's, or the model's head); none: found from this file.
+    pub fn load(
+        path: &Path,
+        tok: &Tokenizer,
+        fields: &Fields,
+        seq_len: usize,
+        classes: Option<&Classes>,
+    ) -> Result<(Examples, Classes), String> {
+        let rows = records(path, fields)?;
+        let found = classes_of(&rows)?;
+        let classes = classes.cloned().unwrap_or(found);
+        let mut ex = Examples {
+            seq_len,
+            ..Examples::default()
+        };
+        let pad = tok.eot().unwrap_or(0) as i64;
+        for (text, label, at) in rows {
+            let class = match (&label, &classes) {
+                (Label::Number(n), Classes::Numbered(c)) if (*n as usize) < *c => *n as i64,
+                (Label::Name(n), Classes::Named(names)) if names.contains(n) => {
+                    names.binary_search(n).map_err(|_| "sorted")? as i64
+                }
+                _ => {
+                    return Err(format!(
+                        "{at}: label {} is outside the classes ({})",
+                        match &label {
+                            Label::Number(n) => n.to_string(),
+                            Label::Name(n) => format!("{n:?}"),
+                        },
+                        match &classes {
+                            Classes::Numbered(c) => format!("0..{}", c.saturating_sub(1)),
+                            Classes::Named(v) => v.join(", "),
+                        }
+                    ))
+                }
+            };
+            let ids = tok.encode_example(&text)?;
+            if ids.is_empty() {
+                return Err(format!("{at}: the text is empty"));
+            }
+            ex.truncated += (ids.len() > seq_len) as usize;
+            let n = ids.len().min(seq_len);
+            ex.tokens.extend(ids[..n].iter().map(|&i| i as i64));
+            ex.tokens.extend(std::iter::repeat_n(pad, seq_len - n));
+            ex.mask.extend((0..seq_len).map(|i| (i < n) as i64));
+            ex.labels.push(class);
+        }
+        Ok((ex, classes))
+    }
+
+    pub fn len(&self) -> usize {
+        self.labels.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.labels.is_empty()
+    }
+
+    /// The largest token id + 1 (what a model's vocabulary must cover).
+    pub fn id_bound(&self) -> usize {
+        self.tokens.iter().max().map_or(0, |&m| m as usize + 1)
+    }
+
+    /// Example `i`'s tokens, mask and label.
+    pub fn row(&self, i: usize) -> (&[i64], &[i64], i64) {
+        let r = i * self.seq_len..(i + 1) * self.seq_len;
+        (&self.tokens[r.clone()], &self.mask[r], self.labels[i])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(name: &str, text: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        (d, p)
+    }
+
+    #[test]
+    fn jsonl_and_csv_give_the_same_padded_examples() {
+        let (_a, j) = write(
+            "t.jsonl",
+            "{\"text\": \"ab\", \"label\": 1}\n\n{\"text\": \"abcdef\", \"label\": 0}\n",
+        );
+        let (_b, c) = write("t.csv", "label,text\n1,ab\n0,\"abcdef\"\n");
+        let f = Fields::default();
+        let (x, classes) = Examples::load(&j, &Tokenizer::Bytes, &f, 4, None).unwrap();
+        assert_eq!(classes, Classes::Numbered(2));
+        assert_eq!(x.tokens, vec![97, 98, 0, 0, 97, 98, 99, 100]);
+        assert_eq!(x.mask, vec![1, 1, 0, 0, 1, 1, 1, 1]);
+        assert_eq!((x.labels.clone(), x.truncated), (vec![1, 0], 1));
+        let (y, _) = Examples::load(&c, &Tokenizer::Bytes, &f, 4, None).unwrap();
+        assert_eq!(x, y);
+    }
+
+    #[test]
+    fn named_labels_are_sorted_and_val_labels_must_be_known() {
+        let (_a, p) = write(
+            "t.jsonl",
+            "{\"t\":\"x\",\"y\":\"spam\"}\n{\"t\":\"y\",\"y\":\"ham\"}\n",
+        );
+        let f = Fields {
+            text: "t".into(),
+            label: "y".into(),
+        };
+        let (x, c) = Examples::load(&p, &Tokenizer::Bytes, &f, 2, None).unwrap();
+        assert_eq!(c, Classes::Named(vec!["ham".into(), "spam".into()]));
+        assert_eq!(x.labels, vec![1, 0]);
+        let only = Classes::Named(vec!["spam".into()]);
+        let e = Examples::load(&p, &Tokenizer::Bytes, &f, 2, Some(&only)).unwrap_err();
+        assert!(
+            e.contains("t.jsonl:2: label \"ham\" is outside the classes (spam)"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn bad_records_are_named_with_their_line() {
+        let f = Fields::default();
+        let cases = [
+            (
+                "{\"text\": \"a\", \"label\": 0}\n{\"text\": \"a\", \"label\": 0\n",
+                "t.jsonl:2: not a JSON object",
+            ),
+            (
+                "{\"text\": \"a\", \"label\": -1}\n",
+                "t.jsonl:1: label -1 is neither",
+            ),
+            ("{\"text\": \"a\"}\n", "t.jsonl:1: no \"label\" field"),
+            (
+                "{\"text\": 3, \"label\": 0}\n",
+                "t.jsonl:1: \"text\" is not a string",
+            ),
+            (
+                "{\"text\": \"\", \"label\": 0}\n",
+                "t.jsonl:1: the text is empty",
+            ),
+            (
+                "{\"text\": \"a\", \"label\": 0}\n{\"text\": \"b\", \"label\": \"x\"}\n",
+                "a numbered label where others are names",
+            ),
+            ("\n\n", "no examples"),
+        ];
+        for (text, want) in cases {
+            let (_d, p) = write("t.jsonl", text);
+            let e = Examples::load(&p, &Tokenizer::Bytes, &f, 4, None).unwrap_err();
+            assert!(e.contains(want), "{text:?}: {e}");
+        }
+        let (_d, p) = write("t.csv", "text,label\na,0\nb\n");
+        let e = Examples::load(&p, &Tokenizer::Bytes, &f, 4, None).unwrap_err();
+        assert!(e.contains("t.csv"), "{e}");
+        let (_d, p) = write("t.csv", "text,class\na,0\n");
+        let e = Examples::load(&p, &Tokenizer::Bytes, &f, 4, None).unwrap_err();
+        assert!(e.contains("no \"label\" column"), "{e}");
+        let e = Examples::load(&p, &Tokenizer::Bytes, &f, 4, Some(&Classes::Numbered(1)));
+        assert!(e.is_err());
+    }
+}
