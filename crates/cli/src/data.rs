@@ -3,7 +3,7 @@
 use crate::BadInput;
 use anyhow::Result;
 use pipewright_runtime::data::Corpus;
-use pipewright_runtime::labelled::{Classes, Examples, Fields};
+use pipewright_runtime::labelled::{Examples, Fields};
 use pipewright_runtime::model::TaskHead;
 use pipewright_runtime::train::TrainConfig;
 use std::path::PathBuf;
@@ -116,13 +116,8 @@ fn examples(
         label: a.label_field.clone(),
     };
     let seq_len = cfg.model.seq_len;
-    // A model that is already a classifier fixes the classes; else the training labels do.
-    let known = match cfg.model.head {
-        Some(TaskHead::Classify { classes }) => Some(Classes::Numbered(classes)),
-        _ => None,
-    };
-    let (train, classes) =
-        Examples::load(data, tok, &fields, seq_len, known.as_ref()).map_err(BadInput)?;
+    // The training labels make the classes (the run checks a classifier's head has room).
+    let (train, classes) = Examples::load(data, tok, &fields, seq_len, None).map_err(BadInput)?;
     let name = data.display().to_string();
     let ids = tok.vocab_size();
     let corpus = match &a.val_data {
@@ -138,7 +133,7 @@ fn examples(
         }
         None => Corpus::examples_split(&name, &train, ids, a.val_fraction, cfg.seed),
     };
-    if known.is_none() {
+    if !matches!(cfg.model.head, Some(TaskHead::Classify { .. })) {
         cfg.model = cfg.model.with_head(Some(TaskHead::Classify {
             classes: classes.count(),
         }));

@@ -497,3 +497,113 @@ fn tokenize_then_train_on_shards_then_generate() {
         "{err}"
     );
 }
+
+/// Fine-tuning for a text task: a LLaMA given a classification head learns an easy two-class
+/// task from JSONL as a 2-stage pipeline, reports accuracy, exports as
+/// `LlamaForSequenceClassification` and trains on from the export; bad labelled data is named
+/// with its line and exits 2.
+#[test]
+fn llama_learns_to_classify_text_and_exports_a_classifier() {
+    let dir = fresh_dir("models-classify");
+    let cfg = dir.join("config.json");
+    std::fs::write(
+        &cfg,
+        r#"{"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 64, "tie_word_embeddings": true}"#,
+    )
+    .unwrap();
+    // Digits against letters, of varied lengths (so rows are padded differently).
+    let rows = |n: usize, skip: usize| -> String {
+        (skip..skip + n)
+            .map(|i| {
+                let (text, label) = match i % 2 {
+                    0 => (
+                        "0123456789".repeat(1 + i % 3)[..3 + i % 7].to_string(),
+                        "digits",
+                    ),
+                    _ => (
+                        "abcdefghij".repeat(1 + i % 3)[..3 + i % 7].to_string(),
+                        "letters",
+                    ),
+                };
+                format!("{{\"text\": \"{text}\", \"label\": \"{label}\"}}\n")
+            })
+            .collect()
+    };
+    let (train, val) = (dir.join("train.jsonl"), dir.join("val.jsonl"));
+    std::fs::write(&train, rows(64, 0)).unwrap();
+    std::fs::write(&val, rows(16, 64)).unwrap();
+    let (ck, metrics, hf) = (dir.join("ck"), dir.join("m.jsonl"), dir.join("hf"));
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let args = [
+        "train",
+        "--task",
+        "classify",
+        "--data",
+        &s(&train),
+        "--val-data",
+        &s(&val),
+        "--stages",
+        "2",
+        "--microbatches",
+        "2",
+        "--rows",
+        "4",
+        "--seq-len",
+        "16",
+        "--steps",
+        "30",
+        "--eval-every",
+        "10",
+        "--metrics",
+        &s(&metrics),
+        "--checkpoint-dir",
+        &s(&ck),
+    ];
+    let out = ok(&[&args[..], &["--model-config", &s(&cfg)]].concat());
+    assert!(out.contains("accuracy"), "{out}");
+    let acc: Vec<f64> = std::fs::read_to_string(&metrics)
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["accuracy"].as_f64())
+        .collect();
+    assert!(
+        acc.len() >= 3 && acc[acc.len() - 1] == 1.0,
+        "accuracy {acc:?}"
+    );
+    ok(&["export", "--checkpoint-dir", &s(&ck), "--out", &s(&hf)]);
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["architectures"][0], "LlamaForSequenceClassification");
+    assert_eq!(config["num_labels"], 2);
+    let weights = read(&hf.join("model.safetensors"));
+    assert_eq!(weights["score.weight"].1, vec![2, 32]);
+    assert!(!weights.contains_key("lm_head.weight"));
+    // The export trains on as the classifier it is.
+    let hf_dir = s(&hf);
+    let again = [
+        &args[..7],
+        &["--model", &hf_dir, "--steps", "2", "--no-checkpoint"],
+    ]
+    .concat();
+    let out = ok(&again);
+    assert!(out.contains("accuracy 1.000 ->"), "{out}");
+    // Bad labelled data: one line, exit 2, the file and line named.
+    for (text, want) in [
+        (
+            "{\"text\": \"12\", \"label\": \"digits\"}\n{\"text\": \"ab\"\n",
+            "val.jsonl:2: not a JSON object",
+        ),
+        (
+            "{\"text\": \"12\", \"label\": \"numbers\"}\n",
+            "val.jsonl:1: label \"numbers\" is outside the classes (digits, letters)",
+        ),
+    ] {
+        std::fs::write(&val, text).unwrap();
+        let o = pw(&[&args[..], &["--model-config", &s(&cfg)]].concat());
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(err.contains(want), "{err}");
+    }
+}
