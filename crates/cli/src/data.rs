@@ -80,25 +80,24 @@ impl DataArgs {
 /// classes decide the model's head: one it lacks is added (and `cfg.model` changed).
 pub fn corpus(a: &DataArgs, cfg: &mut TrainConfig) -> Result<Corpus> {
     a.check()?;
+    if a.task == Task::Lm {
+        let what = a
+            .data
+            .as_ref()
+            .map_or("the built-in corpus".into(), |d| d.display().to_string());
+        cfg.model.check_text(&what, 0).map_err(BadInput)?;
+    }
     let tok = crate::model::tokenizer(cfg)?;
     tok.check_fits(cfg.model.vocab).map_err(BadInput)?;
     let Some(data) = &a.data else {
-        cfg.model
-            .check_text("the built-in corpus", 0)
-            .map_err(BadInput)?;
         return Ok(Corpus::builtin_with(&tok).map_err(BadInput)?);
     };
     let corpus = match a.task {
-        Task::Lm => {
-            cfg.model
-                .check_text(&data.display().to_string(), 0)
-                .map_err(BadInput)?;
-            match &a.val_data {
-                Some(v) => Corpus::open_with_val(data, v, &tok),
-                None => Corpus::open_split(data, &tok, a.val_fraction),
-            }
-            .map_err(BadInput)?
+        Task::Lm => match &a.val_data {
+            Some(v) => Corpus::open_with_val(data, v, &tok),
+            None => Corpus::open_split(data, &tok, a.val_fraction),
         }
+        .map_err(BadInput)?,
         Task::Classify => examples(a, data, cfg, &tok)?,
     };
     Ok(corpus)

@@ -239,6 +239,9 @@ impl Corpus {
         val_fraction: f64,
     ) -> Result<Self, String> {
         let name = path.display().to_string();
+        if let Err(e) = std::fs::metadata(path) {
+            return Err(format!("{name}: cannot read data file: {e}"));
+        }
         let listed = |ext: &str| -> Result<Vec<std::path::PathBuf>, String> {
             let mut v: Vec<_> = std::fs::read_dir(path)
                 .map_err(|e| format!("{name}: cannot list: {e}"))?

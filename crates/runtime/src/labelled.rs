@@ -149,16 +149,17 @@ fn classes_of(rows: &[(String, Label, String)]) -> Result<Classes, String> {
         rows.iter().find(|(_, l, _)| matches!(l, Label::Number(_))),
     ) {
         (true, _) => {
-            let max = rows.iter().filter_map(|(_, l, _)| match l {
-                Label::Number(n) => Some(*n),
+            let most = rows.iter().filter_map(|(_, l, at)| match l {
+                Label::Number(n) => Some((*n, at)),
                 _ => None,
             });
-            let n = max.max().unwrap_or(0).saturating_add(1);
-            usize::try_from(n)
-                .ok()
-                .filter(|&n| n <= 1 << 20)
-                .map(Classes::Numbered)
-                .ok_or_else(|| format!("a label of {} is more classes than a head can hold", n - 1))
+            let (n, at) = most.max_by_key(|(n, _)| *n).expect("rows are not empty");
+            match n < 1 << 20 {
+                true => Ok(Classes::Numbered(n as usize + 1)),
+                false => Err(format!(
+                    "{at}: label {n} asks for more classes than a head can hold (2^20)"
+                )),
+            }
         }
         (false, None) => Ok(Classes::Named(
             names.keys().map(|s| s.to_string()).collect(),
@@ -319,6 +320,10 @@ mod tests {
                 "a numbered label where others are names",
             ),
             ("\n\n", "no examples"),
+            (
+                "{\"text\": \"a\", \"label\": 1000000000000}\n",
+                "t.jsonl:1: label 1000000000000 asks for more",
+            ),
         ];
         for (text, want) in cases {
             let (_d, p) = write("t.jsonl", text);
