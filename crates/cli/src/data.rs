@@ -3,8 +3,8 @@
 use crate::BadInput;
 use anyhow::Result;
 use pipewright_runtime::data::Corpus;
-use pipewright_runtime::labelled::{Examples, Fields};
-use pipewright_runtime::model::TaskHead;
+use pipewright_runtime::labelled::{Classes, Examples, Fields};
+use pipewright_runtime::model::{Family, TaskHead};
 use pipewright_runtime::train::TrainConfig;
 use std::path::PathBuf;
 
@@ -14,8 +14,9 @@ pub enum Task {
     /// Language modelling: the next token of a text.
     #[default]
     Lm,
-    /// A class per text (JSONL or CSV with text and label fields); the model gets a
-    /// classification head (fresh, from --seed, unless it has one).
+    /// A class per text (JSONL or CSV with text and label fields), or per image (vit: a folder
+    /// per class of PNG or JPEG files); the model gets a classification head (fresh, from
+    /// --seed, unless it has one).
     Classify,
 }
 
@@ -23,7 +24,8 @@ pub enum Task {
 pub struct DataArgs {
     /// Training data. For --task lm: a UTF-8 text file, a directory of .txt files, or token
     /// shards (.bin, from `pipewright tokenize`; those named *val* are held out); default: the
-    /// built-in synthetic corpus. For --task classify: a JSONL or CSV file of texts and labels.
+    /// built-in synthetic corpus. For --task classify: a JSONL or CSV file of texts and labels,
+    /// or (vit) a directory with a folder of images per class.
     #[arg(long)]
     pub data: Option<PathBuf>,
     /// Held-out data in the same form as --data (default: part of --data, see
@@ -88,7 +90,9 @@ pub fn corpus(a: &DataArgs, cfg: &mut TrainConfig) -> Result<Corpus> {
         cfg.model.check_text(&what, 0).map_err(BadInput)?;
     }
     let tok = crate::model::tokenizer(cfg)?;
-    tok.check_fits(cfg.model.vocab).map_err(BadInput)?;
+    if cfg.model.family != Family::Vit {
+        tok.check_fits(cfg.model.vocab).map_err(BadInput)?; // images need no tokenizer
+    }
     let Some(data) = &a.data else {
         return Ok(Corpus::builtin_with(&tok).map_err(BadInput)?);
     };
@@ -114,15 +118,21 @@ fn examples(
         text: a.text_field.clone(),
         label: a.label_field.clone(),
     };
-    let seq_len = cfg.model.seq_len;
+    let m = &cfg.model;
+    let seq_len = m.seq_len;
+    let (vit, size, channels) = (m.family == Family::Vit, m.image(), m.channels());
+    // Texts from JSONL or CSV; images (vit) from a folder per class.
+    let load = |path: &std::path::Path, classes: Option<&Classes>| match vit {
+        true => Examples::load_images(path, size, channels, seq_len, classes),
+        false => Examples::load(path, tok, &fields, seq_len, classes),
+    };
     // The training labels make the classes (the run checks a classifier's head has room).
-    let (train, classes) = Examples::load(data, tok, &fields, seq_len, None).map_err(BadInput)?;
+    let (train, classes) = load(data, None).map_err(BadInput)?;
     let name = data.display().to_string();
-    let ids = tok.vocab_size();
+    let ids = if vit { 0 } else { tok.vocab_size() };
     let corpus = match &a.val_data {
         Some(v) => {
-            let (val, _) =
-                Examples::load(v, tok, &fields, seq_len, Some(&classes)).map_err(BadInput)?;
+            let (val, _) = load(v, Some(&classes)).map_err(BadInput)?;
             Corpus::examples(
                 &format!("{name} (validation: {})", v.display()),
                 train,
@@ -132,7 +142,10 @@ fn examples(
         }
         None => Corpus::examples_split(&name, &train, ids, a.val_fraction, cfg.seed),
     };
-    if !matches!(cfg.model.head, Some(TaskHead::Classify { .. })) {
+    // A classifier keeps its head unless an image model's classes differ (a new head then, as
+    // transformers' `ignore_mismatched_sizes`).
+    let differs = vit && cfg.model.classes() != classes.count();
+    if differs || !matches!(cfg.model.head, Some(TaskHead::Classify { .. })) {
         cfg.model = cfg.model.with_head(Some(TaskHead::Classify {
             classes: classes.count(),
         }));

@@ -607,3 +607,80 @@ fn llama_learns_to_classify_text_and_exports_a_classifier() {
         assert!(err.contains(want), "{err}");
     }
 }
+
+/// Images in a folder per class fine-tune the ViT fixture (3 classes) for a new 2-class task:
+/// its classifier starts fresh, the rest loads; bright squares against dark ones are learnt as
+/// a 2-stage pipeline. An image that does not decode is named, exit 2.
+#[test]
+fn vit_fine_tunes_on_image_folders() {
+    let dir = fresh_dir("models-images");
+    let (train, val) = (dir.join("train"), dir.join("val"));
+    let mut n = 0u32;
+    for (root, count) in [(&train, 24), (&val, 8)] {
+        for (class, base) in [("bright", 190u8), ("dark", 40u8)] {
+            std::fs::create_dir_all(root.join(class)).unwrap();
+            for i in 0..count {
+                n += 1;
+                // Sizes vary (resized to 16 x 16), some grey: both are converted.
+                let side = 12 + (i % 3) * 6;
+                let px = |x: u32, y: u32| base.wrapping_add(((x * 7 + y * 13 + n) % 50) as u8);
+                let path = root.join(class).join(format!("{i}.png"));
+                if i % 4 == 0 {
+                    image::GrayImage::from_fn(side, side, |x, y| image::Luma([px(x, y)]))
+                        .save(&path)
+                        .unwrap();
+                } else {
+                    image::RgbImage::from_fn(side, side, |x, y| {
+                        image::Rgb([px(x, y), px(y, x), px(x + 1, y)])
+                    })
+                    .save(&path)
+                    .unwrap();
+                }
+            }
+        }
+    }
+    let vit = fixture().with_file_name("vit");
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let metrics = dir.join("m.jsonl");
+    let args = [
+        "train",
+        "--model",
+        &s(&vit),
+        "--task",
+        "classify",
+        "--data",
+        &s(&train),
+        "--val-data",
+        &s(&val),
+        "--stages",
+        "2",
+        "--microbatches",
+        "2",
+        "--rows",
+        "4",
+        "--steps",
+        "24",
+        "--eval-every",
+        "12",
+        "--lr",
+        "1e-2",
+        "--no-checkpoint",
+        "--metrics",
+        &s(&metrics),
+    ];
+    let out = ok(&args);
+    let acc: Vec<f64> = std::fs::read_to_string(&metrics)
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["accuracy"].as_f64())
+        .collect();
+    assert!(acc.len() == 3 && acc[2] == 1.0, "accuracy {acc:?}: {out}");
+    std::fs::write(val.join("dark").join("broken.png"), b"not a png").unwrap();
+    let o = pw(&args);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("broken.png: not an image that decodes"),
+        "{err}"
+    );
+}

@@ -70,20 +70,20 @@ impl Part {
                 MicroBatch::at(t, seq_len, &offsets, samples)
             }
             Part::Examples(e) => {
-                let mut mb = MicroBatch {
+                let idx: Vec<usize> = samples.iter().map(|&s| s as usize).collect();
+                let x = e.select(&idx);
+                MicroBatch {
                     rows: samples.len(),
                     seq_len: e.seq_len,
+                    tokens: x.tokens,
+                    mask: x.mask,
+                    targets: x.labels,
                     target_len: 1,
+                    pixels: x.pixels,
+                    image: x.image,
+                    samples,
                     ..MicroBatch::default()
-                };
-                for &s in &samples {
-                    let (tokens, mask, label) = e.row(s as usize);
-                    mb.tokens.extend_from_slice(tokens);
-                    mb.mask.extend_from_slice(mask);
-                    mb.targets.push(label);
                 }
-                mb.samples = samples;
-                mb
             }
         }
     }
@@ -340,21 +340,8 @@ impl Corpus {
             order.swap(i, r.below(i + 1));
         }
         let held = (all.len() as f64 * val_fraction).round() as usize;
-        let pick = |idx: &[usize]| {
-            let mut e = Examples {
-                seq_len: all.seq_len,
-                ..Examples::default()
-            };
-            for &i in idx {
-                let (t, m, l) = all.row(i);
-                e.tokens.extend_from_slice(t);
-                e.mask.extend_from_slice(m);
-                e.labels.push(l);
-            }
-            e
-        };
         let (val, train) = order.split_at(held);
-        Self::examples(name, pick(train), pick(val), ids)
+        Self::examples(name, all.select(train), all.select(val), ids)
     }
 
     /// Classes the labels take (the largest + 1); 0 for text.

@@ -1,5 +1,6 @@
 //! Labelled examples for a task head: texts with a class each, read from JSON lines or CSV,
-//! tokenized, cut to the model's sequence length and padded on the right.
+//! tokenized, cut to the model's sequence length and padded on the right; or images with a
+//! class each, from a folder per class.
 //!
 //! Right padding keeps a causal model's real tokens unaffected by the padding (they never
 //! attend forward), and its classifier reads the last real token, as transformers'
@@ -19,6 +20,9 @@ pub struct Examples {
     pub labels: Vec<i64>,
     /// Texts longer than `seq_len` tokens, cut to it.
     pub truncated: usize,
+    /// Images instead of texts: `len()` of `[c, h, w]` values each, row-major.
+    pub pixels: Vec<f32>,
+    pub image: Option<[usize; 3]>,
 }
 
 /// How labels in the data become classes: integers as they are, names in sorted order.
@@ -238,11 +242,122 @@ impl Examples {
         self.tokens.iter().max().map_or(0, |&m| m as usize + 1)
     }
 
-    /// Example `i`'s tokens, mask and label.
-    pub fn row(&self, i: usize) -> (&[i64], &[i64], i64) {
-        let r = i * self.seq_len..(i + 1) * self.seq_len;
-        (&self.tokens[r.clone()], &self.mask[r], self.labels[i])
+    /// The examples `idx`, in that order.
+    pub fn select(&self, idx: &[usize]) -> Examples {
+        let t = self.seq_len;
+        let px = self.image.map_or(0, |[c, h, w]| c * h * w);
+        let mut e = Examples {
+            seq_len: t,
+            image: self.image,
+            ..Examples::default()
+        };
+        for &i in idx {
+            if self.image.is_none() {
+                e.tokens.extend_from_slice(&self.tokens[i * t..(i + 1) * t]);
+                e.mask.extend_from_slice(&self.mask[i * t..(i + 1) * t]);
+            }
+            e.pixels
+                .extend_from_slice(&self.pixels[i * px..(i + 1) * px]);
+            e.labels.push(self.labels[i]);
+        }
+        e
     }
+
+    /// Images from `dir`, a folder per class (classes: the folder names, sorted; or `classes`,
+    /// those of the training set), each decoded (PNG or JPEG), resized to `size` x `size`,
+    /// made RGB (`channels` 3) or grey (1), and scaled as transformers' ViT image processor
+    /// does: x / 255, then (x - 0.5) / 0.5. `seq_len`: the model's patches and class token.
+    pub fn load_images(
+        dir: &Path,
+        size: usize,
+        channels: usize,
+        seq_len: usize,
+        classes: Option<&Classes>,
+    ) -> Result<(Examples, Classes), String> {
+        let name = dir.display().to_string();
+        let list = |d: &Path| -> Result<Vec<std::path::PathBuf>, String> {
+            let mut v: Vec<_> = std::fs::read_dir(d)
+                .map_err(|e| format!("{}: cannot list: {e}", d.display()))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .collect();
+            v.sort();
+            Ok(v)
+        };
+        let folders: Vec<_> = list(dir)?.into_iter().filter(|p| p.is_dir()).collect();
+        let found = Classes::Named(
+            folders
+                .iter()
+                .map(|p| {
+                    p.file_name()
+                        .unwrap_or_default()
+                        .to_string_lossy()
+                        .into_owned()
+                })
+                .collect(),
+        );
+        let classes = classes.cloned().unwrap_or(found);
+        let Classes::Named(names) = &classes else {
+            return Err(format!(
+                "{name}: images take their classes from folder names"
+            ));
+        };
+        let mut ex = Examples {
+            seq_len,
+            image: Some([channels, size, size]),
+            ..Examples::default()
+        };
+        for folder in &folders {
+            let class = folder.file_name().unwrap_or_default().to_string_lossy();
+            let Some(label) = names.iter().position(|n| *n == class) else {
+                return Err(format!(
+                    "{}: class {class:?} is not one of the training classes ({})",
+                    folder.display(),
+                    names.join(", ")
+                ));
+            };
+            for file in list(folder)?.into_iter().filter(|p| p.is_file()) {
+                ex.pixels.extend(image_values(&file, size, channels)?);
+                ex.labels.push(label as i64);
+            }
+        }
+        if ex.is_empty() {
+            return Err(format!(
+                "{name}: no images (expected a folder per class holding PNG or JPEG files)"
+            ));
+        }
+        Ok((ex, classes))
+    }
+}
+
+/// One image file as `[channels, size, size]` values, scaled to [-1, 1].
+fn image_values(file: &Path, size: usize, channels: usize) -> Result<Vec<f32>, String> {
+    let img = image::ImageReader::open(file)
+        .and_then(|r| r.with_guessed_format())
+        .map_err(|e| format!("{}: cannot read: {e}", file.display()))?
+        .decode()
+        .map_err(|e| format!("{}: not an image that decodes: {e}", file.display()))?;
+    let (s, f) = (size as u32, image::imageops::FilterType::Triangle);
+    let scaled = |v: u8| (v as f32 / 255.0 - 0.5) / 0.5;
+    let hw = size * size;
+    let mut out = vec![0f32; channels * hw];
+    match channels {
+        1 => {
+            let g = image::imageops::resize(&img.to_luma8(), s, s, f);
+            for (i, p) in g.pixels().enumerate() {
+                out[i] = scaled(p.0[0]);
+            }
+        }
+        3 => {
+            let rgb = image::imageops::resize(&img.to_rgb8(), s, s, f);
+            for (i, p) in rgb.pixels().enumerate() {
+                for c in 0..3 {
+                    out[c * hw + i] = scaled(p.0[c]);
+                }
+            }
+        }
+        c => return Err(format!("images of {c} channels: only 1 (grey) or 3 (RGB)")),
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -338,5 +453,43 @@ mod tests {
         assert!(e.contains("no \"label\" column"), "{e}");
         let e = Examples::load(&p, &Tokenizer::Bytes, &f, 4, Some(&Classes::Numbered(1)));
         assert!(e.is_err());
+    }
+
+    #[test]
+    fn image_folders_give_scaled_channel_first_pixels_and_named_classes() {
+        let d = tempfile::tempdir().unwrap();
+        for class in ["cat", "dog"] {
+            std::fs::create_dir(d.path().join(class)).unwrap();
+        }
+        let img = image::RgbImage::from_fn(2, 2, |x, y| {
+            image::Rgb([(x * 255) as u8, (y * 255) as u8, 51])
+        });
+        img.save(d.path().join("dog").join("a.png")).unwrap();
+        let (e, c) = Examples::load_images(d.path(), 2, 3, 5, None).unwrap();
+        assert_eq!(c, Classes::Named(vec!["cat".into(), "dog".into()]));
+        assert_eq!((e.labels.clone(), e.image), (vec![1], Some([3, 2, 2])));
+        // Red is x, green is y, blue 51 = 0.2: scaled to (v - 0.5) / 0.5.
+        let want = [
+            -1.0, 1.0, -1.0, 1.0, -1.0, -1.0, 1.0, 1.0, -0.6, -0.6, -0.6, -0.6,
+        ];
+        assert!(
+            e.pixels.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-6),
+            "{:?}",
+            e.pixels
+        );
+        assert_eq!(e.select(&[0, 0]).pixels.len(), 24);
+        // A class the training set lacks, a file that is no image, no images at all.
+        let only = Classes::Named(vec!["dog".into()]);
+        let err = Examples::load_images(d.path(), 2, 3, 5, Some(&only)).unwrap_err();
+        assert!(
+            err.contains("class \"cat\" is not one of the training classes (dog)"),
+            "{err}"
+        );
+        std::fs::write(d.path().join("cat").join("b.png"), b"no").unwrap();
+        let err = Examples::load_images(d.path(), 2, 3, 5, None).unwrap_err();
+        assert!(err.contains("b.png: not an image that decodes"), "{err}");
+        let empty = tempfile::tempdir().unwrap();
+        let err = Examples::load_images(empty.path(), 2, 3, 5, None).unwrap_err();
+        assert!(err.contains("no images"), "{err}");
     }
 }
