@@ -18,6 +18,9 @@ pub enum Task {
     /// per class of PNG or JPEG files); the model gets a classification head (fresh, from
     /// --seed, unless it has one).
     Classify,
+    /// Extractive question answering (bert) on SQuAD-format JSON: each question with its
+    /// context, the answer's first and last token; validation reports exact match and F1.
+    Qa,
 }
 
 #[derive(clap::Args, Clone, Debug, Default)]
@@ -65,9 +68,9 @@ impl DataArgs {
             ))
             .into());
         }
-        if self.task == Task::Classify && self.data.is_none() {
+        if self.task != Task::Lm && self.data.is_none() {
             return Err(BadInput(
-                "--task classify needs labelled examples: --data FILE.jsonl or FILE.csv".into(),
+                "--task classify and qa need labelled examples: --data FILE.jsonl, FILE.csv, an image folder (vit) or SQuAD JSON (qa)".into(),
             )
             .into());
         }
@@ -103,6 +106,7 @@ pub fn corpus(a: &DataArgs, cfg: &mut TrainConfig) -> Result<Corpus> {
         }
         .map_err(BadInput)?,
         Task::Classify => examples(a, data, cfg, &tok)?,
+        Task::Qa => questions(a, data, cfg, &tok)?,
     };
     Ok(corpus)
 }
@@ -151,6 +155,35 @@ fn examples(
         }));
     }
     // Every example is drawn once an epoch (what the frozen-prefix cache keys on).
+    cfg.sampling = pipewright_runtime::data::Sampling::Epochs;
+    cfg.model.check().map_err(BadInput)?;
+    Ok(corpus)
+}
+
+/// SQuAD questions from `data` (and --val-data); the model given an answer-span head.
+fn questions(
+    a: &DataArgs,
+    data: &std::path::Path,
+    cfg: &mut TrainConfig,
+    tok: &pipewright_runtime::tokenizer::Tokenizer,
+) -> Result<Corpus> {
+    use pipewright_runtime::squad;
+    let seq_len = cfg.model.seq_len;
+    let name = data.display().to_string();
+    let ids = tok.vocab_size();
+    let corpus = match &a.val_data {
+        Some(v) => {
+            let (train, _) = squad::load(data, tok, seq_len, true).map_err(BadInput)?;
+            let (val, _) = squad::load(v, tok, seq_len, false).map_err(BadInput)?;
+            let name = format!("{name} (validation: {})", v.display());
+            Corpus::examples(&name, train, val, ids)
+        }
+        None => {
+            let (all, _) = squad::load(data, tok, seq_len, true).map_err(BadInput)?;
+            Corpus::examples_split(&name, &all, ids, a.val_fraction, cfg.seed)
+        }
+    };
+    cfg.model = cfg.model.with_head(Some(TaskHead::Span));
     cfg.sampling = pipewright_runtime::data::Sampling::Epochs;
     cfg.model.check().map_err(BadInput)?;
     Ok(corpus)

@@ -46,9 +46,10 @@ pub fn step_line(row: &StepRow) -> String {
     let val = row
         .val_loss
         .map_or(String::new(), |v| format!(" val {v:.4}"));
-    let val = match row.accuracy {
-        Some(a) => format!("{val} accuracy {a:.3}"),
-        None => val,
+    let val = match (row.accuracy, row.f1) {
+        (Some(em), Some(f1)) => format!("{val} exact match {em:.3} F1 {f1:.3}"),
+        (Some(a), None) => format!("{val} accuracy {a:.3}"),
+        _ => val,
     };
     let mem = resident_bytes().map_or(String::new(), |b| {
         format!(" memory {:.0} MB", b as f64 / 1e6)

@@ -758,6 +758,10 @@ fn report(a: &TrainArgs, run: &mut TrainingRun, s: &RunSummary) -> Result<()> {
     }
     let (base, base_name) = run.baseline();
     match (s.first_accuracy, s.last_accuracy) {
+        (Some(a0), Some(a1)) if s.last_f1.is_some() => println!(
+            "val loss {:.4} -> {:.4}, exact match {:.3} -> {:.3}, F1 {:.3} ({base_name} {base:.4}) after {} steps",
+            s.first_val, s.last_val, a0, a1, s.last_f1.unwrap_or(0.0), s.step
+        ),
         (Some(a0), Some(a1)) => println!(
             "val loss {:.4} -> {:.4}, accuracy {:.3} -> {:.3} ({base_name} {base:.4}) after {} steps",
             s.first_val, s.last_val, a0, a1, s.step

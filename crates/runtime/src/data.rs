@@ -78,11 +78,11 @@ impl Part {
                     tokens: x.tokens,
                     mask: x.mask,
                     targets: x.labels,
-                    target_len: 1,
+                    target_len: x.target_len.max(1),
+                    token_types: x.token_types,
                     pixels: x.pixels,
                     image: x.image,
                     samples,
-                    ..MicroBatch::default()
                 }
             }
         }
@@ -353,6 +353,11 @@ impl Corpus {
         most(&self.train).max(most(&self.val))
     }
 
+    /// Answer spans (question answering) to learn?
+    pub fn is_span(&self) -> bool {
+        matches!(&self.train, Part::Examples(e) if e.target_len == 2)
+    }
+
     /// Labelled examples (a task) rather than text?
     pub fn is_task(&self) -> bool {
         matches!(self.train, Part::Examples(_))
@@ -404,10 +409,11 @@ impl Corpus {
             counts[b] += 1.0;
         }
         let total: f64 = counts.iter().sum();
-        -values(&self.val)
-            .map(|b| (counts[b] / total).ln())
-            .sum::<f64>()
-            / self.val.len().max(1) as f64
+        let (mut sum, mut n) = (0.0, 0usize);
+        for b in values(&self.val) {
+            (sum, n) = (sum - (counts[b] / total).ln(), n + 1);
+        }
+        sum / n.max(1) as f64
     }
 }
 

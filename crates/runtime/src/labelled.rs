@@ -23,6 +23,21 @@ pub struct Examples {
     /// Images instead of texts: `len()` of `[c, h, w]` values each, row-major.
     pub pixels: Vec<f32>,
     pub image: Option<[usize; 3]>,
+    /// Targets per example in `labels`: 1 (a class) or 2 (an answer's first and last token);
+    /// 0 counts as 1.
+    pub target_len: usize,
+    /// Question answering: each token's segment, and what scoring each answer needs.
+    pub token_types: Vec<i64>,
+    pub spans: Vec<Span>,
+}
+
+/// What scoring a predicted answer span needs: the context, each token's byte range in it
+/// (None outside the context), and the gold answers.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Span {
+    pub context: String,
+    pub offsets: Vec<Option<(usize, usize)>>,
+    pub answers: Vec<String>,
 }
 
 /// How labels in the data become classes: integers as they are, names in sorted order.
@@ -230,7 +245,22 @@ impl Examples {
     }
 
     pub fn len(&self) -> usize {
-        self.labels.len()
+        self.labels.len() / self.target_len.max(1)
+    }
+
+    /// Leave out the last example.
+    pub fn truncate_last(&mut self) {
+        let n = self.len().saturating_sub(1);
+        let t = self.seq_len;
+        self.tokens.truncate(n * t);
+        self.mask.truncate(n * t);
+        self.token_types.truncate(if self.token_types.is_empty() {
+            0
+        } else {
+            n * t
+        });
+        self.labels.truncate(n * self.target_len.max(1));
+        self.spans.truncate(n);
     }
 
     pub fn is_empty(&self) -> bool {
@@ -246,9 +276,11 @@ impl Examples {
     pub fn select(&self, idx: &[usize]) -> Examples {
         let t = self.seq_len;
         let px = self.image.map_or(0, |[c, h, w]| c * h * w);
+        let k = self.target_len.max(1);
         let mut e = Examples {
             seq_len: t,
             image: self.image,
+            target_len: self.target_len,
             ..Examples::default()
         };
         for &i in idx {
@@ -256,9 +288,16 @@ impl Examples {
                 e.tokens.extend_from_slice(&self.tokens[i * t..(i + 1) * t]);
                 e.mask.extend_from_slice(&self.mask[i * t..(i + 1) * t]);
             }
+            if !self.token_types.is_empty() {
+                e.token_types
+                    .extend_from_slice(&self.token_types[i * t..(i + 1) * t]);
+            }
             e.pixels
                 .extend_from_slice(&self.pixels[i * px..(i + 1) * px]);
-            e.labels.push(self.labels[i]);
+            e.labels.extend_from_slice(&self.labels[i * k..(i + 1) * k]);
+            if let Some(s) = self.spans.get(i) {
+                e.spans.push(s.clone());
+            }
         }
         e
     }

@@ -123,6 +123,42 @@ impl Tokenizer {
         }
     }
 
+    /// A question and its context as one sequence: ids, segment ids (0: question, 1:
+    /// context) and each token's byte range in the context (None for question and special
+    /// tokens). A Hugging Face tokenizer adds its special tokens (BERT's [CLS] q [SEP] c [SEP]).
+    #[allow(clippy::type_complexity)]
+    pub fn encode_pair(
+        &self,
+        question: &str,
+        context: &str,
+    ) -> Result<(Vec<u32>, Vec<u32>, Vec<Option<(usize, usize)>>), String> {
+        if let Tokenizer::Hf { tok, path } = self {
+            let e = tok
+                .encode((question, context), true)
+                .map_err(|e| format!("{path}: {e}"))?;
+            let offsets = e
+                .get_sequence_ids()
+                .into_iter()
+                .zip(e.get_offsets())
+                .map(|(s, &o)| (s == Some(1)).then_some(o))
+                .collect();
+            return Ok((e.get_ids().to_vec(), e.get_type_ids().to_vec(), offsets));
+        }
+        let (q, c) = (self.encode(question)?, self.encode(context)?);
+        let mut offsets = vec![None; q.len()];
+        let mut at = 0;
+        for &id in &c {
+            let len = match self {
+                Tokenizer::Bpe { bpe, .. } => bpe.decode_bytes(&[id]).map_or(1, |b| b.len()),
+                _ => 1,
+            };
+            offsets.push(Some((at, at + len)));
+            at += len;
+        }
+        let types = [vec![0; q.len()], vec![1; c.len()]].concat();
+        Ok(([q, c].concat(), types, offsets))
+    }
+
     /// Text of `ids`; bytes that are not UTF-8 become U+FFFD.
     pub fn decode(&self, ids: &[u32]) -> Result<String, String> {
         match self {

@@ -241,6 +241,24 @@ impl ModelConfig {
         Ok(())
     }
 
+    /// Can this model learn answer spans over `ids` token ids? It needs an answer-span head.
+    pub fn check_spans(&self, what: &str, ids: usize) -> Result<(), String> {
+        if self.head != Some(TaskHead::Span) {
+            return Err(format!(
+                "{what}: questions with answer spans need an answer-span head (bert, `BertForQuestionAnswering`); this {} model has {}",
+                self.family.name(),
+                self.head.map_or("an LM head".into(), |h| format!("a {h} head"))
+            ));
+        }
+        match self.vocab < ids {
+            true => Err(format!(
+                "{what}: its tokens take {ids} ids, more than the model's vocabulary of {}",
+                self.vocab
+            )),
+            false => Ok(()),
+        }
+    }
+
     /// Can this model learn from text (next-token prediction over bytes or token ids)? Not
     /// with a task head, nor with a vocabulary smaller than the 256 byte values.
     pub fn check_text(&self, what: &str, ids: usize) -> Result<(), String> {

@@ -613,9 +613,10 @@ fn to_f32(dtype: safetensors::Dtype, data: &[u8]) -> Result<Vec<f32>, String> {
 /// `wanted` (checkpoint name, shape) found under its HF name with the HF shape; a tied model's
 /// head takes the embedding's matrix. Missing, misshaped and left-over tensors are named.
 ///
-/// With `new_head` (a fine-tune for another task than the checkpoint's) the head's last
-/// linear (`lm_head`, `score`, `classifier`, `qa_outputs`) is neither read nor wanted: it is
-/// left out of the result, for the caller to start fresh, as transformers does.
+/// With `new_head` (a fine-tune for another task than the checkpoint's) the head's parts
+/// (`lm_head`, `score`, `classifier`, `qa_outputs`, BERT's pooler) are read where the
+/// checkpoint has them in the shape wanted, else left out of the result for the caller to
+/// start fresh; the checkpoint's other head parts are dropped, as transformers does.
 pub fn from_hf(
     cfg: &ModelConfig,
     wanted: &[(String, Vec<usize>)],
@@ -624,18 +625,20 @@ pub fn from_hf(
 ) -> Result<BTreeMap<String, HfTensor>, String> {
     let mut out = BTreeMap::new();
     let embedding = hf.get(embedding_name(cfg)).cloned();
-    let task_output = |k: &str| {
+    let task_part = |k: &str| {
         new_head
-            && ["lm_head.", "score.", "classifier.", "qa_outputs."]
-                .iter()
-                .any(|p| k.starts_with(p))
+            && [
+                "lm_head.",
+                "score.",
+                "classifier.",
+                "qa_outputs.",
+                "bert.pooler.",
+            ]
+            .iter()
+            .any(|p| k.starts_with(p))
     };
-    hf.retain(|k, _| !task_output(k));
     for (name, shape) in wanted {
         let key = hf_name(cfg, name);
-        if task_output(&key) {
-            continue;
-        }
         let tied = cfg.tie_embeddings && key == "lm_head.weight";
         let t = if tied {
             embedding.clone()
@@ -643,6 +646,10 @@ pub fn from_hf(
             hf.remove(&key)
         };
         let want_hf = hf_shape(cfg, shape, &key);
+        // A new task's head takes what fits from the checkpoint; the rest starts fresh.
+        if task_part(&key) && t.as_ref().is_none_or(|t| t.shape != want_hf) {
+            continue;
+        }
         let t = t.ok_or_else(|| format!("tensor {key} is missing (expected shape {want_hf:?})"))?;
         if t.shape != want_hf {
             return Err(format!(
@@ -663,6 +670,7 @@ pub fn from_hf(
             },
         );
     }
+    hf.retain(|k, _| !task_part(k));
     // transformers may save a tied head's matrix too; it must then equal the embedding.
     if cfg.tie_embeddings {
         hf.remove("lm_head.weight");

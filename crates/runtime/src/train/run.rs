@@ -102,6 +102,7 @@ pub struct RunStart {
     /// Validation loss before the first step of this run (and a task's accuracy).
     pub val_loss: f64,
     pub accuracy: Option<f64>,
+    pub f1: Option<f64>,
     /// The step a resume continued from.
     pub resumed: Option<u64>,
 }
@@ -109,7 +110,7 @@ pub struct RunStart {
 impl RunStart {
     /// The metrics row of the starting point (a fresh run's step 0).
     pub fn to_json(&self) -> Value {
-        json!({"step": self.step, "loss": null, "val_loss": self.val_loss, "val_perplexity": self.val_loss.exp(), "accuracy": self.accuracy, "tokens_per_s": null})
+        json!({"step": self.step, "loss": null, "val_loss": self.val_loss, "val_perplexity": self.val_loss.exp(), "accuracy": self.accuracy, "f1": self.f1, "tokens_per_s": null})
     }
 }
 
@@ -120,6 +121,7 @@ pub struct StepRow<'a> {
     /// This step's validation loss (and a task's accuracy), if it validated.
     pub val_loss: Option<f64>,
     pub accuracy: Option<f64>,
+    pub f1: Option<f64>,
     /// The latest validation loss, and accuracy.
     pub last_val: f64,
     pub last_accuracy: Option<f64>,
@@ -138,7 +140,7 @@ impl StepRow<'_> {
     /// The metrics row (JSON lines): the one place that names its fields.
     pub fn to_json(&self) -> Value {
         let r = self.report;
-        json!({"step": r.step, "loss": r.loss, "val_loss": self.val_loss, "val_perplexity": self.val_loss.map(f64::exp), "accuracy": self.accuracy, "tokens_per_s": self.tokens_per_s(), "samples_per_s": self.samples_per_s, "lr": r.lr, "grad_norm": r.grad_norm, "busy": r.busy, "seconds": r.seconds, "frozen_layers": self.frozen, "stages": self.stages, "replicas": self.replicas, "cache": self.cache.as_ref().map(|c| json!({"hits": c.hits, "extended": c.extended, "misses": c.misses, "memory_bytes": c.memory_bytes, "disk_bytes": c.disk_bytes}))})
+        json!({"step": r.step, "loss": r.loss, "val_loss": self.val_loss, "val_perplexity": self.val_loss.map(f64::exp), "accuracy": self.accuracy, "f1": self.f1, "tokens_per_s": self.tokens_per_s(), "samples_per_s": self.samples_per_s, "lr": r.lr, "grad_norm": r.grad_norm, "busy": r.busy, "seconds": r.seconds, "frozen_layers": self.frozen, "stages": self.stages, "replicas": self.replicas, "cache": self.cache.as_ref().map(|c| json!({"hits": c.hits, "extended": c.extended, "misses": c.misses, "memory_bytes": c.memory_bytes, "disk_bytes": c.disk_bytes}))})
     }
 }
 
@@ -150,6 +152,8 @@ pub struct RunSummary {
     /// A task's held-out accuracy at the start and at the end.
     pub first_accuracy: Option<f64>,
     pub last_accuracy: Option<f64>,
+    /// An answer-span task's F1 at the end.
+    pub last_f1: Option<f64>,
     /// Steps done in all.
     pub step: u64,
     /// Steps this run took (after any resume).
@@ -223,9 +227,10 @@ impl TrainingRun {
         let model = &trainer.cfg.model;
         corpus
             .check(model.seq_len)
-            .and_then(|()| match corpus.is_task() {
-                true => model.check_examples(&corpus.name, corpus.ids, corpus.classes()),
-                false => model.check_text(&corpus.name, corpus.ids),
+            .and_then(|()| match (corpus.is_span(), corpus.is_task()) {
+                (true, _) => model.check_spans(&corpus.name, corpus.ids),
+                (false, true) => model.check_examples(&corpus.name, corpus.ids, corpus.classes()),
+                _ => model.check_text(&corpus.name, corpus.ids),
             })
             .map_err(Error::Config)?;
         let epoch_steps = trainer
@@ -284,9 +289,10 @@ impl TrainingRun {
     /// The unigram loss of the training data (a task's: of its labels): what a model that
     /// learnt nothing scores, and its name.
     pub fn baseline(&self) -> (f64, &'static str) {
-        let name = match self.corpus.is_task() {
-            true => "class-prior baseline",
-            false => "unigram baseline",
+        let name = match (self.corpus.is_span(), self.corpus.is_task()) {
+            (true, _) => "position-prior baseline",
+            (_, true) => "class-prior baseline",
+            _ => "unigram baseline",
         };
         (self.corpus.unigram_baseline(), name)
     }
@@ -310,6 +316,7 @@ impl TrainingRun {
             steps: self.trainer.cfg.steps,
             val_loss: first.loss,
             accuracy: first.accuracy,
+            f1: first.f1,
             resumed,
         })?;
         self.whole = (self.cfg.trace && self.freezer.is_some()).then(|| WholeRun {
@@ -344,6 +351,7 @@ impl TrainingRun {
             last_val: last_val.loss,
             first_accuracy: first.accuracy,
             last_accuracy: last_val.accuracy,
+            last_f1: last_val.f1,
             step: self.trainer.step,
             steps_run: self.step_seconds.len(),
             checkpoint,
@@ -455,6 +463,7 @@ impl TrainingRun {
             steps,
             val_loss: val.map(|v| v.loss),
             accuracy: val.and_then(|v| v.accuracy),
+            f1: val.and_then(|v| v.f1),
             last_val: val.unwrap_or(last_val).loss,
             last_accuracy: val.unwrap_or(last_val).accuracy,
             samples_per_s: (plan.num_microbatches * self.trainer.cfg.rows) as f64 / r.seconds,

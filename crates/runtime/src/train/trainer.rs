@@ -60,12 +60,41 @@ pub fn describe(plan: &Plan) -> String {
     )
 }
 
+/// A held-out micro-batch's task scores, summed over its rows: classes right (F1 0), or for
+/// answer spans SQuAD's exact match and F1 of the best span of each row's start and end
+/// logits; (0, 0) for text.
+fn task_scores(corpus: &Corpus, mb: &MicroBatch, logits: burn::tensor::Tensor<3>) -> (f64, f64) {
+    let Part::Examples(val) = &corpus.val else {
+        return (0.0, 0.0);
+    };
+    if !corpus.is_span() {
+        let guess = logits.argmax(2).into_data();
+        let right = guess
+            .iter::<i64>()
+            .zip(&mb.targets)
+            .filter(|(g, t)| g == *t);
+        return (right.count() as f64, 0.0);
+    }
+    let v: Vec<f32> = logits.into_data().iter::<f32>().collect();
+    let t = mb.seq_len;
+    let mut sums = (0.0, 0.0);
+    for (r, &s) in mb.samples.iter().enumerate() {
+        let row = &v[r * 2 * t..(r + 1) * 2 * t];
+        let span = &val.spans[s as usize];
+        let guess = crate::squad::best_span(&row[..t], &row[t..], span);
+        let (em, f) = crate::squad::score(&guess, &span.answers);
+        sums = (sums.0 + em, sums.1 + f);
+    }
+    sums
+}
+
 /// Held-out figures: the loss, and a task's accuracy (the share of examples whose most likely
-/// class is their label).
+/// class is their label; for answer spans, SQuAD's exact match) and an answer span's F1.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Validation {
     pub loss: f64,
     pub accuracy: Option<f64>,
+    pub f1: Option<f64>,
 }
 
 pub struct Trainer {
@@ -612,30 +641,21 @@ impl Trainer {
         let _guard = autodiff_lock();
         let model = Stage { layers }.valid();
         let dev = plain_device();
-        let (mut total, mut rows, mut right) = (0.0, 0, 0);
+        let (mut total, mut rows, mut right, mut f1) = (0.0, 0, 0.0, 0.0);
         for mb in self.held_out(corpus, batches) {
             let logits = model
                 .forward_in(batch_input(&mb, &dev), &Ctx::of(&mb, &dev))
                 .map_err(Error::Config)?;
-            if corpus.is_task() {
-                let guess = logits
-                    .clone()
-                    .argmax(2)
-                    .into_data()
-                    .iter::<i64>()
-                    .collect::<Vec<_>>();
-                right += guess
-                    .iter()
-                    .zip(&mb.targets)
-                    .filter(|(g, t)| g == t)
-                    .count();
-            }
+            let (r, f) = task_scores(corpus, &mb, logits.clone());
+            (right, f1) = (right + r, f1 + f);
             total += batch_loss(logits, &mb).into_scalar::<f32>() as f64 * mb.rows as f64;
             rows += mb.rows;
         }
+        let n = rows.max(1) as f64;
         Ok(Validation {
-            loss: total / rows.max(1) as f64,
-            accuracy: corpus.is_task().then(|| right as f64 / rows.max(1) as f64),
+            loss: total / n,
+            accuracy: corpus.is_task().then_some(right / n),
+            f1: corpus.is_span().then_some(f1 / n),
         })
     }
 
