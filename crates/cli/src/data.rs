@@ -3,7 +3,7 @@
 use crate::BadInput;
 use anyhow::Result;
 use pipewright_runtime::data::Corpus;
-use pipewright_runtime::labelled::{Classes, Examples, Fields};
+use pipewright_runtime::labelled::{cifar_files, Classes, Examples, Fields};
 use pipewright_runtime::model::{Family, TaskHead};
 use pipewright_runtime::train::TrainConfig;
 use std::path::PathBuf;
@@ -15,7 +15,8 @@ pub enum Task {
     #[default]
     Lm,
     /// A class per text (JSONL or CSV with text and label fields), or per image (vit: a folder
-    /// per class of PNG or JPEG files); the model gets a classification head (fresh, from
+    /// per class of PNG or JPEG files, or CIFAR-10/100's binary files, whose test file is the
+    /// held-out part); the model gets a classification head (fresh, from
     /// --seed, unless it has one).
     Classify,
     /// Extractive question answering (bert) on SQuAD-format JSON: each question with its
@@ -125,16 +126,23 @@ fn examples(
     let m = &cfg.model;
     let seq_len = m.seq_len;
     let (vit, size, channels) = (m.family == Family::Vit, m.image(), m.channels());
-    // Texts from JSONL or CSV; images (vit) from a folder per class.
+    // Texts from JSONL or CSV; images (vit) from CIFAR's binary files or a folder per class.
     let load = |path: &std::path::Path, classes: Option<&Classes>| match vit {
-        true => Examples::load_images(path, size, channels, seq_len, classes),
+        true => match cifar_files(path, classes.is_some()) {
+            Some(files) => Examples::load_cifar(&files, size, channels, seq_len),
+            None => Examples::load_images(path, size, channels, seq_len, classes),
+        },
         false => Examples::load(path, tok, &fields, seq_len, classes),
     };
     // The training labels make the classes (the run checks a classifier's head has room).
     let (train, classes) = load(data, None).map_err(BadInput)?;
     let name = data.display().to_string();
     let ids = if vit { 0 } else { tok.vocab_size() };
-    let corpus = match &a.val_data {
+    // A CIFAR directory brings its own test set.
+    let cifar_test = (vit && data.is_dir())
+        .then(|| cifar_files(data, true).map(|_| data.to_path_buf()))
+        .flatten();
+    let corpus = match a.val_data.as_ref().or(cifar_test.as_ref()) {
         Some(v) => {
             let (val, _) = load(v, Some(&classes)).map_err(BadInput)?;
             Corpus::examples(

@@ -780,3 +780,51 @@ fn bert_learns_answer_spans_from_squad_json() {
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("is not at character"), "{err}");
 }
+
+/// CIFAR-10's binary files train the ViT fixture (32 x 32 images resized to its 16), the
+/// directory's `test_batch.bin` held out; a file of broken records is named, exit 2.
+#[test]
+fn vit_trains_on_cifar_binary_files() {
+    let dir = fresh_dir("models-cifar");
+    let record = |label: u8, bright: bool| -> Vec<u8> {
+        let v = if bright { 220u8 } else { 30u8 };
+        std::iter::once(label)
+            .chain((0..3072).map(|i| v.wrapping_add((i % 17) as u8)))
+            .collect()
+    };
+    let batch = |n: usize| -> Vec<u8> {
+        (0..n)
+            .flat_map(|i| record((i % 2) as u8, i % 2 == 1))
+            .collect()
+    };
+    std::fs::write(dir.join("data_batch_1.bin"), batch(32)).unwrap();
+    std::fs::write(dir.join("test_batch.bin"), batch(8)).unwrap();
+    let vit = fixture().with_file_name("vit");
+    let args = [
+        "train",
+        "--model",
+        vit.to_str().unwrap(),
+        "--task",
+        "classify",
+        "--data",
+        dir.to_str().unwrap(),
+        "--stages",
+        "2",
+        "--microbatches",
+        "2",
+        "--rows",
+        "4",
+        "--steps",
+        "16",
+        "--lr",
+        "1e-2",
+        "--no-checkpoint",
+    ];
+    let out = ok(&args);
+    assert!(out.contains("-> 1.000"), "{out}");
+    std::fs::write(dir.join("data_batch_2.bin"), vec![0u8; 3000]).unwrap();
+    let o = pw(&args);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("data_batch_2.bin: 3000 bytes"), "{err}");
+}

@@ -375,6 +375,15 @@ fn image_values(file: &Path, size: usize, channels: usize) -> Result<Vec<f32>, S
         .map_err(|e| format!("{}: cannot read: {e}", file.display()))?
         .decode()
         .map_err(|e| format!("{}: not an image that decodes: {e}", file.display()))?;
+    scaled_values(&img, size, channels)
+}
+
+/// An image resized to `size` x `size`, as `[channels, size, size]` values scaled to [-1, 1].
+fn scaled_values(
+    img: &image::DynamicImage,
+    size: usize,
+    channels: usize,
+) -> Result<Vec<f32>, String> {
     let (s, f) = (size as u32, image::imageops::FilterType::Triangle);
     let scaled = |v: u8| (v as f32 / 255.0 - 0.5) / 0.5;
     let hw = size * size;
@@ -397,6 +406,99 @@ fn image_values(file: &Path, size: usize, channels: usize) -> Result<Vec<f32>, S
         c => return Err(format!("images of {c} channels: only 1 (grey) or 3 (RGB)")),
     }
     Ok(out)
+}
+
+/// CIFAR's binary records: CIFAR-10's 1 label byte, or CIFAR-100's coarse and fine label bytes
+/// (the fine one is the class), then 32 x 32 red, green and blue planes.
+const CIFAR_PIXELS: usize = 3 * 32 * 32;
+
+impl Examples {
+    /// The images of CIFAR-10 or CIFAR-100 binary files (`data_batch_*.bin` / `test_batch.bin`:
+    /// 10 classes; `train.bin` / `test.bin`: 100), resized and scaled as
+    /// [`Examples::load_images`]. Returns them and their classes.
+    pub fn load_cifar(
+        files: &[std::path::PathBuf],
+        size: usize,
+        channels: usize,
+        seq_len: usize,
+    ) -> Result<(Examples, Classes), String> {
+        let mut ex = Examples {
+            seq_len,
+            image: Some([channels, size, size]),
+            ..Examples::default()
+        };
+        let mut classes = 10;
+        for f in files {
+            let name = f.file_name().unwrap_or_default().to_string_lossy();
+            let hundred = matches!(name.as_ref(), "train.bin" | "test.bin");
+            let (head, n) = if hundred { (2, 100) } else { (1, 10) };
+            classes = n;
+            let bytes =
+                std::fs::read(f).map_err(|e| format!("{}: cannot read: {e}", f.display()))?;
+            let record = head + CIFAR_PIXELS;
+            if bytes.is_empty() || bytes.len() % record != 0 {
+                return Err(format!(
+                    "{}: {} bytes is not a whole number of CIFAR-{n} records of {record} bytes",
+                    f.display(),
+                    bytes.len()
+                ));
+            }
+            for (i, r) in bytes.chunks(record).enumerate() {
+                let label = r[head - 1] as usize;
+                if label >= n {
+                    return Err(format!(
+                        "{}: record {i} has label {label}, outside CIFAR-{n}'s classes",
+                        f.display()
+                    ));
+                }
+                let px = &r[head..];
+                let img = image::RgbImage::from_fn(32, 32, |x, y| {
+                    let at = (y * 32 + x) as usize;
+                    image::Rgb([px[at], px[1024 + at], px[2048 + at]])
+                });
+                ex.pixels
+                    .extend(scaled_values(&img.into(), size, channels)?);
+                ex.labels.push(label as i64);
+            }
+        }
+        if ex.is_empty() {
+            return Err("no CIFAR files given".into());
+        }
+        Ok((ex, Classes::Numbered(classes)))
+    }
+}
+
+/// The CIFAR binary files at `path`: the file itself, or a directory's `data_batch_*.bin`
+/// (else `train.bin`) for training, `test_batch.bin` (else `test.bin`) with `test`. None when
+/// `path` holds none (image folders, say).
+pub fn cifar_files(path: &Path, test: bool) -> Option<Vec<std::path::PathBuf>> {
+    if path.is_file() {
+        return path
+            .extension()
+            .is_some_and(|x| x == "bin")
+            .then(|| vec![path.to_path_buf()]);
+    }
+    let mut v: Vec<_> = std::fs::read_dir(path)
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            let n = p
+                .file_name()
+                .unwrap_or_default()
+                .to_string_lossy()
+                .into_owned();
+            match test {
+                true => n == "test_batch.bin",
+                false => n.starts_with("data_batch_") && n.ends_with(".bin"),
+            }
+        })
+        .collect();
+    if v.is_empty() {
+        let one = path.join(if test { "test.bin" } else { "train.bin" });
+        v = one.is_file().then(|| vec![one]).unwrap_or_default();
+    }
+    v.sort();
+    (!v.is_empty()).then_some(v)
 }
 
 #[cfg(test)]
@@ -530,5 +632,37 @@ mod tests {
         let empty = tempfile::tempdir().unwrap();
         let err = Examples::load_images(empty.path(), 2, 3, 5, None).unwrap_err();
         assert!(err.contains("no images"), "{err}");
+    }
+
+    #[test]
+    fn cifar_records_read_as_their_planes_and_labels() {
+        let d = tempfile::tempdir().unwrap();
+        // Two CIFAR-10 records: label 3 all red, label 9 all blue.
+        let mut bytes = vec![3u8];
+        bytes.extend(std::iter::repeat_n(255u8, 1024));
+        bytes.extend(std::iter::repeat_n(0u8, 2048));
+        bytes.push(9);
+        bytes.extend(std::iter::repeat_n(0u8, 2048));
+        bytes.extend(std::iter::repeat_n(255u8, 1024));
+        std::fs::write(d.path().join("data_batch_1.bin"), &bytes).unwrap();
+        let files = cifar_files(d.path(), false).unwrap();
+        let (e, c) = Examples::load_cifar(&files, 4, 3, 5).unwrap();
+        assert_eq!((e.labels.clone(), c), (vec![3, 9], Classes::Numbered(10)));
+        assert_eq!(e.pixels[..16], [1.0; 16]); // red plane of image 0
+        assert_eq!(e.pixels[16..48], [-1.0; 32]);
+        assert_eq!(e.pixels[48 + 32..], [1.0; 16]); // blue plane of image 1
+        assert!(cifar_files(d.path(), true).is_none());
+        std::fs::write(d.path().join("data_batch_2.bin"), &bytes[..100]).unwrap();
+        let err =
+            Examples::load_cifar(&cifar_files(d.path(), false).unwrap(), 4, 3, 5).unwrap_err();
+        assert!(
+            err.contains("data_batch_2.bin: 100 bytes is not a whole number of CIFAR-10 records"),
+            "{err}"
+        );
+        bytes[0] = 10;
+        std::fs::write(d.path().join("data_batch_2.bin"), &bytes).unwrap();
+        let err =
+            Examples::load_cifar(&cifar_files(d.path(), false).unwrap(), 4, 3, 5).unwrap_err();
+        assert!(err.contains("record 0 has label 10"), "{err}");
     }
 }
