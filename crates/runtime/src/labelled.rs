@@ -495,7 +495,9 @@ pub fn cifar_files(path: &Path, test: bool) -> Option<Vec<std::path::PathBuf>> {
         .collect();
     if v.is_empty() {
         let one = path.join(if test { "test.bin" } else { "train.bin" });
-        v = one.is_file().then(|| vec![one]).unwrap_or_default();
+        if one.is_file() {
+            v = vec![one];
+        }
     }
     v.sort();
     (!v.is_empty()).then_some(v)
