@@ -134,6 +134,13 @@ fn examples(
         },
         false => Examples::load(path, tok, &fields, seq_len, classes),
     };
+    if vit && !data.is_dir() && cifar_files(data, false).is_none() {
+        return Err(BadInput(format!(
+            "{}: a vit model learns from images: --data a folder per class, or CIFAR's .bin files",
+            data.display()
+        ))
+        .into());
+    }
     // The training labels make the classes (the run checks a classifier's head has room).
     let (train, classes) = load(data, None).map_err(BadInput)?;
     let name = data.display().to_string();
