@@ -3,7 +3,7 @@
 use crate::BadInput;
 use anyhow::Result;
 use pipewright_runtime::data::Corpus;
-use pipewright_runtime::labelled::{cifar_files, Classes, Examples, Fields};
+use pipewright_runtime::labelled::{cifar_files, read_texts, Classes, Examples, Fields};
 use pipewright_runtime::model::{Family, TaskHead};
 use pipewright_runtime::train::TrainConfig;
 use std::path::PathBuf;
@@ -26,9 +26,10 @@ pub enum Task {
 
 #[derive(clap::Args, Clone, Debug, Default)]
 pub struct DataArgs {
-    /// Training data. For --task lm: a UTF-8 text file, a directory of .txt files, or token
-    /// shards (.bin, from `pipewright tokenize`; those named *val* are held out); default: the
-    /// built-in synthetic corpus. For --task classify: a JSONL or CSV file of texts and labels,
+    /// Training data. For --task lm: a UTF-8 text file, a directory of .txt files, records
+    /// (.jsonl or .parquet: each --text-field a document), or token shards (.bin, from
+    /// `pipewright tokenize`; those named *val* are held out); default: the built-in synthetic
+    /// corpus. For --task classify: a JSONL, CSV or Parquet file of texts and labels,
     /// or (vit) a directory with a folder of images per class.
     #[arg(long)]
     pub data: Option<PathBuf>,
@@ -101,15 +102,46 @@ pub fn corpus(a: &DataArgs, cfg: &mut TrainConfig) -> Result<Corpus> {
         return Ok(Corpus::builtin_with(&tok).map_err(BadInput)?);
     };
     let corpus = match a.task {
-        Task::Lm => match &a.val_data {
-            Some(v) => Corpus::open_with_val(data, v, &tok),
-            None => Corpus::open_split(data, &tok, a.val_fraction),
-        }
-        .map_err(BadInput)?,
+        Task::Lm => text_corpus(a, data, &tok)?,
         Task::Classify => examples(a, data, cfg, &tok)?,
         Task::Qa => questions(a, data, cfg, &tok)?,
     };
     Ok(corpus)
+}
+
+/// Text to model: records' `--text-field` (JSONL, Parquet), or text and token shards.
+fn text_corpus(
+    a: &DataArgs,
+    data: &std::path::Path,
+    tok: &pipewright_runtime::tokenizer::Tokenizer,
+) -> Result<Corpus> {
+    let records = |p: &std::path::Path| {
+        p.is_file()
+            && p.extension()
+                .is_some_and(|x| x == "jsonl" || x == "parquet")
+    };
+    let open = |p: &std::path::Path, fraction: f64| match records(p) {
+        true => read_texts(p, &a.text_field).and_then(|docs| {
+            Corpus::from_documents(&p.display().to_string(), &docs, tok, fraction)
+        }),
+        false => Corpus::open_split(p, tok, fraction),
+    };
+    let corpus = match &a.val_data {
+        Some(v) if records(data) || records(v) => {
+            let (train, val) = (open(data, 0.0), open(v, 1.0));
+            train.and_then(|t| {
+                val.map(|v| Corpus {
+                    name: format!("{} (validation: {})", t.name, v.name),
+                    ids: t.ids.max(v.ids),
+                    train: t.train,
+                    val: v.val,
+                })
+            })
+        }
+        Some(v) => Corpus::open_with_val(data, v, tok),
+        None => open(data, a.val_fraction),
+    };
+    Ok(corpus.map_err(BadInput)?)
 }
 
 /// Labelled examples from `data` (and --val-data), the model given a head for their classes.

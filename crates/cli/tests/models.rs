@@ -589,6 +589,29 @@ fn llama_learns_to_classify_text_and_exports_a_classifier() {
     .concat();
     let out = ok(&again);
     assert!(out.contains("accuracy 1.000 ->"), "{out}");
+    // The same records' texts, as documents to model (--task lm); a missing field is named.
+    let lm = [
+        "train",
+        "--data",
+        &s(&train),
+        "--val-data",
+        &s(&val),
+        "--model-config",
+        &s(&cfg),
+        "--seq-len",
+        "16",
+        "--steps",
+        "2",
+        "--no-checkpoint",
+    ];
+    let out = ok(&lm);
+    assert!(out.contains("val loss"), "{out}");
+    let o = pw(&[&lm[..], &["--text-field", "body"]].concat());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        o.status.code() == Some(2) && err.contains("train.jsonl:1: no \"body\""),
+        "{err}"
+    );
     // Bad labelled data: one line, exit 2, the file and line named.
     for (text, want) in [
         (

@@ -169,6 +169,27 @@ impl Corpus {
         ))
     }
 
+    /// A corpus of documents (each after the tokenizer's end-of-text token, where it has one),
+    /// the last `val_fraction` of the tokens held out.
+    pub fn from_documents(
+        name: &str,
+        docs: &[String],
+        tok: &crate::tokenizer::Tokenizer,
+        val_fraction: f64,
+    ) -> Result<Self, String> {
+        let mut ids = Vec::new();
+        for d in docs {
+            ids.extend(tok.eot());
+            ids.extend(tok.encode(d)?);
+        }
+        Ok(Self::split_tokens(
+            name,
+            Tokens::ids(ids),
+            tok.vocab_size(),
+            val_fraction,
+        ))
+    }
+
     /// The data at `path` to train on, and at `val` to validate with (each as
     /// [`Corpus::open`] reads it; `val`'s shards are held out whatever their names).
     pub fn open_with_val(

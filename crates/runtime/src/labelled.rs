@@ -86,10 +86,15 @@ fn records(path: &Path, f: &Fields) -> Result<Vec<(String, Label, String)>, Stri
     if std::fs::metadata(path).is_ok_and(|m| !m.is_file()) {
         return Err(format!("{name}: not a regular file"));
     }
-    let text = std::fs::read_to_string(path).map_err(|e| format!("{name}: cannot read: {e}"))?;
-    let rows = match path.extension().is_some_and(|x| x == "csv") {
-        true => csv_records(&name, &text, f)?,
-        false => jsonl_records(&name, &text, f)?,
+    let text = match path.extension().is_some_and(|x| x == "parquet") {
+        true => String::new(), // binary: read by its reader
+        false => std::fs::read_to_string(path).map_err(|e| format!("{name}: cannot read: {e}"))?,
+    };
+    let ext = path.extension().and_then(|x| x.to_str()).unwrap_or("");
+    let rows = match ext {
+        "csv" => csv_records(&name, &text, f)?,
+        "parquet" => parquet_records(path, f)?,
+        _ => jsonl_records(&name, &text, f)?,
     };
     if rows.is_empty() {
         return Err(format!("{name}: no examples (an empty data set)"));
@@ -151,6 +156,108 @@ fn csv_records(name: &str, text: &str, f: &Fields) -> Result<Vec<(String, Label,
         out.push((row[t].to_string(), label, at));
     }
     Ok(out)
+}
+
+/// The `f.text` and `f.label` columns of a Parquet file's rows (a label column of whole
+/// numbers or strings), each with where it was read (row group and row).
+fn parquet_records(path: &Path, f: &Fields) -> Result<Vec<(String, Label, String)>, String> {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    use parquet::record::Field;
+    let name = path.display().to_string();
+    let file = std::fs::File::open(path).map_err(|e| format!("{name}: cannot read: {e}"))?;
+    let reader =
+        SerializedFileReader::new(file).map_err(|e| format!("{name}: not a Parquet file: {e}"))?;
+    let mut out = Vec::new();
+    for g in 0..reader.num_row_groups() {
+        let at = |r: usize| format!("{name}: row group {g}, row {r}");
+        let group = reader
+            .get_row_group(g)
+            .map_err(|e| format!("{name}: row group {g}: {e}"))?;
+        let rows = group
+            .get_row_iter(None)
+            .map_err(|e| format!("{name}: row group {g}: {e}"))?;
+        for (r, row) in rows.enumerate() {
+            let row = row.map_err(|e| format!("{}: {e}", at(r)))?;
+            let field = |k: &str| {
+                row.get_column_iter()
+                    .find(|(n, _)| n.as_str() == k)
+                    .map(|(_, v)| v.clone())
+                    .ok_or_else(|| {
+                        format!(
+                            "{}: no \"{k}\" column (choose it with --text-field / --label-field)",
+                            at(r)
+                        )
+                    })
+            };
+            let Field::Str(text) = field(&f.text)? else {
+                return Err(format!("{}: \"{}\" is not a string", at(r), f.text));
+            };
+            let label = match field(&f.label)? {
+                Field::Str(s) => Label::Name(s),
+                Field::Int(n) if n >= 0 => Label::Number(n as u64),
+                Field::Long(n) if n >= 0 => Label::Number(n as u64),
+                Field::UInt(n) => Label::Number(n as u64),
+                Field::ULong(n) => Label::Number(n),
+                other => {
+                    return Err(format!(
+                        "{}: label {other} is neither a whole number >= 0 nor a string",
+                        at(r)
+                    ))
+                }
+            };
+            out.push((text, label, at(r)));
+        }
+    }
+    Ok(out)
+}
+
+/// The texts of a JSON-lines or Parquet file's `field` (for language modelling: each a
+/// document).
+pub fn read_texts(path: &Path, field: &str) -> Result<Vec<String>, String> {
+    let f = Fields {
+        text: field.into(),
+        label: field.into(),
+    };
+    let name = path.display().to_string();
+    match path.extension().is_some_and(|x| x == "parquet") {
+        true => parquet_texts(path, field),
+        false => {
+            let text =
+                std::fs::read_to_string(path).map_err(|e| format!("{name}: cannot read: {e}"))?;
+            let mut out = Vec::new();
+            for (i, line) in text
+                .lines()
+                .enumerate()
+                .filter(|(_, l)| !l.trim().is_empty())
+            {
+                let v: serde_json::Value = serde_json::from_str(line)
+                    .map_err(|e| format!("{name}:{}: not a JSON object: {e}", i + 1))?;
+                match v.get(&f.text).and_then(|t| t.as_str()) {
+                    Some(t) => out.push(t.to_string()),
+                    None => {
+                        return Err(format!(
+                            "{name}:{}: no \"{field}\" string field (choose it with --text-field)",
+                            i + 1
+                        ))
+                    }
+                }
+            }
+            Ok(out)
+        }
+    }
+}
+
+/// A Parquet file's string column `field`, row by row.
+fn parquet_texts(path: &Path, field: &str) -> Result<Vec<String>, String> {
+    let f = Fields {
+        text: field.into(),
+        label: field.into(),
+    };
+    // A text column read as its own label: the records' texts.
+    Ok(parquet_records(path, &f)?
+        .into_iter()
+        .map(|(t, _, _)| t)
+        .collect())
 }
 
 /// The classes labels of `rows` make: the largest number + 1, or the names sorted. Numbers and
@@ -666,5 +773,58 @@ mod tests {
         let err =
             Examples::load_cifar(&cifar_files(d.path(), false).unwrap(), 4, 3, 5).unwrap_err();
         assert!(err.contains("record 0 has label 10"), "{err}");
+    }
+
+    /// A Parquet file of `text` (UTF-8) and `label` (int64) columns, one row group.
+    fn parquet_file(path: &Path, texts: &[&str], labels: &[i64]) {
+        use parquet::data_type::{ByteArray, ByteArrayType, Int64Type};
+        use parquet::file::{properties::WriterProperties, writer::SerializedFileWriter};
+        let schema = "message m { required binary text (UTF8); required int64 label; }";
+        let schema =
+            std::sync::Arc::new(parquet::schema::parser::parse_message_type(schema).unwrap());
+        let props = std::sync::Arc::new(WriterProperties::builder().build());
+        let file = std::fs::File::create(path).unwrap();
+        let mut w = SerializedFileWriter::new(file, schema, props).unwrap();
+        let mut rg = w.next_row_group().unwrap();
+        let mut col = rg.next_column().unwrap().unwrap();
+        let values: Vec<ByteArray> = texts.iter().map(|&t| ByteArray::from(t)).collect();
+        col.typed::<ByteArrayType>()
+            .write_batch(&values, None, None)
+            .unwrap();
+        col.close().unwrap();
+        let mut col = rg.next_column().unwrap().unwrap();
+        col.typed::<Int64Type>()
+            .write_batch(labels, None, None)
+            .unwrap();
+        col.close().unwrap();
+        rg.close().unwrap();
+        w.close().unwrap();
+    }
+
+    #[test]
+    fn parquet_rows_read_as_jsonl_lines_do() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("t.parquet");
+        parquet_file(&p, &["ab", "abcdef"], &[1, 0]);
+        let f = Fields::default();
+        let (x, classes) = Examples::load(&p, &Tokenizer::Bytes, &f, 4, None).unwrap();
+        assert_eq!(classes, Classes::Numbered(2));
+        assert_eq!(x.tokens, vec![97, 98, 0, 0, 97, 98, 99, 100]);
+        assert_eq!(x.labels, vec![1, 0]);
+        assert_eq!(read_texts(&p, "text").unwrap(), vec!["ab", "abcdef"]);
+        let j = d.path().join("t.jsonl");
+        std::fs::write(&j, "{\"text\": \"ab\"}\n{\"text\": \"abcdef\"}\n").unwrap();
+        assert_eq!(
+            read_texts(&j, "text").unwrap(),
+            read_texts(&p, "text").unwrap()
+        );
+        let e = read_texts(&p, "body").unwrap_err();
+        assert!(e.contains("row group 0, row 0: no \"body\" column"), "{e}");
+        parquet_file(&p, &["ab"], &[-3]);
+        let e = Examples::load(&p, &Tokenizer::Bytes, &f, 4, None).unwrap_err();
+        assert!(e.contains("row group 0, row 0: label -3 is neither"), "{e}");
+        std::fs::write(&p, b"PAR1 not really").unwrap();
+        let e = Examples::load(&p, &Tokenizer::Bytes, &f, 4, None).unwrap_err();
+        assert!(e.contains("t.parquet: not a Parquet file"), "{e}");
     }
 }
