@@ -79,13 +79,22 @@ enum Label {
     Name(String),
 }
 
+/// Refuse what is not a regular file: reading a FIFO or device would block.
+pub fn regular(path: &Path) -> Result<(), String> {
+    match std::fs::metadata(path) {
+        Ok(m) if !m.is_file() => Err(format!(
+            "{}: not a regular file (a directory, FIFO or device)",
+            path.display()
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// Texts and labels of a JSONL or CSV file (by extension: `.csv` is CSV, anything else JSON
 /// lines), each with where it was read ("file:line").
 fn records(path: &Path, f: &Fields) -> Result<Vec<(String, Label, String)>, String> {
     let name = path.display().to_string();
-    if std::fs::metadata(path).is_ok_and(|m| !m.is_file()) {
-        return Err(format!("{name}: not a regular file"));
-    }
+    regular(path)?;
     let text = match path.extension().is_some_and(|x| x == "parquet") {
         true => String::new(), // binary: read by its reader
         false => std::fs::read_to_string(path).map_err(|e| format!("{name}: cannot read: {e}"))?,
@@ -214,6 +223,7 @@ fn parquet_records(path: &Path, f: &Fields) -> Result<Vec<(String, Label, String
 /// The texts of a JSON-lines or Parquet file's `field` (for language modelling: each a
 /// document).
 pub fn read_texts(path: &Path, field: &str) -> Result<Vec<String>, String> {
+    regular(path)?;
     let f = Fields {
         text: field.into(),
         label: field.into(),
@@ -540,6 +550,7 @@ impl Examples {
             let hundred = matches!(name.as_ref(), "train.bin" | "test.bin");
             let (head, n) = if hundred { (2, 100) } else { (1, 10) };
             classes = n;
+            regular(f)?;
             let bytes =
                 std::fs::read(f).map_err(|e| format!("{}: cannot read: {e}", f.display()))?;
             let record = head + CIFAR_PIXELS;
@@ -664,7 +675,7 @@ mod tests {
         let f = Fields::default();
         let cases = [
             (
-                "{\"text\": \"a\", \"label\": 0}\n{\"text\": \"a\", \"label\": 0\n",
+                "{\"text\": \"a\", \"label\": 0}\n{\"text\": \"a\", \"label\": 0,}\n",
                 "t.jsonl:2: not a JSON object",
             ),
             (

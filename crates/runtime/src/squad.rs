@@ -16,6 +16,7 @@ pub fn load(
     training: bool,
 ) -> Result<(Examples, usize), String> {
     let name = path.display().to_string();
+    crate::labelled::regular(path)?;
     let text = std::fs::read_to_string(path).map_err(|e| format!("{name}: cannot read: {e}"))?;
     let v: serde_json::Value =
         serde_json::from_str(&text).map_err(|e| format!("{name}: not JSON: {e}"))?;
