@@ -417,8 +417,10 @@ impl TrainingRun {
 
     fn header(&self) -> String {
         let cfg = &self.trainer.cfg;
+        // Once: it reads every training token.
+        let (base, base_name) = self.baseline();
         format!(
-            "training {}{} ({} layer blocks, d_model {}) on {}: {}; {} steps{}; {} {:.3}",
+            "training {}{} ({} layer blocks, d_model {}) on {}: {}; {} steps{}; {base_name} {base:.3}",
             cfg.model.family.name(),
             match &cfg.pretrained {
                 Some(dir) => format!(" from {}", dir.display()),
@@ -433,8 +435,6 @@ impl TrainingRun {
                 true => format!(" in epochs of {}", self.epoch_steps),
                 false => String::new(),
             },
-            self.baseline().1,
-            self.baseline().0
         )
     }
 
