@@ -225,3 +225,58 @@ proptest! {
         }
     }
 }
+
+/// A profile of `costs.len()` layers with the given (forward, backward) seconds.
+fn layer_profile(costs: &[(f64, f64)]) -> pipewright_core::profile::Profile {
+    let mut toml = String::from("[model]\nname = \"m\"\n");
+    for (i, (f, b)) in costs.iter().enumerate() {
+        toml += &format!(
+            "[[layers]]\nname = \"l{i}\"\nforward = {f}\nbackward = {b}\nparams = 1000000\nactivation = 100000\n"
+        );
+    }
+    pipewright_core::profile::Profile::parse("m.toml", &toml).unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 40, ..ProptestConfig::default() })]
+
+    /// AutoPipe never moves to a layout its simulator rates slower than keeping the current
+    /// one: in the first frozen epoch every re-planning ablation is at least as fast as
+    /// freezing alone (which keeps the layout), and while no new layer freezes an epoch is
+    /// never slower than the one before it.
+    #[test]
+    fn autopipe_never_adopts_a_slower_layout(
+        costs in proptest::collection::vec((0.1f64..3.0, 0.1f64..6.0), 6..12),
+        pipelines in 1usize..3, depth in 2usize..5, first in 1usize..4, more in 0usize..3,
+    ) {
+        use pipewright_core::policy::elastic::{ablation, Ablation, AblationSetup};
+        let prof = layer_profile(&costs);
+        let n = costs.len();
+        let k1 = first.min(n - 2);
+        let k2 = (k1 + more).min(n - 2);
+        let trajectory = [0, k1, k1, k2, k2];
+        let cluster = Cluster::uniform(pipelines * depth);
+        let setup = AblationSetup {
+            profile: &prof,
+            cluster: &cluster,
+            pipelines,
+            depth: depth.min(n),
+            microbatches: 4,
+            kind: ScheduleKind::GPipe,
+            trajectory: &trajectory,
+            memory_budget: u64::MAX,
+        };
+        let freeze = ablation(&setup, Ablation::FreezeOnly).unwrap();
+        for which in [Ablation::PipeCache, Ablation::PipeDp, Ablation::All] {
+            let run = ablation(&setup, which).unwrap();
+            prop_assert!(run[1].iteration_time <= freeze[1].iteration_time * (1.0 + 1e-9),
+                "{}: {:?} against freeze only {:?}", which.name(), run[1], freeze[1]);
+            for e in 1..trajectory.len() {
+                if trajectory[e] == trajectory[e - 1] {
+                    prop_assert!(run[e].iteration_time <= run[e - 1].iteration_time * (1.0 + 1e-9),
+                        "{} epoch {e}: {:?} after {:?}", which.name(), run[e], run[e - 1]);
+                }
+            }
+        }
+    }
+}

@@ -223,6 +223,47 @@ fn search(
     Ok(choice)
 }
 
+/// The simulated iteration time and fullest worker's memory of `plan` with the stage costs of
+/// `profile` (a frozen, maybe cached one).
+fn price(plan: &Plan, profile: &Profile, cluster: &Cluster) -> Result<(Plan, f64, u64)> {
+    let mut plan = plan.clone();
+    let costs = profile.stage_costs(&plan.layers_per_stage());
+    for (st, c) in plan.stages.iter_mut().zip(&costs) {
+        st.cost = Some(*c);
+    }
+    let devices: Vec<usize> = (0..plan.num_workers()).collect();
+    let sim = simulate(&SimSetup {
+        plan: &plan,
+        stages: &costs,
+        cluster: &cluster.subset(&devices),
+    })?;
+    let peak = sim.peak_memory_bytes.iter().copied().max().unwrap_or(0);
+    Ok((plan, sim.iteration_time, peak))
+}
+
+/// AutoPipe's last word: `choice` only if the simulator rates it strictly faster than keeping
+/// `current` (priced with `profile`'s frozen costs), else `current`. A re-cut of the same
+/// depth, or a layout only as fast, is not worth moving every worker's layers for.
+pub fn keep_unless_faster(
+    choice: ElasticChoice,
+    current: &Plan,
+    profile: &Profile,
+    cluster: &Cluster,
+    memory_budget: u64,
+) -> Result<ElasticChoice> {
+    let (plan, time, peak) = price(current, profile, cluster)?;
+    if peak > memory_budget || choice.time < time * (1.0 - 1e-9) {
+        return Ok(choice);
+    }
+    Ok(ElasticChoice {
+        depth: plan.num_stages(),
+        replicas: plan.replicas(),
+        plan,
+        time,
+        candidates: choice.candidates,
+    })
+}
+
 /// `frozen` (a frozen profile) with the outputs of layers `0..cached` read from AutoCache:
 /// those layers no longer run, hold no activations, and need not stay on the device.
 pub fn cached_profile(frozen: &Profile, cached: usize) -> Profile {
@@ -345,77 +386,83 @@ pub fn ablation(setup: &AblationSetup, which: Ablation) -> Result<Vec<AblationEp
         )));
     }
     let mut out: Vec<AblationEpoch> = Vec::with_capacity(setup.trajectory.len());
-    // An epoch's layout depends only on the layers frozen in it and before it.
-    let mut seen: std::collections::HashMap<(usize, usize), AblationEpoch> =
+    // An epoch's layout depends only on the layers frozen in it and before it, and on the
+    // layout it starts from.
+    let mut seen: std::collections::HashMap<(usize, usize, Vec<usize>, usize), ElasticChoice> =
         std::collections::HashMap::new();
     let mut before = 0;
+    let mut current = start.plan;
     for &k in setup.trajectory {
-        if let Some(e) = seen.get(&(k, before)) {
-            out.push(e.clone());
-            before = k;
-            continue;
-        }
-        let frozen = if which == Ablation::Baseline { 0 } else { k };
-        let fp = frozen_profile(setup.profile, frozen);
-        let cached = match which {
-            Ablation::PipeCache | Ablation::All => cached_profile(&fp, before.min(frozen)),
-            _ => fp,
-        };
-        let choice = match which {
-            // Nothing frozen yet: every variant runs the starting layout.
-            _ if frozen == 0 || matches!(which, Ablation::Baseline | Ablation::FreezeOnly) => {
-                let mut plan = start.plan.clone();
-                let costs = cached.stage_costs(&plan.layers_per_stage());
-                for (st, c) in plan.stages.iter_mut().zip(&costs) {
-                    st.cost = Some(*c);
-                }
-                let devices: Vec<usize> = (0..plan.num_workers()).collect();
-                let sim = simulate(&SimSetup {
-                    plan: &plan,
-                    stages: &costs,
-                    cluster: &setup.cluster.subset(&devices),
-                })?;
-                AblationEpoch {
-                    frozen,
-                    depth: setup.depth,
-                    replicas: setup.pipelines,
-                    iteration_time: sim.iteration_time,
-                }
-            }
-            _ => {
-                let dp = matches!(which, Ablation::PipeDp | Ablation::All);
-                let c = search(
-                    &cached,
-                    frozen,
-                    false,
-                    workers,
-                    setup.kind,
-                    setup.cluster,
-                    setup.memory_budget,
-                    |d| {
-                        let r = if dp {
-                            (1..=workers / d)
-                                .rev()
-                                .find(|r| total_mbs.is_multiple_of(*r))
-                        } else {
-                            Some(setup.pipelines)
-                        };
-                        r.map(|r| (r, total_mbs))
-                    },
-                )?;
-                AblationEpoch {
-                    frozen,
-                    depth: c.depth,
-                    replicas: c.replicas,
-                    iteration_time: c.time,
-                }
+        let key = (k, before, current.layers_per_stage(), current.replicas());
+        let choice = match seen.get(&key) {
+            Some(c) => c.clone(),
+            None => {
+                let c = epoch_layout(setup, which, &current, k, before, workers, total_mbs)?;
+                seen.insert(key, c.clone());
+                c
             }
         };
-        seen.insert((k, before), choice.clone());
-        out.push(choice);
+        out.push(AblationEpoch {
+            frozen: if which == Ablation::Baseline { 0 } else { k },
+            depth: choice.depth,
+            replicas: choice.replicas,
+            iteration_time: choice.time,
+        });
+        current = choice.plan;
         before = k;
     }
     Ok(out)
+}
+
+/// One epoch of [`ablation`]: `k` layers frozen (`before` of them in earlier epochs), starting
+/// from the layout `current`.
+fn epoch_layout(
+    setup: &AblationSetup,
+    which: Ablation,
+    current: &Plan,
+    k: usize,
+    before: usize,
+    workers: usize,
+    total_mbs: usize,
+) -> Result<ElasticChoice> {
+    let frozen = if which == Ablation::Baseline { 0 } else { k };
+    let fp = frozen_profile(setup.profile, frozen);
+    let cached = match which {
+        Ablation::PipeCache | Ablation::All => cached_profile(&fp, before.min(frozen)),
+        _ => fp,
+    };
+    // Nothing frozen yet, or no AutoPipe: the layout stays.
+    let keep = ElasticChoice {
+        plan: current.clone(),
+        depth: current.num_stages(),
+        replicas: current.replicas(),
+        time: f64::INFINITY,
+        candidates: Vec::new(),
+    };
+    if frozen == 0 || matches!(which, Ablation::Baseline | Ablation::FreezeOnly) {
+        return keep_unless_faster(keep, current, &cached, setup.cluster, u64::MAX);
+    }
+    let dp = matches!(which, Ablation::PipeDp | Ablation::All);
+    let c = search(
+        &cached,
+        frozen,
+        false,
+        workers,
+        setup.kind,
+        setup.cluster,
+        setup.memory_budget,
+        |d| {
+            let r = if dp {
+                (1..=workers / d)
+                    .rev()
+                    .find(|r| total_mbs.is_multiple_of(*r))
+            } else {
+                Some(setup.pipelines)
+            };
+            r.map(|r| (r, total_mbs))
+        },
+    )?;
+    keep_unless_faster(c, current, &cached, setup.cluster, setup.memory_budget)
 }
 
 /// The most memory a worker of `plan` holds (the simulator's count): the budget an elastic

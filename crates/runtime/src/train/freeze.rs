@@ -8,7 +8,8 @@ use pipewright_core::cluster::Cluster;
 use pipewright_core::plan::ir::Plan;
 use pipewright_core::plan::ScheduleKind;
 use pipewright_core::policy::elastic::{
-    elastic_layout, peak_memory, ElasticChoice, GlobalBatch, Shape,
+    elastic_layout, frozen_profile, keep_unless_faster, peak_memory, ElasticChoice, GlobalBatch,
+    Shape,
 };
 use pipewright_core::policy::freeze::{max_frozen, FreezePolicy};
 use pipewright_core::profile::Profile;
@@ -105,11 +106,12 @@ impl FreezeController {
     }
 
     /// The fastest layout with `frozen` blocks frozen that fits each worker's memory (using
-    /// every worker process under MPI).
+    /// every worker process under MPI); `current` unless another is rated strictly faster.
     fn layout(
         &self,
         profile: &Profile,
         frozen: usize,
+        current: &Plan,
     ) -> pipewright_core::error::Result<ElasticChoice> {
         let shape = Shape {
             workers: self.workers,
@@ -119,14 +121,23 @@ impl FreezeController {
                 None => GlobalBatch::Keep(self.total_mbs),
             },
         };
-        elastic_layout(
+        let best = elastic_layout(
             profile,
             frozen,
             shape,
             self.kind,
             &self.cluster,
             self.budget,
-        )
+        )?;
+        // Under MPI every process must stay in the job: the current plan qualifies only if it
+        // uses them all, and it must hold the frozen prefix in stage 0.
+        if frozen > max_frozen(current)
+            || (self.all_workers && current.num_workers() != self.workers)
+        {
+            return Ok(best);
+        }
+        let fp = frozen_profile(profile, frozen);
+        keep_unless_faster(best, current, &fp, &self.cluster, self.budget)
     }
 
     /// Switch to `plan` and, when the global batch scales, the learning rate with it.
@@ -158,7 +169,7 @@ impl FreezeController {
         }
         if self.elastic {
             let profile = trainer.cfg.model.cost_profile(trainer.cfg.rows);
-            if let Ok(c) = self.layout(&profile, frozen) {
+            if let Ok(c) = self.layout(&profile, frozen, &trainer.plan) {
                 let scaled = self.replan(trainer, c.plan)?;
                 trainer.set_frozen(frozen)?;
                 return Ok(Some(format!(
@@ -203,7 +214,7 @@ impl FreezeController {
             let profile = trainer.cfg.model.cost_profile(trainer.cfg.rows);
             let fit = (before + 1..=want)
                 .rev()
-                .find_map(|k| self.layout(&profile, k).ok().map(|c| (k, c)));
+                .find_map(|k| self.layout(&profile, k, &trainer.plan).ok().map(|c| (k, c)));
             if let Some((k, c)) = fit {
                 want = k;
                 if c.plan.layers_per_stage() != trainer.plan.layers_per_stage()
