@@ -350,10 +350,12 @@ impl burn::module::ModuleMapper for Init {
         self.count += 1;
         let id =
             burn::module::ParamId::from(self.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ self.count);
+        // Every family's norm modules: ln1, ln_f, norm, input_layernorm, layer_norm,
+        // layernorm_before (ViT's, which a test of the name's end missed).
         let in_norm = self
             .path
             .iter()
-            .any(|n| n.starts_with("ln") || n.ends_with("norm"));
+            .any(|n| n.starts_with("ln") || n.contains("norm"));
         let (_, t, mapper) = p.consume();
         let (shape, device) = (t.shape(), t.device());
         let n = shape.num_elements();
