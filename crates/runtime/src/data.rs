@@ -83,6 +83,7 @@ impl Part {
                     pixels: x.pixels,
                     image: x.image,
                     samples,
+                    unread: false,
                 }
             }
         }
@@ -459,6 +460,9 @@ pub struct MicroBatch {
     /// The sample number of each row under [`Sampling::Epochs`] (empty for random windows):
     /// what the frozen-prefix cache keys on.
     pub samples: Vec<u64>,
+    /// Not read: a micro-batch of text that no worker of this process runs (its tokens and
+    /// targets stay empty; every one of its `rows x target_len` positions has a target).
+    pub unread: bool,
 }
 
 impl MicroBatch {
@@ -588,6 +592,7 @@ impl MicroBatch {
                 },
                 image: self.image,
                 samples: Vec::new(),
+                unread: false,
             })
             .collect())
     }
@@ -714,10 +719,36 @@ impl Sampler {
         step: u64,
         microbatches: usize,
     ) -> Result<Vec<MicroBatch>, String> {
+        self.batches_for(data, step, microbatches, &|_| true)
+    }
+
+    /// [`Sampler::batches`], reading only the micro-batches `need` names: a text's others are
+    /// left [`MicroBatch::unread`] (with their sample numbers), so that each process reads
+    /// only its own replicas' part of a memory-mapped corpus. The order and position are the
+    /// same whatever is read.
+    pub fn batches_for(
+        &mut self,
+        data: &Part,
+        step: u64,
+        microbatches: usize,
+        need: &dyn Fn(usize) -> bool,
+    ) -> Result<Vec<MicroBatch>, String> {
         let (seq_len, rows, seed) = (self.seq_len, self.rows, self.seed);
+        let text = matches!(data, Part::Text(_));
+        let unread = |samples: Vec<u64>| MicroBatch {
+            rows,
+            seq_len,
+            target_len: seq_len,
+            samples,
+            unread: true,
+            ..MicroBatch::default()
+        };
         if let (true, Part::Text(text)) = (self.windows(data), data) {
             return Ok((0..microbatches)
-                .map(|i| micro_batch(text, seq_len, rows, seed, step, i as u64))
+                .map(|i| match need(i) {
+                    true => micro_batch(text, seq_len, rows, seed, step, i as u64),
+                    false => unread(Vec::new()),
+                })
                 .collect());
         }
         let per_epoch = self.steps_per_epoch(data, microbatches)?;
@@ -748,10 +779,11 @@ impl Sampler {
         }
         Ok((0..microbatches)
             .map(|i| {
-                data.batch(
-                    seq_len,
-                    self.order[first + i * rows..first + (i + 1) * rows].to_vec(),
-                )
+                let samples = self.order[first + i * rows..first + (i + 1) * rows].to_vec();
+                match text && !need(i) {
+                    true => unread(samples),
+                    false => data.batch(seq_len, samples),
+                }
             })
             .collect())
     }
@@ -830,6 +862,27 @@ mod tests {
             }
         }
         assert_eq!(seen.len(), 30 + 5 * 12);
+        // A process that runs only the odd micro-batches reads only those: the same samples
+        // in the same places, the others left unread, and the position unchanged.
+        let mut odd = Sampler::new(Sampling::Epochs, 16, 3, 9);
+        odd.set_position(pos);
+        let mut all = Sampler::new(Sampling::Epochs, 16, 3, 9);
+        all.set_position(pos);
+        let part = odd.batches_for(&text, 5, 4, &|i| i % 2 == 1).unwrap();
+        for (i, (p, a)) in part
+            .iter()
+            .zip(all.batches(&text, 5, 4).unwrap())
+            .enumerate()
+        {
+            assert_eq!(p.samples, a.samples);
+            assert_eq!(p.unread, i % 2 == 0);
+            if p.unread {
+                assert!(p.tokens.is_empty() && p.targets.is_empty());
+            } else {
+                assert_eq!(*p, a);
+            }
+        }
+        assert_eq!(odd.position(), all.position());
         // 90 + 12 > 100: the next step starts the next epoch.
         assert_eq!(s.batches(&text, 10, 4).unwrap().len(), 4);
         assert_eq!(s.position().unwrap().epoch, 1);

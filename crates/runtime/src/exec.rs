@@ -61,8 +61,11 @@ impl<'a> StepInput<'a> {
         cache: Option<&'a PrefixCache>,
         keep_logits: bool,
     ) -> Self {
-        let labelled = |b: &MicroBatch| b.targets.iter().filter(|&&t| t >= 0).count();
-        let scales = if batches.iter().all(|b| labelled(b) == b.targets.len()) {
+        let labelled = |b: &MicroBatch| match b.unread {
+            true => b.rows * b.target_len,
+            false => b.targets.iter().filter(|&&t| t >= 0).count(),
+        };
+        let scales = if batches.iter().all(|b| labelled(b) == b.rows * b.target_len) {
             vec![1.0 / batches.len().max(1) as f32; batches.len()]
         } else {
             let total = batches.iter().map(labelled).sum::<usize>().max(1) as f32;

@@ -386,8 +386,17 @@ impl Trainer {
         corpus: &Corpus,
         step: u64,
     ) -> std::result::Result<Vec<MicroBatch>, ExecError> {
+        // Only the micro-batches this process's workers run are read.
+        let mut need = vec![false; self.plan.num_microbatches];
+        for w in &self.workers {
+            for a in &self.plan.workers[w.rank] {
+                need[a.mb] = true;
+            }
+        }
         self.sampler
-            .batches(&corpus.train, step, self.plan.num_microbatches)
+            .batches_for(&corpus.train, step, self.plan.num_microbatches, &|i| {
+                need[i]
+            })
             .map_err(|msg| ExecError::Plan { worker: 0, msg })
     }
 
