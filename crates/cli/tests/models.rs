@@ -410,10 +410,24 @@ fn tokenize_then_train_on_shards_then_generate() {
         "--out",
         shards_s,
     ]);
-    assert!(out.contains("6 file(s) with gpt2"), "{out}");
+    assert!(out.contains("6 file(s), 6 document(s), with gpt2"), "{out}");
     assert!(shards.join("val_000000.bin").is_file() && shards.join("train_000000.bin").is_file());
-    let o = pw(&["tokenize", "--data", docs, "--out", shards_s]);
-    assert_eq!(o.status.code(), Some(2), "tokenizing over shards");
+    // The same command again has nothing to do; another tokenizer over the shards is refused.
+    assert!(ok(&["tokenize", "--data", docs, "--out", shards_s]).contains("already complete"));
+    let o = pw(&[
+        "tokenize",
+        "--data",
+        docs,
+        "--out",
+        shards_s,
+        "--tokenizer",
+        "bytes",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        o.status.code() == Some(2) && err.contains("tokenizer gpt2 (now bytes)"),
+        "{err}"
+    );
     let empty = dir.join("empty.txt");
     std::fs::write(&empty, "").unwrap();
     let nowhere = dir.join("nowhere");
@@ -458,6 +472,31 @@ fn tokenize_then_train_on_shards_then_generate() {
         ck,
     ];
     ok(&train);
+    // Shards of a tokenize that has not finished are not trained on.
+    let manifest = shards.join("tokenize.json");
+    let done = std::fs::read_to_string(&manifest).unwrap();
+    std::fs::write(
+        &manifest,
+        done.replace("\"complete\": true", "\"complete\": false"),
+    )
+    .unwrap();
+    let o = pw(&[
+        "train",
+        "--model-config",
+        cfg,
+        "--tokenizer",
+        "gpt2",
+        "--data",
+        shards_s,
+        "--steps",
+        "1",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        o.status.code() == Some(2) && err.contains("has not finished"),
+        "{err}"
+    );
+    std::fs::write(&manifest, done).unwrap();
     let text = ok(&[
         "generate",
         "--checkpoint-dir",

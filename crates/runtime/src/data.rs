@@ -281,6 +281,16 @@ impl Corpus {
             (vec![path.to_path_buf()], Vec::new())
         };
         if !shards.is_empty() {
+            if path.is_dir() {
+                match crate::shardwriter::read_manifest(path)? {
+                    Some(m) if !m.complete => return Err(format!(
+                        "{name}: its tokenize has not finished ({} of {} files); run the same tokenize command again to resume it",
+                        m.files_done,
+                        m.settings.inputs.len()
+                    )),
+                    _ => {}
+                }
+            }
             return Self::from_shards(&name, &shards, val_fraction);
         }
         if texts.is_empty() {

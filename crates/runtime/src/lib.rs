@@ -10,6 +10,7 @@ pub mod kernels;
 pub mod labelled;
 pub mod model;
 pub mod profile;
+pub mod shardwriter;
 pub mod squad;
 pub mod tokenizer;
 pub mod tokens;

@@ -102,3 +102,103 @@ fn damaged_shards_are_refused_by_name() {
     let e = Corpus::open(&scratch("empty"), &Tokenizer::Bytes).unwrap_err();
     assert!(e.contains("no .txt or .bin files"), "{e}");
 }
+
+/// The files of `dir`, name -> bytes.
+fn files(dir: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| {
+            (
+                e.file_name().into_string().unwrap(),
+                std::fs::read(e.path()).unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// A tokenize stopped after any batch resumes to exactly the shards (and manifest) of an
+/// uninterrupted run; the shards decode back to the documents, each after its end-of-text
+/// token, the held-out part last; a changed input refuses the resume by name.
+#[test]
+fn tokenize_resumes_to_the_same_shards_and_round_trips() {
+    use pipewright_runtime::shardwriter::{run, Input, Outcome, Settings};
+    let src = scratch("tokenize-src");
+    let mut texts = Vec::new();
+    for i in 0..7 {
+        let t = format!("{}{i}\n", TEXT.repeat(1 + i % 3));
+        std::fs::write(src.join(format!("{i}.txt")), &t).unwrap();
+        texts.push(t);
+    }
+    let tok = Tokenizer::load("gpt2").unwrap();
+    let inputs: Vec<Input> = (0..7)
+        .map(|i| Input::of(&src.join(format!("{i}.txt"))).unwrap())
+        .collect();
+    let settings = Settings {
+        tokenizer: tok.name(),
+        inputs,
+        text_field: "text".into(),
+        val_fraction: 0.3,
+        shard_tokens: 40,
+    };
+    let batch = 200; // bytes: a batch of one to three files
+    let whole = scratch("tokenize-whole");
+    let done = run(&settings, &tok, &whole, batch, &|_| {}, None).unwrap();
+    assert!(matches!(done, Outcome::Done { resumed: false, .. }));
+    // Stopped after any batch (a resume restarts at the file where the tokens not yet in a
+    // shard begin), then run to the end.
+    let mut stops = 0;
+    for stop in 1..8 {
+        let part = scratch(&format!("tokenize-part{stop}"));
+        match run(&settings, &tok, &part, batch, &|_| {}, Some(stop)).unwrap() {
+            Outcome::Stopped => stops += 1,
+            Outcome::Done { .. } => break,
+        }
+        let done = run(&settings, &tok, &part, batch, &|_| {}, None).unwrap();
+        assert!(matches!(done, Outcome::Done { resumed: true, .. }));
+        let (got, want) = (files(&part), files(&whole));
+        let differ: Vec<&String> = want
+            .keys()
+            .filter(|k| got.get(*k) != want.get(*k))
+            .collect();
+        assert!(
+            differ.is_empty() && got.len() == want.len(),
+            "stopped after {stop} batches: {differ:?} differ; {:?} against {:?}",
+            got.keys().collect::<Vec<_>>(),
+            want.keys().collect::<Vec<_>>()
+        );
+    }
+    assert!(stops >= 3, "{stops} batches");
+    // Train shards then val shards decode to the documents in order.
+    let mut names: Vec<String> = files(&whole)
+        .into_keys()
+        .filter(|n| n.ends_with(".bin"))
+        .collect();
+    names.sort_by_key(|n| (n.starts_with("val"), n.clone()));
+    assert!(
+        names.iter().filter(|n| n.starts_with("train")).count() > 2,
+        "{names:?}"
+    );
+    assert!(names.iter().any(|n| n.starts_with("val")), "{names:?}");
+    let paths: Vec<PathBuf> = names.iter().map(|n| whole.join(n)).collect();
+    let ids: Vec<u32> = Tokens::shards(&paths).unwrap().iter().collect();
+    let want: String = texts.iter().map(|t| format!("<|endoftext|>{t}")).collect();
+    assert_eq!(tok.decode(&ids).unwrap(), want);
+    // A changed input is named, and nothing is written.
+    std::fs::write(src.join("3.txt"), "changed").unwrap();
+    let changed = Settings {
+        inputs: (0..7)
+            .map(|i| Input::of(&src.join(format!("{i}.txt"))).unwrap())
+            .collect(),
+        ..settings.clone()
+    };
+    let part = scratch("tokenize-changed");
+    assert_eq!(
+        run(&settings, &tok, &part, batch, &|_| {}, Some(1)).unwrap(),
+        Outcome::Stopped
+    );
+    let before = files(&part);
+    let err = run(&changed, &tok, &part, batch, &|_| {}, None).unwrap_err();
+    assert!(err.contains("3.txt") && err.contains("changed"), "{err}");
+    assert!(files(&part) == before, "a refused resume changed files");
+}
