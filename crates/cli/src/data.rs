@@ -53,15 +53,6 @@ pub struct DataArgs {
 }
 
 impl DataArgs {
-    /// Just a text (or the built-in corpus), as commands without the other flags take it.
-    pub fn text(data: Option<PathBuf>) -> Self {
-        DataArgs {
-            data,
-            val_fraction: 0.1,
-            ..DataArgs::default()
-        }
-    }
-
     fn check(&self) -> Result<()> {
         let f = self.val_fraction;
         if !(f.is_finite() && f > 0.0 && f < 1.0) {

@@ -5,7 +5,7 @@ use crate::BadInput;
 use anyhow::Result;
 use clap::Args;
 use pipewright_core::rng::Lcg;
-use pipewright_runtime::train::{checkpoint_config, TrainConfig, Trainer};
+use pipewright_runtime::train::{checkpoint_config, TrainConfig, Trainer, Validation};
 use serde_json::json;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -19,10 +19,12 @@ pub struct EvalArgs {
     /// stage that --omit and --keep may leave out).
     #[command(flatten)]
     model: crate::model::ModelArgs,
-    /// The text the run trained on (default: the built-in synthetic corpus).
-    #[arg(long)]
-    data: Option<PathBuf>,
-    /// Held-out micro-batches per evaluation.
+    /// The data the run trained on, as `train` takes it (its held-out part is scored): a text
+    /// by default, or a classification or QA task's examples with --task.
+    #[command(flatten)]
+    data: crate::data::DataArgs,
+    /// Held-out micro-batches of a text per evaluation (a task scores all its held-out
+    /// examples).
     #[arg(long, default_value_t = 16)]
     batches: usize,
     /// Stages (of the plan that wrote the checkpoint) to leave out, e.g. 1,3. Stages holding
@@ -85,11 +87,7 @@ pub fn cmd_eval(a: EvalArgs) -> Result<()> {
     };
     let st = Stages::of(&per, cfg.model.num_blocks());
     st.check_omit(&a.omit)?;
-    let corpus = crate::data::corpus(&crate::data::DataArgs::text(a.data.clone()), &mut cfg)?;
-    corpus
-        .check(cfg.model.seq_len)
-        .and_then(|()| cfg.model.check_text(&corpus.name, corpus.ids))
-        .map_err(BadInput)?;
+    let corpus = eval_corpus(&a, &mut cfg)?;
     // Evaluation needs the weights only: one worker, one stage.
     (cfg.stages, cfg.replicas, cfg.chunks) = (1, 1, 1);
     cfg.schedule = pipewright_core::schedule::ScheduleKind::OneFOneB;
@@ -100,9 +98,9 @@ pub fn cmd_eval(a: EvalArgs) -> Result<()> {
         None if a.model.model_config.is_some() || a.model.model.is_some() => "fresh weights".into(),
         None => trainer.load_checkpoint(&a.checkpoint_dir)?.path,
     };
-    let eval =
-        |stages: &[usize]| trainer.evaluate_omitting(&corpus, a.batches, &st.blocks_of(stages));
-    let full = eval(&[])?;
+    let eval = |stages: &[usize]| trainer.validate(&corpus, a.batches, &st.blocks_of(stages));
+    let scores = eval(&[])?;
+    let full = scores.loss;
     let (per, may_go) = (&st.per, &st.may_go);
     if !a.json {
         println!(
@@ -111,17 +109,18 @@ pub fn cmd_eval(a: EvalArgs) -> Result<()> {
             cfg.model.num_blocks()
         );
         println!(
-            "  all stages:  val loss {full:.4}  perplexity {:.3}",
-            full.exp()
+            "  all stages:  val loss {full:.4}  perplexity {:.3}{}",
+            full.exp(),
+            task_scores(&scores)
         );
     }
     let mut rows = Vec::new();
     for (label, choices) in st.omission_sets(&a)? {
-        let losses = choices
+        let scores = choices
             .iter()
             .map(|c| eval(c))
-            .collect::<std::result::Result<Vec<f64>, _>>()?;
-        rows.push(omission_row(&a, label, &choices, &losses, full));
+            .collect::<std::result::Result<Vec<Validation>, _>>()?;
+        rows.push(omission_row(&a, label, &choices, &scores, full));
     }
     if a.json {
         println!(
@@ -133,6 +132,8 @@ pub fn cmd_eval(a: EvalArgs) -> Result<()> {
                 "may_omit": may_go,
                 "val_loss": full,
                 "perplexity": full.exp(),
+                "accuracy": scores.accuracy,
+                "f1": scores.f1,
                 "omitted": rows,
             })
         );
@@ -157,22 +158,60 @@ fn check_args(a: &EvalArgs) -> Result<()> {
     Ok(())
 }
 
-/// One set of omissions' losses: printed, and as its JSON row.
+/// The held-out data of the checkpoint's run, checked against its model: a task's classes
+/// must be those its head was trained for.
+fn eval_corpus(a: &EvalArgs, cfg: &mut TrainConfig) -> Result<pipewright_runtime::data::Corpus> {
+    let head = cfg.model.head;
+    let corpus = crate::data::corpus(&a.data, cfg)?;
+    if cfg.model.head != head {
+        return Err(BadInput(format!(
+            "{}: the model's head ({head:?}) does not fit this data's task ({:?}); pass the data and --task it was trained on",
+            corpus.name, cfg.model.head
+        ))
+        .into());
+    }
+    if !corpus.is_task() {
+        corpus
+            .check(cfg.model.seq_len)
+            .and_then(|()| cfg.model.check_text(&corpus.name, corpus.ids))
+            .map_err(BadInput)?;
+    }
+    Ok(corpus)
+}
+
+/// A task's held-out scores, as printed after the loss.
+fn task_scores(v: &Validation) -> String {
+    match (v.accuracy, v.f1) {
+        (Some(em), Some(f1)) => format!("  exact match {em:.3}  F1 {f1:.3}"),
+        (Some(acc), None) => format!("  accuracy {acc:.3}"),
+        _ => String::new(),
+    }
+}
+
+/// One set of omissions' scores: printed, and as its JSON row.
 fn omission_row(
     a: &EvalArgs,
     label: String,
     choices: &[Vec<usize>],
-    losses: &[f64],
+    scores: &[Validation],
     full: f64,
 ) -> serde_json::Value {
-    let mean = losses.iter().sum::<f64>() / losses.len().max(1) as f64;
+    let n = scores.len().max(1) as f64;
+    let losses: Vec<f64> = scores.iter().map(|v| v.loss).collect();
+    let mean = losses.iter().sum::<f64>() / n;
     let worst = losses.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let accuracy = scores
+        .iter()
+        .map(|v| v.accuracy)
+        .sum::<Option<f64>>()
+        .map(|s| s / n);
     if !a.json {
         println!(
-            "  {label}: mean val loss {mean:.4}  perplexity {:.3} ({:+.1}% over all stages), worst {:.3}, over {} choice(s) {:?}",
+            "  {label}: mean val loss {mean:.4}  perplexity {:.3} ({:+.1}% over all stages), worst {:.3}{}, over {} choice(s) {:?}",
             mean.exp(),
             100.0 * (mean.exp() / full.exp() - 1.0),
             worst.exp(),
+            accuracy.map_or(String::new(), |x| format!(", mean accuracy {x:.3}")),
             choices.len(),
             choices
         );
@@ -184,6 +223,7 @@ fn omission_row(
         "mean_val_loss": mean,
         "perplexity": mean.exp(),
         "worst_perplexity": worst.exp(),
+        "mean_accuracy": accuracy,
     })
 }
 
