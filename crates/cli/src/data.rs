@@ -192,6 +192,11 @@ fn examples(
             classes: classes.count(),
         }));
     }
+    // The class names go with the model (export writes them as id2label).
+    cfg.model.labels = match &classes {
+        Classes::Named(names) => names.clone(),
+        Classes::Numbered(_) => Vec::new(),
+    };
     // Every example is drawn once an epoch (what the frozen-prefix cache keys on).
     cfg.sampling = pipewright_runtime::data::Sampling::Epochs;
     cfg.model.check().map_err(BadInput)?;

@@ -76,7 +76,8 @@ pub struct TrainArgs {
     /// Validate every N steps (and before the first and after the last).
     #[arg(long, default_value_t = 10)]
     eval_every: u64,
-    /// Held-out micro-batches per validation.
+    /// Held-out micro-batches of a text per validation (a task scores every held-out
+    /// example).
     #[arg(long, default_value_t = 8)]
     eval_batches: usize,
     /// Directory for checkpoints.
@@ -345,6 +346,13 @@ fn config(a: &TrainArgs) -> Result<TrainConfig> {
     }
     set_model!(d_model, layers, heads, seq_len);
     match (a.sampling, a.freeze.cache_budget.is_some()) {
+        (Some(SamplingArg::Windows), _) if a.data.task != crate::data::Task::Lm => {
+            return Err(BadInput(
+                "--sampling windows draws windows of a text; a task's examples are each drawn once an epoch (leave --sampling out)"
+                    .into(),
+            )
+            .into())
+        }
         (Some(SamplingArg::Windows), true) => {
             return Err(BadInput(
                 "--cache-budget keys cached activations by sample: it needs --sampling epochs"

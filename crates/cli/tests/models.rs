@@ -616,6 +616,9 @@ fn llama_learns_to_classify_text_and_exports_a_classifier() {
         serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap();
     assert_eq!(config["architectures"][0], "LlamaForSequenceClassification");
     assert_eq!(config["num_labels"], 2);
+    // The named labels, in class order.
+    assert_eq!(config["id2label"]["0"], "digits");
+    assert_eq!(config["label2id"]["letters"], 1);
     let weights = read(&hf.join("model.safetensors"));
     assert_eq!(weights["score.weight"].1, vec![2, 32]);
     assert!(!weights.contains_key("lm_head.weight"));

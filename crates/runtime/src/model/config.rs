@@ -113,6 +113,10 @@ pub struct ModelConfig {
     /// Colour channels (vit); default 3.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub channels: Option<usize>,
+    /// A classifier's class names, by index (from named labels, or a Hugging Face config's
+    /// `id2label`); empty: numbered classes.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub labels: Vec<String>,
 }
 
 impl Default for ModelConfig {
@@ -136,6 +140,7 @@ impl Default for ModelConfig {
             image: None,
             patch: None,
             channels: None,
+            labels: Vec::new(),
         }
     }
 }
@@ -207,6 +212,7 @@ impl ModelConfig {
             _ => {
                 let at = |m: &ModelConfig| ModelConfig {
                     seq_len: 0,
+                    labels: Vec::new(),
                     ..m.clone()
                 };
                 at(self) == at(other)

@@ -92,15 +92,18 @@ fn causal_head(v: &Value, family: &str) -> Result<Option<TaskHead>, String> {
     }
 }
 
-/// transformers' label fields for a classifier of `classes`.
-fn label_fields(v: &mut Value, classes: usize) {
+/// transformers' label fields for a classifier of `classes`: the class names the model was
+/// trained with, else transformers' `LABEL_i`.
+fn label_fields(v: &mut Value, classes: usize, names: &[String]) {
+    let name = |i: usize| match names.len() == classes {
+        true => names[i].clone(),
+        false => format!("LABEL_{i}"),
+    };
     v["num_labels"] = json!(classes);
     v["id2label"] = (0..classes)
-        .map(|i| (i.to_string(), json!(format!("LABEL_{i}"))))
+        .map(|i| (i.to_string(), json!(name(i))))
         .collect();
-    v["label2id"] = (0..classes)
-        .map(|i| (format!("LABEL_{i}"), json!(i)))
-        .collect();
+    v["label2id"] = (0..classes).map(|i| (name(i), json!(i))).collect();
 }
 
 fn llama_config(v: &Value) -> Result<ModelConfig, String> {
@@ -336,7 +339,7 @@ fn llama_to_hf(cfg: &ModelConfig) -> Result<Value, String> {
     }
     if cfg.head.is_some() {
         v["architectures"] = json!(["LlamaForSequenceClassification"]);
-        label_fields(&mut v, cfg.classes());
+        label_fields(&mut v, cfg.classes(), &cfg.labels);
     }
     Ok(v)
 }
@@ -360,7 +363,7 @@ fn gpt2_to_hf(cfg: &ModelConfig) -> Result<Value, String> {
     });
     if cfg.head.is_some() {
         v["architectures"] = json!(["GPT2ForSequenceClassification"]);
-        label_fields(&mut v, cfg.classes());
+        label_fields(&mut v, cfg.classes(), &cfg.labels);
     }
     Ok(v)
 }
@@ -385,7 +388,7 @@ fn bert_to_hf(cfg: &ModelConfig) -> Result<Value, String> {
     match cfg.head {
         Some(TaskHead::Classify { classes }) => {
             v["architectures"] = json!(["BertForSequenceClassification"]);
-            label_fields(&mut v, classes);
+            label_fields(&mut v, classes, &cfg.labels);
         }
         _ => v["architectures"] = json!(["BertForQuestionAnswering"]),
     }
@@ -410,7 +413,7 @@ fn vit_to_hf(cfg: &ModelConfig) -> Result<Value, String> {
         "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
         "torch_dtype": "float32",
     });
-    label_fields(&mut v, cfg.classes());
+    label_fields(&mut v, cfg.classes(), &cfg.labels);
     Ok(v)
 }
 
