@@ -119,11 +119,23 @@ pub fn cmd_tokenize(a: TokenizeArgs) -> Result<()> {
     else {
         unreachable!("runs to the end without stop_after")
     };
+    report(&a, &tok, &m, &settings, was_complete, resumed)
+}
+
+/// The summary line; or, when the documents held no text (only end-of-text markers), the shards
+/// removed and an error.
+fn report(
+    a: &TokenizeArgs,
+    tok: &Tokenizer,
+    m: &shardwriter::Manifest,
+    settings: &Settings,
+    was_complete: bool,
+    resumed: bool,
+) -> Result<()> {
     let (train, val) = (
         m.train.shards.iter().sum::<usize>(),
         m.val.shards.iter().sum::<usize>(),
     );
-    // Only end-of-text markers (one per document) means there was no text.
     if (train + val) as u64 <= m.documents * u64::from(tok.eot().is_some()) {
         for (kind, s) in [("train", &m.train), ("val", &m.val)] {
             for k in 0..s.shards.len() {

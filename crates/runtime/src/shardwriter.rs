@@ -253,6 +253,13 @@ pub fn run(
     let mut train = Filling::new("train", m.train.clone());
     let mut val = Filling::new("val", m.val.clone());
     let mut next = train.stream.from.file.min(val.stream.from.file);
+    if next >= inputs.len() {
+        return Err(format!(
+            "{}: says the run stopped at file {next} of {}, yet not complete; remove the directory and tokenize again",
+            out.join(MANIFEST).display(),
+            inputs.len()
+        ));
+    }
     progress(starts.get(next).copied().unwrap_or(total));
     let mut batches = 0;
     while next < inputs.len() {
