@@ -11,6 +11,7 @@ mod model;
 mod output;
 mod plan;
 mod ranks;
+mod report;
 mod simulate;
 mod skip;
 mod tokenize;
@@ -97,6 +98,9 @@ enum Cmd {
     Generate(model::GenerateArgs),
     /// Validation loss and perplexity of a checkpoint, also with stages left out (skip-robust inference).
     Eval(eval::EvalArgs),
+    /// Draw a run's metrics file as an SVG: loss, held-out loss and accuracy, throughput, and
+    /// an elastic run's layout, against the step.
+    Report(report::ReportArgs),
     /// Check a plan file (JSON or CSV) and say what is wrong, if anything.
     Validate {
         /// Plan file (.json or .csv).
@@ -229,6 +233,7 @@ fn main() {
         | Cmd::Validate { .. }
         | Cmd::Export(_)
         | Cmd::Tokenize(_)
+        | Cmd::Report(_)
         | Cmd::Generate(_) => error::Flags::None,
         _ => error::Flags::Pipeline,
     };
@@ -293,6 +298,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Eval(a) => eval::cmd_eval(a),
         Cmd::Export(a) => model::cmd_export(a),
         Cmd::Tokenize(a) => tokenize::cmd_tokenize(a),
+        Cmd::Report(a) => report::cmd_report(a),
         Cmd::Forward(a) => model::cmd_forward(a),
         Cmd::Generate(a) => model::cmd_generate(a),
         Cmd::ElasticSim(a) => elastic::cmd_elastic_sim(a),

@@ -1303,3 +1303,38 @@ fn compare_sim_models_serialised_threads() {
     assert_eq!(own["makespan"], 9.0);
     assert_eq!(shared["makespan"], 12.0);
 }
+
+/// `report` draws a run's metrics: the loss panel with both curves, throughput; a layout panel
+/// only when the layout changed. Bad metrics files are named, exit 2.
+#[test]
+fn report_draws_a_runs_metrics() {
+    let dir = fresh_dir("report");
+    let (m, svg) = (dir.join("m.jsonl"), dir.join("r.svg"));
+    let (m_s, svg_s) = (m.to_str().unwrap(), svg.to_str().unwrap());
+    let mut args = vec![
+        "train",
+        "--steps",
+        "12",
+        "--no-checkpoint",
+        "--metrics",
+        m_s,
+    ];
+    args.extend(TINY);
+    let o = pw(&args);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = pw(&["report", m_s, "--out", svg_s]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("12 steps; loss, throughput"), "{out}");
+    let text = std::fs::read_to_string(&svg).unwrap();
+    assert!(text.starts_with("<svg") && text.trim_end().ends_with("</svg>"));
+    // Training and held-out loss: two polylines with a point per row that has them.
+    assert_eq!(text.matches("<polyline").count(), 3, "{text}");
+    assert!(text.contains(">held-out<") && !text.contains(">layout<"));
+    bad(&["report", &tmp("empty.jsonl", "")], "no training steps");
+    bad(
+        &["report", &tmp("bad.jsonl", "{\"step\": 1}\n[1]\n")],
+        "bad.jsonl:2: not a metrics row",
+    );
+    bad(&["report", dir.to_str().unwrap()], "not a regular file");
+}

@@ -484,3 +484,44 @@ fn tied_llama_over_four_ranks_equals_the_same_plan_in_threads() {
         "max |diff| {worst}"
     );
 }
+
+/// A measured trace over MPI shows where time goes besides compute: each rank's sends, its
+/// waits for a peer, the all-reduce and the optimizer step, on both ranks' rows.
+#[test]
+fn measured_mpi_traces_carry_communication_and_optimizer_spans() {
+    let _one = one_at_a_time();
+    let d = dir("trace");
+    let trace = d.join("t.json");
+    let o = mpirun(2)
+        .args([
+            "train",
+            "--transport",
+            "mpi",
+            "--stages",
+            "2",
+            "--no-checkpoint",
+        ])
+        .args(TINY)
+        .args(SHORT)
+        .arg("--trace")
+        .arg(&trace)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let t: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    for cat in ["send", "receive wait", "all-reduce", "optimizer step"] {
+        let workers: std::collections::BTreeSet<u64> = t["traceEvents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["cat"] == cat)
+            .map(|e| e["tid"].as_u64().unwrap())
+            .collect();
+        assert_eq!(
+            workers.into_iter().collect::<Vec<_>>(),
+            [0, 1],
+            "{cat} spans"
+        );
+    }
+}

@@ -13,7 +13,7 @@ use burn::module::Module;
 use burn::optim::ModuleOptimizer;
 use burn::tensor::{Tensor, TensorData};
 use pipewright_core::plan::ir::{Action, Hop, Op, Plan, RouteIndex};
-use pipewright_core::sim::timeline::TimedAction;
+use pipewright_core::sim::timeline::{SpanKind, TimedAction, TimedSpan};
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
@@ -99,6 +99,8 @@ pub struct WorkerOutput {
     /// The same, each scaled by its [`StepInput::scales`].
     pub scaled_loss: f64,
     pub actions: Vec<TimedAction>,
+    /// Measured sends and receive waits (the trainer adds the all-reduce and optimizer step).
+    pub spans: Vec<TimedSpan>,
     /// (micro-batch, logits) where routes end here, with `keep_logits`.
     pub logits: Vec<(usize, Payload)>,
 }
@@ -181,6 +183,7 @@ struct Iteration<'a> {
     loss_sum: f64,
     scaled_loss: f64,
     actions: Vec<TimedAction>,
+    spans: std::cell::RefCell<Vec<TimedSpan>>,
     logits: Vec<(usize, Payload)>,
     /// A held stage with a frozen prefix: that prefix without autodiff, and the layers after
     /// it, split once per iteration rather than per micro-batch.
@@ -213,6 +216,7 @@ impl<'a> Iteration<'a> {
             loss_sum: 0.0,
             scaled_loss: 0.0,
             actions: Vec::with_capacity(mine.len()),
+            spans: std::cell::RefCell::new(Vec::with_capacity(2 * mine.len())),
             logits: Vec::new(),
             frozen_split: frozen_splits(worker),
             worker,
@@ -247,13 +251,27 @@ impl<'a> Iteration<'a> {
         Ok((slot, mb))
     }
 
+    /// Record a measured span of this worker from `start` (seconds on the step's clock).
+    fn span(&self, kind: SpanKind, stage: usize, start: f64) {
+        self.spans.borrow_mut().push(TimedSpan {
+            worker: self.worker.rank,
+            kind,
+            stage: Some(stage),
+            start,
+            end: self.clock.elapsed().as_secs_f64(),
+        });
+    }
+
     fn recv(&self, from: usize, kind: Kind, a: &Action) -> Result<Payload, ExecError> {
         let tag = Tag {
             kind,
             stage: a.stage,
             mb: a.mb,
         };
-        Ok(self.transport.recv(self.worker.rank, from, tag)?)
+        let start = self.clock.elapsed().as_secs_f64();
+        let p = self.transport.recv(self.worker.rank, from, tag)?;
+        self.span(SpanKind::Receive, a.stage, start);
+        Ok(p)
     }
 
     fn send(&self, to: Hop, kind: Kind, mb: usize, t: &Tensor<3>) {
@@ -262,8 +280,10 @@ impl<'a> Iteration<'a> {
             stage: to.stage,
             mb,
         };
+        let start = self.clock.elapsed().as_secs_f64();
         self.transport
             .send(self.worker.rank, to.worker, tag, to_payload(t));
+        self.span(SpanKind::Send, to.stage, start);
     }
 
     /// F: receive the activation (or embed the tokens), run the stage keeping the graph, and
@@ -449,6 +469,7 @@ impl<'a> Iteration<'a> {
             loss_sum: self.loss_sum,
             scaled_loss: self.scaled_loss,
             actions: self.actions,
+            spans: self.spans.into_inner(),
             logits: self.logits,
         }
     }

@@ -29,13 +29,17 @@ pub struct TimedTransfer {
 }
 
 /// Work on a worker beside the pipeline's actions.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum SpanKind {
     /// A stage's gradient all-reduce over its replica group.
     AllReduce,
     /// The optimizer step over the worker's stages.
     OptimizerStep,
+    /// Measured: handing a stage's output or input gradient to the transport.
+    Send,
+    /// Measured: waiting for a peer's activation or gradient.
+    Receive,
 }
 
 impl SpanKind {
@@ -43,12 +47,14 @@ impl SpanKind {
         match self {
             SpanKind::AllReduce => "all-reduce",
             SpanKind::OptimizerStep => "optimizer step",
+            SpanKind::Send => "send",
+            SpanKind::Receive => "receive wait",
         }
     }
 }
 
 /// A span of [`SpanKind`] on a worker (of a stage, for an all-reduce).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct TimedSpan {
     pub worker: usize,
     pub kind: SpanKind,
@@ -204,6 +210,8 @@ impl Timeline {
             if let Some(kind) = args.get("span").and_then(Value::as_str) {
                 let kind = match kind {
                     "all-reduce" => SpanKind::AllReduce,
+                    "send" => SpanKind::Send,
+                    "receive" => SpanKind::Receive,
                     _ => SpanKind::OptimizerStep,
                 };
                 let start = e.get("ts").and_then(Value::as_f64).unwrap_or(0.0) / US;
@@ -387,6 +395,7 @@ impl Timeline {
             let fill = match sp.kind {
                 SpanKind::AllReduce => ALLREDUCE,
                 SpanKind::OptimizerStep => OPTIMIZER,
+                SpanKind::Send | SpanKind::Receive => COMM,
             };
             let _ = writeln!(
                 s,
@@ -458,6 +467,8 @@ impl Timeline {
 
 const TRANSFER_F: &str = "#555555";
 const TRANSFER_B: &str = "#b07aa1";
+/// Measured sends and receive waits.
+const COMM: &str = "#bdbdbd";
 const ALLREDUCE: &str = "#9c755f";
 const OPTIMIZER: &str = "#bab0ac";
 

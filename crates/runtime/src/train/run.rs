@@ -11,7 +11,7 @@ use crate::error::{Error, Result};
 use crate::profile::{median, Profiler};
 use pipewright_core::cluster::Cluster;
 use pipewright_core::plan::ir::{Op, Plan};
-use pipewright_core::sim::timeline::{TimedAction, Timeline};
+use pipewright_core::sim::timeline::{TimedAction, TimedSpan, Timeline};
 use pipewright_core::sim::{devices_for_plan, simulate, simulate_with, SimOptions, SimSetup};
 use serde_json::{json, Value};
 use std::collections::HashMap;
@@ -170,6 +170,7 @@ pub struct RunSummary {
 struct WholeRun {
     clock: Instant,
     actions: Vec<TimedAction>,
+    spans: Vec<TimedSpan>,
     marks: Vec<(f64, String)>,
     /// The most workers any plan of the run had.
     workers: usize,
@@ -187,6 +188,13 @@ impl WholeRun {
             a.start += offset;
             a.end += offset;
             a
+        }));
+        let room = Self::CAP.saturating_sub(self.spans.len());
+        self.spans.extend(r.spans.iter().take(room).map(|s| {
+            let mut s = *s;
+            s.start += offset;
+            s.end += offset;
+            s
         }));
     }
 
@@ -322,6 +330,7 @@ impl TrainingRun {
         self.whole = (self.cfg.trace && self.freezer.is_some()).then(|| WholeRun {
             clock: Instant::now(),
             actions: Vec::new(),
+            spans: Vec::new(),
             marks: Vec::new(),
             workers: self.trainer.plan.num_workers(),
         });
@@ -548,6 +557,7 @@ impl TrainingRun {
         if let Some(w) = self.whole.take() {
             tl.worker_names = (0..w.workers).map(|i| format!("worker {i}")).collect();
             tl.actions = w.actions;
+            tl.spans = w.spans;
             tl.marks = w.marks;
         }
         Some(tl)

@@ -17,7 +17,7 @@ use burn::module::Module;
 use pipewright_core::cluster::Cluster;
 use pipewright_core::plan::ir::{Plan, RouteIndex, Topology};
 use pipewright_core::sim::devices_for_plan;
-use pipewright_core::sim::timeline::{TimedAction, Timeline};
+use pipewright_core::sim::timeline::{SpanKind, TimedAction, TimedSpan, Timeline};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -33,6 +33,8 @@ pub struct StepReport {
     /// Compute seconds per worker.
     pub busy: Vec<f64>,
     pub actions: Vec<TimedAction>,
+    /// Measured sends, receive waits, the all-reduce and the optimizer step of each worker.
+    pub spans: Vec<TimedSpan>,
     /// Gradient norm of each layer block (model order; 0 when frozen; the same on every
     /// process).
     pub layer_norms: Vec<f64>,
@@ -416,6 +418,7 @@ impl Trainer {
         let last = self.cfg.model.num_blocks() - 1;
         let results = on_workers(&mut self.workers, transport, |worker| {
             let mut out = worker.run(plan, routes, transport, &input, clock)?;
+            let synced = clock.elapsed().as_secs_f64();
             reduce_gradients(worker, &mut out, topo, transport)?;
             if let Some(t) = tied {
                 t.sum(worker, &mut out, topo, transport)?;
@@ -446,13 +449,25 @@ impl Trainer {
                 .collect();
             let mut sums = [sq, out.loss_sum as f32];
             transport.all_reduce(rank, &topo.everyone, &mut sums)?;
+            // The replicas' gradients and everyone's norm and loss: one all-reduce span.
+            let optimizer = clock.elapsed().as_secs_f64();
             let norm = (sums[0] as f64).sqrt();
             apply_gradients(worker, &out.grads, lr, clip_factor(norm, clip));
+            let span = |kind, start| TimedSpan {
+                worker: rank,
+                kind,
+                stage: None,
+                start,
+                end: clock.elapsed().as_secs_f64(),
+            };
+            out.spans.push(span(SpanKind::AllReduce, synced));
+            let end = span(SpanKind::OptimizerStep, optimizer);
+            out.spans.push(end);
             Ok((out, norm, sums[1] as f64, layer_norms))
         });
         let seconds = clock.elapsed().as_secs_f64();
         let mut busy = vec![0.0; self.plan.num_workers()];
-        let mut actions = Vec::new();
+        let (mut actions, mut spans) = (Vec::new(), Vec::new());
         let (mut norm, mut loss_total) = (0.0, 0.0);
         let mut layer_norms = vec![f64::NAN; self.plan.num_layers()];
         let mut first_err = None;
@@ -468,6 +483,7 @@ impl Trainer {
                         busy[a.worker] += a.end - a.start;
                     }
                     actions.extend(out.actions);
+                    spans.extend(out.spans);
                     norm = g;
                     loss_total = l;
                 }
@@ -489,28 +505,7 @@ impl Trainer {
             return Err(e);
         }
         if let Some(rank) = self.rank {
-            // Every rank gets every rank's measured actions (for metrics and traces) and the
-            // gradient norms of the layers it leads (so freeze decisions agree everywhere).
-            let norms: Vec<Option<f64>> = layer_norms
-                .iter()
-                .map(|x| (!x.is_nan()).then_some(*x))
-                .collect();
-            let mine = serde_json::to_vec(&(&actions, norms)).expect("actions serialise");
-            let parts = self.transport.all_gather(rank, mine)?;
-            actions = Vec::new();
-            for p in parts {
-                let (theirs, norms): (Vec<TimedAction>, Vec<Option<f64>>) =
-                    serde_json::from_slice(&p).map_err(|e| ExecError::Plan {
-                        worker: rank,
-                        msg: format!("a peer's timeline does not parse: {e}"),
-                    })?;
-                actions.extend(theirs);
-                for (slot, x) in layer_norms.iter_mut().zip(norms) {
-                    if let Some(x) = x {
-                        *slot = x;
-                    }
-                }
-            }
+            (actions, spans) = self.gather_timeline(rank, actions, spans, &mut layer_norms)?;
             busy.iter_mut().for_each(|b| *b = 0.0);
             for a in &actions {
                 if let Some(b) = busy.get_mut(a.worker) {
@@ -533,8 +528,44 @@ impl Trainer {
             tokens,
             busy,
             actions,
+            spans,
             layer_norms,
         })
+    }
+
+    /// Under MPI: every rank gets every rank's measured actions and spans (for metrics and
+    /// traces) and the gradient norms of the layers it leads (so freeze decisions agree
+    /// everywhere).
+    fn gather_timeline(
+        &self,
+        rank: usize,
+        actions: Vec<TimedAction>,
+        spans: Vec<TimedSpan>,
+        layer_norms: &mut [f64],
+    ) -> std::result::Result<(Vec<TimedAction>, Vec<TimedSpan>), ExecError> {
+        let norms: Vec<Option<f64>> = layer_norms
+            .iter()
+            .map(|x| (!x.is_nan()).then_some(*x))
+            .collect();
+        let mine = serde_json::to_vec(&(&actions, &spans, norms)).expect("actions serialise");
+        let parts = self.transport.all_gather(rank, mine)?;
+        let (mut actions, mut spans) = (Vec::new(), Vec::new());
+        for p in parts {
+            type Part = (Vec<TimedAction>, Vec<TimedSpan>, Vec<Option<f64>>);
+            let (theirs, their_spans, norms): Part =
+                serde_json::from_slice(&p).map_err(|e| ExecError::Plan {
+                    worker: rank,
+                    msg: format!("a peer's timeline does not parse: {e}"),
+                })?;
+            actions.extend(theirs);
+            spans.extend(their_spans);
+            for (slot, x) in layer_norms.iter_mut().zip(norms) {
+                if let Some(x) = x {
+                    *slot = x;
+                }
+            }
+        }
+        Ok((actions, spans))
     }
 
     /// One batch through this plan's forward and backward, exactly as a training step runs
@@ -698,7 +729,7 @@ impl Trainer {
             actions: report.actions.clone(),
             transfers: Vec::new(),
             marks: Vec::new(),
-            spans: Vec::new(),
+            spans: report.spans.clone(),
         }
     }
 }

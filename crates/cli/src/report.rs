@@ -1,0 +1,213 @@
+//! `report`: a training run's metrics file drawn as one SVG: the loss (training and held-out),
+//! a task's accuracy, throughput, and the layout (stages, replicas, frozen layer blocks) of an
+//! elastic run, each against the step.
+
+use crate::BadInput;
+use anyhow::Result;
+use clap::Args;
+use serde_json::Value;
+use std::fmt::Write;
+use std::path::PathBuf;
+
+#[derive(Args)]
+pub struct ReportArgs {
+    /// The metrics file of a run (`train --metrics FILE`, JSON lines).
+    metrics: PathBuf,
+    /// The SVG to write.
+    #[arg(long, default_value = "report.svg")]
+    out: PathBuf,
+}
+
+/// A line on a panel: its name, colour and (step, value) points.
+struct Series {
+    name: &'static str,
+    color: &'static str,
+    points: Vec<(f64, f64)>,
+}
+
+struct Panel {
+    title: &'static str,
+    series: Vec<Series>,
+}
+
+/// The (step, value) points of `key` in `rows`.
+fn points(rows: &[Value], key: &str) -> Vec<(f64, f64)> {
+    rows.iter()
+        .filter_map(|r| Some((r.get("step")?.as_f64()?, r.get(key)?.as_f64()?)))
+        .filter(|(_, v)| v.is_finite())
+        .collect()
+}
+
+fn series(rows: &[Value], name: &'static str, key: &str, color: &'static str) -> Series {
+    Series {
+        name,
+        color,
+        points: points(rows, key),
+    }
+}
+
+/// The panels worth drawing for these rows: empty series and a layout that never changed are
+/// left out.
+fn panels(rows: &[Value]) -> Vec<Panel> {
+    let mut out = vec![Panel {
+        title: "loss",
+        series: vec![
+            series(rows, "training", "loss", "#4e79a7"),
+            series(rows, "held-out", "val_loss", "#e15759"),
+        ],
+    }];
+    out.push(Panel {
+        title: "held-out accuracy",
+        series: vec![series(rows, "accuracy", "accuracy", "#59a14f")],
+    });
+    out.push(Panel {
+        title: "throughput (tokens/s)",
+        series: vec![series(rows, "tokens/s", "tokens_per_s", "#f28e2b")],
+    });
+    let layout = vec![
+        series(rows, "stages", "stages", "#76b7b2"),
+        series(rows, "replicas", "replicas", "#edc948"),
+        series(rows, "frozen blocks", "frozen_layers", "#b07aa1"),
+    ];
+    let varies = |s: &Series| s.points.windows(2).any(|w| w[0].1 != w[1].1);
+    if layout.iter().any(varies) {
+        out.push(Panel {
+            title: "layout",
+            series: layout,
+        });
+    }
+    out.retain(|p| p.series.iter().any(|s| !s.points.is_empty()));
+    out
+}
+
+const W: f64 = 760.0;
+const H: f64 = 200.0;
+const LEFT: f64 = 70.0;
+
+/// One panel at height `top`, steps 0..=`last` across.
+fn draw(svg: &mut String, p: &Panel, top: f64, last: f64) {
+    let (lo, hi) = p
+        .series
+        .iter()
+        .flat_map(|s| s.points.iter().map(|&(_, v)| v))
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), v| {
+            (a.min(v), b.max(v))
+        });
+    let (lo, hi) = if hi > lo {
+        (lo, hi)
+    } else {
+        (lo - 1.0, hi + 1.0)
+    };
+    let (plot_w, plot_h) = (W - LEFT - 20.0, H - 50.0);
+    let x = |s: f64| LEFT + s / last.max(1.0) * plot_w;
+    let y = |v: f64| top + 30.0 + (hi - v) / (hi - lo) * plot_h;
+    let _ = writeln!(
+        svg,
+        r##"<text x="{LEFT}" y="{:.1}" font-weight="bold">{}</text><rect x="{LEFT}" y="{:.1}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#999"/>"##,
+        top + 20.0,
+        p.title,
+        top + 30.0
+    );
+    for (v, anchor) in [(hi, top + 34.0), (lo, top + 30.0 + plot_h)] {
+        let _ = writeln!(
+            svg,
+            r#"<text x="{:.1}" y="{anchor:.1}" text-anchor="end" font-size="11">{}</text>"#,
+            LEFT - 4.0,
+            short(v)
+        );
+    }
+    let _ = writeln!(
+        svg,
+        r#"<text x="{:.1}" y="{:.1}" text-anchor="end" font-size="11">step {last}</text>"#,
+        W - 20.0,
+        top + H - 6.0
+    );
+    for (k, s) in p.series.iter().enumerate() {
+        let pts: Vec<String> = s
+            .points
+            .iter()
+            .map(|&(a, v)| format!("{:.1},{:.1}", x(a), y(v)))
+            .collect();
+        let _ = writeln!(
+            svg,
+            r#"<polyline fill="none" stroke="{}" stroke-width="1.5" points="{}"/><text x="{:.1}" y="{:.1}" fill="{}" font-size="12">{}</text>"#,
+            s.color,
+            pts.join(" "),
+            LEFT + 200.0 + 120.0 * k as f64,
+            top + 20.0,
+            s.color,
+            s.name
+        );
+        if let [(a, v)] = s.points[..] {
+            let _ = writeln!(
+                svg,
+                r#"<circle cx="{:.1}" cy="{:.1}" r="3" fill="{}"/>"#,
+                x(a),
+                y(v),
+                s.color
+            );
+        }
+    }
+}
+
+/// A value in a few characters.
+fn short(v: f64) -> String {
+    match v.abs() {
+        a if a >= 1e4 => format!("{v:.0}"),
+        a if a >= 10.0 => format!("{v:.1}"),
+        _ => format!("{v:.3}"),
+    }
+}
+
+/// The rows of a metrics file, each line one JSON object; a bad line is named.
+fn read_rows(path: &std::path::Path) -> Result<Vec<Value>> {
+    let text = pipewright_core::error::read_file(path).map_err(|e| BadInput(e.to_string()))?;
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| match serde_json::from_str::<Value>(l) {
+            Ok(v) if v.is_object() => Ok(v),
+            _ => Err(BadInput(format!(
+                "{}:{}: not a metrics row (a JSON object per line)",
+                path.display(),
+                i + 1
+            ))
+            .into()),
+        })
+        .collect()
+}
+
+pub fn cmd_report(a: ReportArgs) -> Result<()> {
+    let rows = read_rows(&a.metrics)?;
+    let last = rows
+        .iter()
+        .filter_map(|r| r.get("step")?.as_f64())
+        .fold(0.0, f64::max);
+    let panels = panels(&rows);
+    if last < 1.0 || panels.is_empty() {
+        return Err(BadInput(format!(
+            "{}: no training steps to draw",
+            a.metrics.display()
+        ))
+        .into());
+    }
+    let height = H * panels.len() as f64 + 10.0;
+    let mut svg = format!(
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{height}" font-family="sans-serif" font-size="13">
+<rect width="100%" height="100%" fill="white"/>
+"#
+    );
+    for (i, p) in panels.iter().enumerate() {
+        draw(&mut svg, p, i as f64 * H, last);
+    }
+    svg.push_str("</svg>\n");
+    crate::files::write_file(&a.out, &svg)?;
+    let names: Vec<&str> = panels.iter().map(|p| p.title).collect();
+    println!(
+        "wrote {}: {} steps; {}",
+        a.out.display(),
+        last,
+        names.join(", ")
+    );
+    Ok(())
+}
