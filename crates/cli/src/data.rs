@@ -5,7 +5,7 @@ use anyhow::Result;
 use pipewright_runtime::data::Corpus;
 use pipewright_runtime::labelled::{cifar_files, read_texts, Classes, Examples, Fields};
 use pipewright_runtime::model::{Family, TaskHead};
-use pipewright_runtime::train::TrainConfig;
+use pipewright_runtime::train::{DataSource, TrainConfig};
 use std::path::PathBuf;
 
 /// What the model learns.
@@ -22,6 +22,16 @@ pub enum Task {
     /// Extractive question answering (bert) on SQuAD-format JSON: each question with its
     /// context, the answer's first and last token; validation reports exact match and F1.
     Qa,
+}
+
+impl Task {
+    pub fn name(self) -> &'static str {
+        match self {
+            Task::Lm => "lm",
+            Task::Classify => "classify",
+            Task::Qa => "qa",
+        }
+    }
 }
 
 #[derive(clap::Args, Clone, Debug, Default)]
@@ -53,6 +63,42 @@ pub struct DataArgs {
 }
 
 impl DataArgs {
+    /// These flags as a run records them (none: the built-in corpus). Paths are made absolute,
+    /// so that a checkpoint or printed configuration reads the same data from anywhere.
+    pub fn source(&self) -> Option<DataSource> {
+        let abs = |p: &PathBuf| std::path::absolute(p).unwrap_or_else(|_| p.clone());
+        Some(DataSource {
+            path: abs(self.data.as_ref()?),
+            val_path: self.val_data.as_ref().map(abs),
+            val_fraction: self.val_fraction,
+            task: self.task.name().into(),
+            text_field: self.text_field.clone(),
+            label_field: self.label_field.clone(),
+        })
+    }
+
+    /// The data settings in force: these flags when `--data` is given, else what a
+    /// configuration or checkpoint recorded (`recorded`), else the built-in corpus.
+    pub fn resolve(&self, recorded: Option<&DataSource>) -> Result<DataArgs> {
+        let (None, Some(r)) = (&self.data, recorded) else {
+            return Ok(self.clone());
+        };
+        let task = <Task as clap::ValueEnum>::from_str(&r.task, true).map_err(|_| {
+            BadInput(format!(
+                "data task {:?}: expected lm, classify or qa",
+                r.task
+            ))
+        })?;
+        Ok(DataArgs {
+            data: Some(r.path.clone()),
+            val_data: r.val_path.clone(),
+            val_fraction: r.val_fraction,
+            task,
+            text_field: r.text_field.clone(),
+            label_field: r.label_field.clone(),
+        })
+    }
+
     fn check(&self) -> Result<()> {
         let f = self.val_fraction;
         if !(f.is_finite() && f > 0.0 && f < 1.0) {

@@ -23,9 +23,9 @@ pub struct EvalArgs {
     /// by default, or a classification or QA task's examples with --task.
     #[command(flatten)]
     data: crate::data::DataArgs,
-    /// Held-out micro-batches of a text per evaluation (a task scores all its held-out
-    /// examples).
-    #[arg(long, default_value_t = 16)]
+    /// Held-out micro-batches of a text per evaluation, as `train --eval-batches` (a task
+    /// scores all its held-out examples).
+    #[arg(long, default_value_t = 8)]
     batches: usize,
     /// Stages (of the plan that wrote the checkpoint) to leave out, e.g. 1,3. Stages holding
     /// the embedding or the head stay.
@@ -162,7 +162,15 @@ fn check_args(a: &EvalArgs) -> Result<()> {
 /// must be those its head was trained for.
 fn eval_corpus(a: &EvalArgs, cfg: &mut TrainConfig) -> Result<pipewright_runtime::data::Corpus> {
     let head = cfg.model.head;
-    let corpus = crate::data::corpus(&a.data, cfg)?;
+    // Without --data, the data the checkpoint's run trained on.
+    let data = a.data.resolve(cfg.data.as_ref())?;
+    if a.data.data.is_none() && !a.json {
+        match &data.data {
+            Some(d) => println!("data: {} (recorded in the checkpoint)", d.display()),
+            None => println!("data: the built-in corpus"),
+        }
+    }
+    let corpus = crate::data::corpus(&data, cfg)?;
     if cfg.model.head != head {
         return Err(BadInput(format!(
             "{}: the model's head ({head:?}) does not fit this data's task ({:?}); pass the data and --task it was trained on",

@@ -341,12 +341,15 @@ fn config(a: &TrainArgs) -> Result<TrainConfig> {
     if let Some(t) = &a.tokenizer {
         cfg.tokenizer = Some(t.clone());
     }
+    // --data and its companions, else the configuration file's [data].
+    let data = a.data.resolve(cfg.data.as_ref())?;
+    cfg.data = data.source();
     macro_rules! set_model {
         ($($f:ident),*) => { $(if let Some(v) = a.$f { cfg.model.$f = v; })* };
     }
     set_model!(d_model, layers, heads, seq_len);
     match (a.sampling, a.freeze.cache_budget.is_some()) {
-        (Some(SamplingArg::Windows), _) if a.data.task != crate::data::Task::Lm => {
+        (Some(SamplingArg::Windows), _) if data.task != crate::data::Task::Lm => {
             return Err(BadInput(
                 "--sampling windows draws windows of a text; a task's examples are each drawn once an epoch (leave --sampling out)"
                     .into(),
@@ -455,7 +458,8 @@ fn train(a: TrainArgs) -> Result<()> {
     let procs = start_transport(&a)?;
     crate::ranks::stop_on_signals(procs.is_some());
     let mut cfg = config(&a)?;
-    let corpus = crate::data::corpus(&a.data, &mut cfg)?;
+    let data = a.data.resolve(cfg.data.as_ref())?;
+    let corpus = crate::data::corpus(&data, &mut cfg)?;
     check_flags(&a, &cfg, procs.is_some())?;
     let plan = agree(&procs, train_plan(&a, &cfg)?)?;
     let links = links(&a, &plan)?;

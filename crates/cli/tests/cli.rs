@@ -1338,3 +1338,61 @@ fn report_draws_a_runs_metrics() {
     );
     bad(&["report", dir.to_str().unwrap()], "not a regular file");
 }
+
+/// A run records its data: `--print-config` writes it as `[data]`, `--config` reads it back,
+/// and `eval` of the checkpoint scores the same held-out data by default, with the same
+/// number of batches as training's validation (the same loss).
+#[test]
+fn runs_record_their_data_for_config_and_eval() {
+    let dir = fresh_dir("data-record");
+    let text = dir.join("corpus.txt");
+    std::fs::write(
+        &text,
+        "the pipeline cuts the model into stages. ".repeat(400),
+    )
+    .unwrap();
+    let (ck, toml) = (dir.join("ck"), dir.join("run.toml"));
+    let mut args = vec!["train", "--steps", "6", "--data", text.to_str().unwrap()];
+    args.extend(TINY);
+    let o = pw(&[&args[..], &["--print-config"]].concat());
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let printed = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(
+        printed.contains("[data]") && printed.contains("corpus.txt"),
+        "{printed}"
+    );
+    std::fs::write(&toml, &printed).unwrap();
+    let o = pw(&[
+        "train",
+        "--config",
+        toml.to_str().unwrap(),
+        "--checkpoint-dir",
+        ck.to_str().unwrap(),
+    ]);
+    let trained = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(o.status.success() && trained.contains("-> "), "{trained}");
+    let val = trained
+        .split("-> ")
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap();
+    let o = pw(&[
+        "eval",
+        "--checkpoint-dir",
+        ck.to_str().unwrap(),
+        "--keep",
+        "1",
+    ]);
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        out.contains("corpus.txt (recorded in the checkpoint)"),
+        "{out}"
+    );
+    assert!(
+        out.contains(&format!("val loss {val}")),
+        "train {val}: {out}"
+    );
+}

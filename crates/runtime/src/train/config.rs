@@ -47,6 +47,43 @@ pub struct TrainConfig {
     /// bytes. Kept in checkpoints so that `generate` reads and writes text the same way.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokenizer: Option<String>,
+    /// The data the run learns from; none: the built-in corpus. Kept in checkpoints so that
+    /// `eval` scores what was trained.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub data: Option<DataSource>,
+}
+
+/// Where a run's data comes from and how it is read (the `train` flags of the same names).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataSource {
+    /// Training data: a text file or directory, records, token shards, or a task's examples.
+    pub path: std::path::PathBuf,
+    /// Held-out data; none: `val_fraction` of `path`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub val_path: Option<std::path::PathBuf>,
+    #[serde(default = "default_val_fraction")]
+    pub val_fraction: f64,
+    /// `lm`, `classify` or `qa`.
+    #[serde(default = "default_task")]
+    pub task: String,
+    #[serde(default = "default_text_field")]
+    pub text_field: String,
+    #[serde(default = "default_label_field")]
+    pub label_field: String,
+}
+
+fn default_val_fraction() -> f64 {
+    0.1
+}
+fn default_task() -> String {
+    "lm".into()
+}
+fn default_text_field() -> String {
+    "text".into()
+}
+fn default_label_field() -> String {
+    "label".into()
 }
 
 impl Default for TrainConfig {
@@ -69,6 +106,7 @@ impl Default for TrainConfig {
             sampling: Sampling::Windows,
             pretrained: None,
             tokenizer: None,
+            data: None,
         }
     }
 }

@@ -12,7 +12,7 @@ mod tied;
 mod trainer;
 
 pub use checkpoint::{checkpoint_config, Resumed};
-pub use config::TrainConfig;
+pub use config::{DataSource, TrainConfig};
 pub use freeze::{FreezeController, FreezeSettings};
 pub use layers::{hf_layers, hf_params};
 pub use plain::PlainTrainer;
