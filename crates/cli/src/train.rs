@@ -96,9 +96,13 @@ pub struct TrainArgs {
     /// may differ from the one that wrote it).
     #[arg(long)]
     resume: bool,
-    /// Write the last step's measured timeline as a Chrome trace.
+    /// Write the last step's measured timeline as a Chrome trace (the whole run's with
+    /// --elastic).
     #[arg(long)]
     trace: Option<PathBuf>,
+    /// Write the same measured timeline as an SVG Gantt chart.
+    #[arg(long)]
+    svg: Option<PathBuf>,
     #[command(flatten)]
     model: crate::model::ModelArgs,
     /// How text becomes tokens: bytes (default), gpt2, cl100k, or a tokenizer.json (or a
@@ -496,7 +500,7 @@ fn check_flags(a: &TrainArgs, cfg: &TrainConfig, mpi: bool) -> Result<()> {
             "--switch-plan and --elastic both change the plan during the run: use one of them",
         );
     }
-    for f in a.metrics.iter().chain(&a.trace) {
+    for f in a.metrics.iter().chain(&a.trace).chain(&a.svg) {
         check_output(f)?;
     }
     if !a.no_checkpoint && crate::ranks::RANK.get().is_none_or(|&r| r == 0) {
@@ -573,7 +577,7 @@ fn run_config(a: &TrainArgs, cfg: &TrainConfig, links: Option<&Cluster>) -> Resu
         freeze: a.freeze.settings()?,
         cache: a.freeze.cache()?,
         compare_sim: a.compare_sim,
-        trace: a.trace.is_some(),
+        trace: a.trace.is_some() || a.svg.is_some(),
         stop: Some(&crate::ranks::STOP_REQUESTED),
     })
 }
@@ -757,6 +761,13 @@ impl RunSink for Progress {
 fn report(a: &TrainArgs, run: &mut TrainingRun, s: &RunSummary) -> Result<()> {
     if let (Some(f), Some(tl)) = (&a.trace, &s.timeline) {
         write_with(f, |mut w| tl.write_chrome_trace(&mut w))?;
+    }
+    if let (Some(f), Some(tl)) = (&a.svg, &s.timeline) {
+        let title = format!(
+            "measured: {}",
+            pipewright_runtime::train::describe(&run.trainer.plan)
+        );
+        write_with(f, |w| w.write_all(tl.to_svg(&title).as_bytes()))?;
     }
     if let Some(c) = &s.cache {
         println!(

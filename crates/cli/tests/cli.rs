@@ -1396,3 +1396,51 @@ fn runs_record_their_data_for_config_and_eval() {
         "train {val}: {out}"
     );
 }
+
+/// Timelines as pictures: `train --svg` draws the measured step with its sends and receive
+/// waits; where a worker runs several stages (interleaved) each box names its stage.
+#[test]
+fn svg_timelines_show_waits_and_stages() {
+    let dir = fresh_dir("svg");
+    let (m, s) = (dir.join("m.svg"), dir.join("s.svg"));
+    let mut args = vec![
+        "train",
+        "--steps",
+        "2",
+        "--no-checkpoint",
+        "--svg",
+        m.to_str().unwrap(),
+    ];
+    args.extend(TINY);
+    let o = pw(&args);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let svg = std::fs::read_to_string(&m).unwrap();
+    assert!(svg.contains("measured: 1f1b on 2 workers") && svg.contains("send, receive wait"));
+    assert!(
+        svg.contains("<title>receive wait of stage"),
+        "no receive waits drawn"
+    );
+    let o = pw(&[
+        "simulate",
+        "--kind",
+        "interleaved",
+        "--stages",
+        "2",
+        "--chunks",
+        "2",
+        "--microbatches",
+        "4",
+        "--svg",
+        s.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let svg = std::fs::read_to_string(&s).unwrap();
+    assert!(
+        svg.contains(">F0s0<") && svg.contains(">F0s2<"),
+        "stage labels"
+    );
+    bad(
+        &["train", "--steps", "1", "--svg", "/nonexistent/dir/m.svg"],
+        "does not exist",
+    );
+}

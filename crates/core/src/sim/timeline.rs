@@ -295,7 +295,18 @@ impl Timeline {
 "#,
             xml_escape(title)
         );
-        // Legend.
+        // Legend (measured timelines also show their sends and waits).
+        let measured = self
+            .spans
+            .iter()
+            .any(|sp| matches!(sp.kind, SpanKind::Send | SpanKind::Receive));
+        // Where a worker runs several stages (interleaved, ZB-V), boxes name the stage too.
+        let mut stages_of = vec![std::collections::BTreeSet::new(); p];
+        for a in &self.actions {
+            if let Some(set) = stages_of.get_mut(a.worker) {
+                set.insert(a.action.stage);
+            }
+        }
         let mut lx = left;
         for (label, colour, h) in [
             ("F forward", colour(Op::F), 12.0),
@@ -306,7 +317,10 @@ impl Timeline {
             ("gradient transfer", TRANSFER_B, 4.0),
             ("all-reduce", ALLREDUCE, 12.0),
             ("optimizer step", OPTIMIZER, 12.0),
-        ] {
+        ]
+        .into_iter()
+        .chain(measured.then_some(("send, receive wait", COMM, 12.0)))
+        {
             let _ = writeln!(
                 s,
                 r#"<rect x="{lx}" y="{:.1}" width="14" height="{h}" fill="{colour}"/><text x="{}" y="46" font-size="12">{label}</text>"#,
@@ -351,7 +365,10 @@ impl Timeline {
                 a.start,
                 a.end
             );
-            let label = a.action.mb.to_string();
+            let label = match stages_of.get(a.worker).is_some_and(|set| set.len() > 1) {
+                true => format!("{}{}s{}", a.action.op.as_str(), a.action.mb, a.action.stage),
+                false => a.action.mb.to_string(),
+            };
             let fs = 10.0f64.min(bar_h * 0.6);
             if w >= fs * 0.62 * label.len() as f64 + 2.0 {
                 let _ = write!(
