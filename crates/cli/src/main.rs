@@ -79,7 +79,7 @@ enum Cmd {
     Plan(plan::PlanArgs),
     /// SkipPipe: routes that skip and swap stages on a slow, uneven network, with baselines.
     SkipPlan(skip::SkipPlanArgs),
-    /// Train a GPT-style byte-level model from a plan file or schedule flags (built-in corpus by default).
+    /// Train a model (pipewright's GPT, or Hugging Face LLaMA, GPT-2, BERT, ViT) as the pipeline of a plan file or schedule flags (built-in corpus by default).
     Train(Box<train::TrainArgs>),
     /// Measure each layer block of the model on this machine and write a profile TOML.
     Profile(train::ProfileArgs),

@@ -30,6 +30,12 @@ pub enum TransportKind {
     Mpi,
 }
 
+/// A flag's help with its default, read from [`TrainConfig::default`] (the one place that
+/// decides it; a `--config` file's value stands where the flag is not given).
+fn dflt<T: std::fmt::Display>(what: &str, field: impl Fn(&TrainConfig) -> T) -> String {
+    format!("{what} [default: {}]", field(&TrainConfig::default()))
+}
+
 #[derive(Args)]
 pub struct TrainArgs {
     /// TOML with any TrainConfig fields (model, schedule, stages, ...); flags override it.
@@ -42,31 +48,31 @@ pub struct TrainArgs {
     /// Whole-job plan file (from `plan --out`, `schedule --format json`, or by hand).
     #[arg(long, conflicts_with_all = ["schedule", "stages", "chunks", "replicas", "microbatches"])]
     plan: Option<PathBuf>,
-    /// Pipeline schedule of the generated plan.
-    #[arg(long, value_enum)]
+    #[arg(long, value_enum, help = dflt("Pipeline schedule of the generated plan", |c| c.schedule))]
     schedule: Option<ScheduleKind>,
-    /// Pipeline depth P of the generated plan (workers per pipeline).
-    #[arg(long)]
+    #[arg(long, help = dflt("Pipeline depth P of the generated plan (workers per pipeline)", |c| c.stages))]
     stages: Option<usize>,
-    /// Stage chunks per worker (interleaved; zbv uses 2).
-    #[arg(long)]
+    #[arg(long, help = dflt("Stage chunks per worker (interleaved; zbv uses 2)", |c| c.chunks))]
     chunks: Option<usize>,
-    /// Data-parallel replicas D of the generated plan.
-    #[arg(long)]
+    #[arg(long, help = dflt("Data-parallel replicas D of the generated plan", |c| c.replicas))]
     replicas: Option<usize>,
-    /// Micro-batches M per replica per step of the generated plan.
-    #[arg(long)]
+    #[arg(long, help = dflt("Micro-batches M of each replica per step (the global batch is M x D micro-batches)", |c| c.microbatches))]
     microbatches: Option<usize>,
-    /// Sequences per micro-batch.
-    #[arg(long)]
+    #[arg(long, visible_alias = "micro-batch-size", help = dflt("Sequences per micro-batch", |c| c.rows))]
     rows: Option<usize>,
-    /// Optimizer steps (in all, counting those before a --resume).
-    #[arg(long)]
+    #[arg(long, help = dflt("Optimizer steps (in all, counting those before a --resume)", |c| c.steps))]
     steps: Option<u64>,
-    /// Peak learning rate (warmup, then cosine).
-    #[arg(long)]
+    #[arg(long, help = dflt("Peak learning rate (linear warmup, then cosine down to --min-lr)", |c| c.lr))]
     lr: Option<f64>,
-    #[arg(long)]
+    #[arg(long, help = dflt("Learning rate at the last step", |c| c.min_lr))]
+    min_lr: Option<f64>,
+    #[arg(long, help = dflt("Warmup steps", |c| c.warmup))]
+    warmup: Option<u64>,
+    #[arg(long, help = dflt("AdamW weight decay", |c| c.weight_decay))]
+    weight_decay: Option<f32>,
+    #[arg(long, help = dflt("Global gradient-norm clip", |c| c.clip))]
+    clip: Option<f32>,
+    #[arg(long, help = dflt("Seed of the weights and the data order", |c| c.seed))]
     seed: Option<u64>,
     #[command(flatten)]
     data: crate::data::DataArgs,
@@ -109,17 +115,13 @@ pub struct TrainArgs {
     /// directory with one); default with --model DIR: its tokenizer.json if it has one.
     #[arg(long)]
     tokenizer: Option<String>,
-    /// Model width.
-    #[arg(long)]
+    #[arg(long, help = dflt("Model width", |c| c.model.d_model))]
     d_model: Option<usize>,
-    /// Transformer blocks (the model has these plus the embedding and the head as layer blocks).
-    #[arg(long)]
+    #[arg(long, help = dflt("Transformer blocks (the model has these plus the embedding and the head as layer blocks)", |c| c.model.layers))]
     layers: Option<usize>,
-    /// Attention heads.
-    #[arg(long)]
+    #[arg(long, help = dflt("Attention heads", |c| c.model.heads))]
     heads: Option<usize>,
-    /// Sequence length.
-    #[arg(long)]
+    #[arg(long, help = dflt("Sequence length", |c| c.model.seq_len))]
     seq_len: Option<usize>,
     /// Emulate this cluster's links between workers (each worker on the plan's device for it).
     #[arg(long)]
@@ -331,6 +333,10 @@ fn config(a: &TrainArgs) -> Result<TrainConfig> {
         rows,
         steps,
         lr,
+        min_lr,
+        warmup,
+        weight_decay,
+        clip,
         seed
     );
     if let Some(chosen) = a.model.resolve()? {

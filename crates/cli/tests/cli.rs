@@ -1444,3 +1444,43 @@ fn svg_timelines_show_waits_and_stages() {
         "does not exist",
     );
 }
+
+/// Every optimizer setting has a flag (as in the TOML file), and `--micro-batch-size` names
+/// the rows of a micro-batch; `--help` shows each default.
+#[test]
+fn optimizer_settings_are_flags_with_defaults_in_help() {
+    let o = pw(&[
+        "train",
+        "--warmup",
+        "7",
+        "--min-lr",
+        "0.0001",
+        "--weight-decay",
+        "0",
+        "--clip",
+        "0.5",
+        "--micro-batch-size",
+        "3",
+        "--print-config",
+    ]);
+    let toml = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    for line in [
+        "warmup = 7",
+        "min_lr = 0.0001",
+        "weight_decay = 0.0",
+        "clip = 0.5",
+        "rows = 3",
+    ] {
+        assert!(toml.lines().any(|l| l == line), "{line} in {toml}");
+    }
+    let help = String::from_utf8_lossy(&pw(&["train", "--help"]).stdout).to_string();
+    for d in [
+        "[default: 2]",
+        "[default: 60]",
+        "[default: 0.003]",
+        "[default: 1f1b]",
+    ] {
+        assert!(help.contains(d), "{d}");
+    }
+}
