@@ -30,7 +30,8 @@ pub fn tokenizer(cfg: &TrainConfig) -> Result<pipewright_runtime::tokenizer::Tok
 pub struct ModelArgs {
     /// A Hugging Face model directory (config.json and model.safetensors or a sharded
     /// model.safetensors.index.json): its architecture and weights. A model TOML file
-    /// (family, vocab, d_model, heads, layers, seq_len, ...) is taken too.
+    /// (family, vocab, d_model, heads, layers, seq_len, ...) is taken too, or a run's
+    /// configuration (what `train --config` takes) for its [model].
     #[arg(long, value_name = "DIR")]
     pub model: Option<PathBuf>,
     /// A fresh model (weights from --seed) of a Hugging Face config.json's architecture.
@@ -69,8 +70,13 @@ impl ModelArgs {
             }));
         }
         let text = pipewright_core::error::read_file(p)?;
-        let config =
-            pipewright_core::error::parse_toml::<ModelConfig>(&p.display().to_string(), &text)?;
+        // A model table, or a whole run's configuration (`train --config`), whose [model] it is.
+        let name = p.display().to_string();
+        let whole = text.lines().any(|l| l.trim() == "[model]");
+        let config = match whole {
+            true => pipewright_core::error::parse_toml::<TrainConfig>(&name, &text)?.model,
+            false => pipewright_core::error::parse_toml::<ModelConfig>(&name, &text)?,
+        };
         config
             .check()
             .map_err(|e| BadInput(format!("{}: {e}", p.display())))?;

@@ -1484,3 +1484,17 @@ fn optimizer_settings_are_flags_with_defaults_in_help() {
         assert!(help.contains(d), "{d}");
     }
 }
+
+/// `profile --model` takes the configuration file `train --config` takes (its [model]), and a
+/// partial [model] table is filled from the defaults.
+#[test]
+fn profile_takes_a_train_configuration() {
+    let cfg = tmp(
+        "run-config.toml",
+        "steps = 3\nmicrobatches = 2\n[model]\nd_model = 16\nheads = 2\nlayers = 2\nseq_len = 16\n",
+    );
+    let out = tmp("run-profile.toml", "");
+    let o = pw(&["profile", "--model", &cfg, "--out", &out]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("4 layer blocks"));
+}
