@@ -50,15 +50,15 @@ pub struct ReplanReport {
 
 /// One line about a plan, for logs.
 pub fn describe(plan: &Plan) -> String {
-    let replicas = plan.replicas();
+    let n = |k: usize, one: &str, many: &str| format!("{k} {}", if k == 1 { one } else { many });
     format!(
-        "{} on {} workers: {} stages (layers {:?}), {} micro-batches a step, replica groups of up to {}",
+        "{} on {}: {} (layers {:?}), {} a step, replica groups of up to {}",
         plan.kind,
-        plan.num_workers(),
-        plan.num_stages(),
+        n(plan.num_workers(), "worker", "workers"),
+        n(plan.num_stages(), "stage", "stages"),
         plan.layers_per_stage(),
-        plan.num_microbatches,
-        replicas
+        n(plan.num_microbatches, "micro-batch", "micro-batches"),
+        plan.replicas()
     )
 }
 
