@@ -777,12 +777,12 @@ fn report(a: &TrainArgs, run: &mut TrainingRun, s: &RunSummary) -> Result<()> {
     }
     if let Some(c) = &s.cache {
         println!(
-            "frozen-prefix cache: {} rows read back, {} extended by newly frozen layers, {} computed; {:.1} MB in memory, {:.1} MB spilled",
+            "frozen-prefix cache: {} rows read back, {} extended by newly frozen layers, {} computed; {:.1} MiB in memory, {:.1} MiB spilled",
             c.hits,
             c.extended,
             c.misses,
-            c.memory_bytes as f64 / 1e6,
-            c.disk_bytes as f64 / 1e6
+            c.memory_bytes as f64 / (1u64 << 20) as f64,
+            c.disk_bytes as f64 / (1u64 << 20) as f64
         );
     }
     let (base, base_name) = run.baseline();
