@@ -60,15 +60,25 @@ struct Placement {
     pools: Vec<Vec<usize>>,
 }
 
+/// How an idle worker picks among the actions whose inputs are there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Order {
+    /// A ready backward first (it frees memory), else the lowest-numbered ready forward.
+    BackwardFirst,
+    /// What became ready first, forward or backward (SkipPipe's simulator runs what arrived
+    /// first); ties to the backward, then the lower micro-batch.
+    Arrival,
+}
+
 /// One worker ordering for arbitrary routes by list scheduling in simulated time: each worker,
-/// when idle, runs a ready backward first, else the earliest ready forward that its in-flight
-/// cap admits. `duration(worker, op, stage)` and `transfer(from, to, op, stage)` give the
-/// times (unit costs and free links reproduce plain list scheduling). `None` if the caps stall
-/// it.
+/// when idle, runs the ready action `order` picks that its in-flight cap admits.
+/// `duration(worker, op, stage)` and `transfer(from, to, op, stage)` give the times (unit costs
+/// and free links reproduce plain list scheduling). `None` if the caps stall it.
 pub fn route_schedule(
     num_workers: usize,
     routes: &[Vec<Hop>],
     cap: &[usize],
+    order: Order,
     duration: impl Fn(usize, Op, usize) -> f64,
     transfer: impl Fn(usize, usize, Op, usize) -> f64,
 ) -> Option<Vec<Vec<Action>>> {
@@ -86,6 +96,8 @@ pub fn route_schedule(
     let longest = routes.iter().map(Vec::len).max().unwrap_or(0);
     let slot = |mb: usize, at: usize, fwd: bool| (mb * longest + at) * 2 + usize::from(fwd);
     let mut pending = Pending::new(2 * m * longest);
+    // When each (mb, position, direction) became ready (for `Order::Arrival`).
+    let mut ready_at = vec![0.0f64; 2 * m * longest];
     for (mb, r) in routes.iter().enumerate() {
         events.push(Reverse((Time(0.0), 1, r.first()?.worker, true, mb, 0)));
     }
@@ -119,6 +131,7 @@ pub fn route_schedule(
                 };
                 if pending.meet(slot(mb, at, fwd), need_count(waiter, prev, next)) {
                     set.insert((mb, at));
+                    ready_at[slot(mb, at, fwd)] = now;
                 }
                 continue;
             }
@@ -145,6 +158,7 @@ pub fn route_schedule(
                     // Its own backward, on this worker: no message to wait for.
                     if pending.meet(slot(mb, at, false), need_count(waiter, prev, next)) {
                         ready_b[w].insert((mb, at));
+                        ready_at[slot(mb, at, false)] = now;
                     }
                     continue;
                 }
@@ -158,13 +172,14 @@ pub fn route_schedule(
             if running[w].is_some() {
                 continue;
             }
+            let since = |mb: usize, at: usize, fwd: bool| ready_at[slot(mb, at, fwd)];
             let pick = pick_next(
                 w,
-                &mut ready_f[w],
-                &mut ready_b[w],
+                (&mut ready_f[w], &mut ready_b[w]),
                 &mut held,
                 &mut in_flight,
                 cap[w],
+                (order == Order::Arrival).then_some(&since),
             );
             if let Some((fwd, mb, at)) = pick {
                 let (op, stage) = (if fwd { Op::F } else { Op::BW }, routes[mb][at].stage);
@@ -187,30 +202,63 @@ fn neighbours(r: &[Hop], at: usize) -> (Option<usize>, Option<usize>) {
 }
 
 /// Worker `w`'s next action when idle: a ready backward first, else the earliest ready forward
-/// its in-flight cap admits (a micro-batch it already holds always continues). Counts what it
-/// admits; `(forward?, mb, position on the route)`.
+/// its in-flight cap admits (a micro-batch it already holds always continues); with `since`
+/// (when each became ready), whichever of those became ready first. Counts what it admits;
+/// `(forward?, mb, position on the route)`.
+type Ready = std::collections::BTreeSet<(usize, usize)>;
 fn pick_next(
     w: usize,
-    ready_f: &mut std::collections::BTreeSet<(usize, usize)>,
-    ready_b: &mut std::collections::BTreeSet<(usize, usize)>,
+    (ready_f, ready_b): (&mut Ready, &mut Ready),
     held: &mut [usize],
     in_flight: &mut [usize],
     cap: usize,
+    since: Option<&dyn Fn(usize, usize, bool) -> f64>,
 ) -> Option<(bool, usize, usize)> {
     let m = held.len() / in_flight.len().max(1);
-    if let Some(&(mb, at)) = ready_b.iter().next() {
+    let admits = |mb: usize| held[w * m + mb] > 0 || in_flight[w] < cap;
+    let first_f = ready_f.iter().find(|&&(mb, _)| admits(mb)).copied();
+    let first_b = match since {
+        // The earliest-ready backward, and whether it came before every admissible forward.
+        Some(t) => {
+            let b = ready_b
+                .iter()
+                .min_by(|x, y| t(x.0, x.1, false).total_cmp(&t(y.0, y.1, false)));
+            let f = ready_f
+                .iter()
+                .filter(|&&(mb, _)| admits(mb))
+                .min_by(|x, y| t(x.0, x.1, true).total_cmp(&t(y.0, y.1, true)));
+            match (b, f) {
+                (Some(&b), Some(&f)) if t(f.0, f.1, true) < t(b.0, b.1, false) => {
+                    return Some(take_forward(w, f, ready_f, held, in_flight, m))
+                }
+                (None, Some(&f)) => return Some(take_forward(w, f, ready_f, held, in_flight, m)),
+                (b, _) => b.copied(),
+            }
+        }
+        None => ready_b.iter().next().copied(),
+    };
+    if let Some((mb, at)) = first_b {
         ready_b.remove(&(mb, at));
         return Some((false, mb, at));
     }
-    let &(mb, at) = ready_f
-        .iter()
-        .find(|&&(mb, _)| held[w * m + mb] > 0 || in_flight[w] < cap)?;
+    Some(take_forward(w, first_f?, ready_f, held, in_flight, m))
+}
+
+/// Admit forward `(mb, at)` on worker `w`, counting a micro-batch it did not hold yet.
+fn take_forward(
+    w: usize,
+    (mb, at): (usize, usize),
+    ready_f: &mut Ready,
+    held: &mut [usize],
+    in_flight: &mut [usize],
+    m: usize,
+) -> (bool, usize, usize) {
     ready_f.remove(&(mb, at));
     if held[w * m + mb] == 0 {
         in_flight[w] += 1;
     }
     held[w * m + mb] += 1;
-    Some((true, mb, at))
+    (true, mb, at)
 }
 
 /// The annealing's start temperature, as a fraction of the best iteration time so far.
@@ -241,7 +289,7 @@ impl Problem<'_> {
         pl.data[mb / self.setup.microbatches]
     }
 
-    fn plan(&self, pl: &Placement, r: &Routes) -> Option<Plan> {
+    fn plan(&self, pl: &Placement, r: &Routes, order: Order) -> Option<Plan> {
         let s = self.setup.stages + 1;
         let head = s - 1;
         let stages: Vec<StagePlan> = (0..s)
@@ -280,6 +328,7 @@ impl Problem<'_> {
             n,
             &routes,
             &self.cap,
+            order,
             |w, op, st| {
                 let c = &costs[st];
                 let t = if op == Op::F {
@@ -305,7 +354,7 @@ impl Problem<'_> {
 
     /// Simulated iteration time (all-reduce included), infinity if it cannot run.
     fn score(&self, pl: &Placement, r: &Routes) -> f64 {
-        let Some(plan) = self.plan(pl, r) else {
+        let Some(plan) = self.plan(pl, r, Order::BackwardFirst) else {
             return f64::INFINITY;
         };
         simulate(&SimSetup {
@@ -559,7 +608,7 @@ pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Res
     // The two searches run side by side, one per core.
     let full_start = (pl.clone(), pr.greedy_routes(&pl, 0));
     let skip_start = (pl.clone(), pr.greedy_routes(&pl, setup.skip));
-    let (((full_pl, full), full_t, m1), ((best_pl, best), best_t, m2)) = std::thread::scope(|sc| {
+    let (((full_pl, full), _, m1), ((best_pl, best), _, m2)) = std::thread::scope(|sc| {
         let full = sc.spawn(|| {
             pr.improve(
                 full_start,
@@ -608,15 +657,34 @@ pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Res
             })
             .collect(),
     };
-    let random_t = pr.score(&blind, &random);
+    // Each plan keeps whichever worker order simulates faster: the search's, or arrival order.
     let make = |p: &Placement, r: &Routes| {
-        let mut plan = pr.plan(p, r).ok_or_else(|| {
-            Error::Infeasible("no ordering of these routes fits the devices' in-flight caps".into())
-        })?;
+        let timed = |order| {
+            let plan = pr.plan(p, r, order)?;
+            let t = simulate(&SimSetup {
+                plan: &plan,
+                stages: &pr.stage_costs,
+                cluster,
+            })
+            .ok()?
+            .iteration_time;
+            Some((t, plan))
+        };
+        let (t, mut plan) = [Order::BackwardFirst, Order::Arrival]
+            .into_iter()
+            .filter_map(timed)
+            .min_by(|a, b| a.0.total_cmp(&b.0))
+            .ok_or_else(|| {
+                Error::Infeasible(
+                    "no ordering of these routes fits the devices' in-flight caps".into(),
+                )
+            })?;
         plan.devices = cluster.devices.iter().map(|d| d.name.clone()).collect();
-        Ok::<Plan, Error>(plan)
+        Ok::<(f64, Plan), Error>((t, plan))
     };
-    let plan = make(&best_pl, &best)?;
+    let (best_t, plan) = make(&best_pl, &best)?;
+    let (full_t, full_plan) = make(&full_pl, &full)?;
+    let (random_t, random_plan) = make(&blind, &random)?;
     let rules = SkipRules {
         skip: setup.skip,
         max_swaps: setup.max_swaps,
@@ -651,8 +719,8 @@ pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Res
         scheduler_seconds: t0.elapsed().as_secs_f64(),
         moves: m1 + m2,
         plan,
-        full_plan: make(&full_pl, &full)?,
-        random_plan: make(&blind, &random)?,
+        full_plan,
+        random_plan,
     })
 }
 
@@ -723,13 +791,42 @@ mod tests {
             ]
         };
         let routes = vec![r(0), r(1), r(0)];
-        let w = route_schedule(3, &routes, &[9, 9, 1], |_, _, _| 1.0, |_, _, _, _| 0.0).unwrap();
+        let w = route_schedule(
+            3,
+            &routes,
+            &[9, 9, 1],
+            Order::BackwardFirst,
+            |_, _, _| 1.0,
+            |_, _, _, _| 0.0,
+        )
+        .unwrap();
         // Worker 2 finishes one micro-batch before it admits the next.
         let ops: Vec<String> = w[2].iter().map(|a| format!("{a}")).collect();
         assert_eq!(ops.len(), 6);
         for pair in w[2].chunks(2) {
             assert_eq!(pair[0].mb, pair[1].mb, "{ops:?}");
             assert_eq!((pair[0].op, pair[1].op), (Op::F, Op::BW));
+        }
+    }
+
+    #[test]
+    fn arrival_order_runs_what_became_ready_first() {
+        // Two micro-batches from worker 0 through worker 1 and back to the head on worker 0,
+        // whose forward takes 3: micro-batch 1's head forward is ready at 3, micro-batch 0's
+        // head backward only at 5.
+        let hop = |stage, worker| Hop { stage, worker };
+        let routes = vec![vec![hop(0, 0), hop(1, 1), hop(2, 0)]; 2];
+        let run = |order| {
+            let slow_head =
+                |_: usize, op: Op, st: usize| if op == Op::F && st == 2 { 3.0 } else { 1.0 };
+            route_schedule(2, &routes, &[9, 9], order, slow_head, |_, _, _, _| 0.0).unwrap()
+        };
+        let fourth = |w: &[Vec<Action>]| (w[0][3].op, w[0][3].mb, w[0][3].stage);
+        assert_eq!(fourth(&run(Order::BackwardFirst)), (Op::BW, 0, 2));
+        assert_eq!(fourth(&run(Order::Arrival)), (Op::F, 1, 2));
+        // Either order runs every action once.
+        for order in [Order::BackwardFirst, Order::Arrival] {
+            assert_eq!(run(order).iter().map(Vec::len).sum::<usize>(), 12);
         }
     }
 }
