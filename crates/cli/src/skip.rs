@@ -126,6 +126,7 @@ fn print_result(a: &SkipPlanArgs, r: &SkipResult, skip: usize, no_allreduce: f64
             json!({
                 "full_pipeline_time": r.full_pipeline_time,
                 "random_skip_time": r.random_skip_time,
+                "random_routes_time": r.random_routes_time,
                 "skip_time": r.skip_time,
                 "skip_time_no_allreduce": no_allreduce,
                 "reduction": reduction,
@@ -149,6 +150,10 @@ fn print_result(a: &SkipPlanArgs, r: &SkipResult, skip: usize, no_allreduce: f64
     println!(
         "  random skipping (network-blind): {:9.2} s",
         r.random_skip_time
+    );
+    println!(
+        "  random routes (this placement):  {:9.2} s",
+        r.random_routes_time
     );
     println!(
         "  skip routes (this scheduler):    {:9.2} s  ({:.1}% below the full pipeline; {:.2} s without the all-reduce)",

@@ -44,7 +44,10 @@ pub struct SkipSetup {
 pub struct SkipResult {
     pub skip_time: f64,
     pub full_pipeline_time: f64,
+    /// Network-blind random skipping: random placement and routes.
     pub random_skip_time: f64,
+    /// SkipPipe's random baseline: this scheduler's network-aware placement, random routes.
+    pub random_routes_time: f64,
     pub scheduler_seconds: f64,
     /// Local-search moves tried.
     pub moves: usize,
@@ -374,6 +377,29 @@ impl Problem<'_> {
             .collect()
     }
 
+    /// Random balanced skip sets (micro-batches shuffled over them) and a random worker of each
+    /// visited stage's pool.
+    fn random_routes(&self, pl: &Placement, rng: &mut Lcg) -> Routes {
+        let m = pl.data.len() * self.setup.microbatches;
+        let mut order: Vec<usize> = (0..m).collect();
+        for i in (1..m).rev() {
+            order.swap(i, rng.below(i + 1));
+        }
+        Routes {
+            mid: (0..m)
+                .map(|mb| {
+                    self.visits(self.setup.skip, order[mb])
+                        .into_iter()
+                        .map(|st| {
+                            let pool = &pl.pools[st - 1];
+                            (st, pool[rng.below(pool.len())])
+                        })
+                        .collect()
+                })
+                .collect(),
+        }
+    }
+
     /// Each hop to the least-used worker of the stage's pool, ties to the fastest link.
     fn greedy_routes(&self, pl: &Placement, skip: usize) -> Routes {
         let m = pl.data.len() * self.setup.microbatches;
@@ -502,6 +528,22 @@ impl Problem<'_> {
 
 /// Network-aware placement: data nodes are the devices with the fastest links to the rest;
 /// each pool takes, in turn, the free device reached fastest from the previous stage's hosts.
+/// Devices in a random order: the first `data_nodes` hold the data, the rest split evenly
+/// into a pool per middle stage.
+fn blind_placement(devices: usize, data_nodes: usize, middle: usize, rng: &mut Lcg) -> Placement {
+    let mut ids: Vec<usize> = (0..devices).collect();
+    for i in (1..ids.len()).rev() {
+        ids.swap(i, rng.below(i + 1));
+    }
+    let per = (devices - data_nodes) / middle;
+    Placement {
+        data: ids[..data_nodes].to_vec(),
+        pools: (0..middle)
+            .map(|k| ids[data_nodes + k * per..data_nodes + (k + 1) * per].to_vec())
+            .collect(),
+    }
+}
+
 fn placement(cluster: &Cluster, data_nodes: usize, middle: usize, bytes: u64) -> Placement {
     let n = cluster.len();
     let reach = |a: usize, set: &[usize]| -> f64 {
@@ -627,36 +669,11 @@ pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Res
     });
     let mut rng = Lcg(setup.seed ^ 0x3);
     // Network-blind random skipping: devices in a random order, random balanced skip sets
-    // and random pool workers.
-    let mut ids: Vec<usize> = (0..cluster.len()).collect();
-    for i in (1..ids.len()).rev() {
-        ids.swap(i, rng.below(i + 1));
-    }
-    let per = pool_devices / middle;
-    let blind = Placement {
-        data: ids[..setup.data_nodes].to_vec(),
-        pools: (0..middle)
-            .map(|k| ids[setup.data_nodes + k * per..setup.data_nodes + (k + 1) * per].to_vec())
-            .collect(),
-    };
-    let m = setup.data_nodes * setup.microbatches;
-    let mut order: Vec<usize> = (0..m).collect();
-    for i in (1..m).rev() {
-        order.swap(i, rng.below(i + 1));
-    }
-    let random = Routes {
-        mid: (0..m)
-            .map(|mb| {
-                pr.visits(setup.skip, order[mb])
-                    .into_iter()
-                    .map(|st| {
-                        let pool = &blind.pools[st - 1];
-                        (st, pool[rng.below(pool.len())])
-                    })
-                    .collect()
-            })
-            .collect(),
-    };
+    // and random pool workers; and SkipPipe's random baseline: random routes on the
+    // network-aware placement.
+    let blind = blind_placement(cluster.len(), setup.data_nodes, middle, &mut rng);
+    let random = pr.random_routes(&blind, &mut rng);
+    let aware_random = pr.random_routes(&pl, &mut rng);
     // Each plan keeps whichever worker order simulates faster: the search's, or arrival order.
     let make = |p: &Placement, r: &Routes| {
         let timed = |order| {
@@ -685,6 +702,7 @@ pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Res
     let (best_t, plan) = make(&best_pl, &best)?;
     let (full_t, full_plan) = make(&full_pl, &full)?;
     let (random_t, random_plan) = make(&blind, &random)?;
+    let (aware_random_t, _) = make(&pl, &aware_random)?;
     let rules = SkipRules {
         skip: setup.skip,
         max_swaps: setup.max_swaps,
@@ -716,6 +734,7 @@ pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Res
         skip_time: best_t,
         full_pipeline_time: full_t,
         random_skip_time: random_t,
+        random_routes_time: aware_random_t,
         scheduler_seconds: t0.elapsed().as_secs_f64(),
         moves: m1 + m2,
         plan,
@@ -765,6 +784,10 @@ mod tests {
                 r.skip_time <= r.full_pipeline_time + 1e-9 || skip == 0,
                 "{r:?}"
             );
+            // Both random baselines are scored; searched routes beat random ones on the same
+            // placement.
+            assert!(r.random_skip_time.is_finite() && r.random_routes_time.is_finite());
+            assert!(r.skip_time <= r.random_routes_time + 1e-9, "{r:?}");
             // Deterministic for a seed.
             let again = skip_plan(&profile, &cluster, &setup).unwrap();
             assert_eq!(again.plan, r.plan);
