@@ -102,6 +102,10 @@ pub struct TrainArgs {
     /// may differ from the one that wrote it).
     #[arg(long)]
     resume: bool,
+    /// Start afresh in a --checkpoint-dir that holds an earlier run's checkpoints: they are
+    /// removed first (without this or --resume, such a directory is refused).
+    #[arg(long, conflicts_with = "resume")]
+    overwrite: bool,
     /// Write the last step's measured timeline as a Chrome trace (the whole run's with
     /// --elastic).
     #[arg(long)]
@@ -577,6 +581,7 @@ fn run_config(a: &TrainArgs, cfg: &TrainConfig, links: Option<&Cluster>) -> Resu
             dir: a.checkpoint_dir.clone(),
             every: a.checkpoint_every,
             keep: a.keep,
+            overwrite: a.overwrite,
         }),
         resume_from: a.resume.then(|| a.checkpoint_dir.clone()),
         switches: switches(a, cfg, links)?,

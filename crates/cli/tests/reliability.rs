@@ -449,3 +449,36 @@ fn fifos_and_directories_as_input_files_are_refused() {
     }
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// A fresh run into a directory holding an earlier run's checkpoints is refused (exit 2,
+/// nothing touched); `--overwrite` replaces them, and `--resume` continues them.
+#[test]
+fn a_fresh_run_does_not_mix_with_an_earlier_runs_checkpoints() {
+    let dir = scratch("fresh");
+    let ck = dir.join("ck");
+    let ck_s = ck.to_str().unwrap();
+    let run = |extra: &[&str]| {
+        train(&[&["--checkpoint-dir", ck_s][..], extra].concat())
+            .output()
+            .unwrap()
+    };
+    assert!(run(&["--steps", "4"]).status.success());
+    let before = listing(&ck);
+    let o = run(&["--steps", "2"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("earlier run's checkpoints (the newest at step 4)"),
+        "{err}"
+    );
+    assert_eq!(listing(&ck), before, "a refused run touched the directory");
+    let o = run(&["--steps", "2", "--overwrite"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(listing(&ck).iter().any(|n| n == "step-000002"));
+    assert!(
+        !listing(&ck).iter().any(|n| n == "step-000004"),
+        "{:?}",
+        listing(&ck)
+    );
+    assert!(run(&["--steps", "3", "--resume"]).status.success());
+}

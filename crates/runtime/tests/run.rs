@@ -102,6 +102,7 @@ fn resume_continues_to_the_same_parameters() {
             dir: d.clone(),
             every,
             keep: 2,
+            overwrite: false,
         })
     };
     let first = RunConfig {
@@ -388,6 +389,7 @@ fn cached_elastic_run_reads_back_and_resumes_frozen() {
             dir: d.join("ck"),
             every: 0,
             keep: 2,
+            overwrite: false,
         }),
         resume_from: resume.then(|| d.join("ck")),
         freeze: Some(FreezeSettings {
@@ -487,6 +489,7 @@ fn resuming_frozen_blocks_without_a_freeze_policy_says_what_happens() {
         dir: d.clone(),
         every: 0,
         keep: 2,
+        overwrite: false,
     };
     let first = RunConfig {
         eval_batches: 1,

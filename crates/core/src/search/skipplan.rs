@@ -678,13 +678,14 @@ pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Res
     let make = |p: &Placement, r: &Routes| {
         let timed = |order| {
             let plan = pr.plan(p, r, order)?;
+            // A simulation that cannot finish (a link that never delivers) is infinitely slow:
+            // the check below names it.
             let t = simulate(&SimSetup {
                 plan: &plan,
                 stages: &pr.stage_costs,
                 cluster,
             })
-            .ok()?
-            .iteration_time;
+            .map_or(f64::INFINITY, |x| x.iteration_time);
             Some((t, plan))
         };
         let (t, mut plan) = [Order::BackwardFirst, Order::Arrival]

@@ -28,6 +28,20 @@ pub struct Checkpointing {
     pub every: u64,
     /// The newest checkpoints kept in `dir`.
     pub keep: usize,
+    /// Remove the checkpoints already in `dir` (an earlier run's) before the first step.
+    pub overwrite: bool,
+}
+
+/// A fresh run does not mix its checkpoints with an earlier run's: pruning by step would
+/// delete some of each, and a later fallback could resume the other run.
+fn fresh_dir(dir: &std::path::Path) -> Result<()> {
+    match super::store::list(dir).last() {
+        None => Ok(()),
+        Some(((step, _), _)) => Err(Error::checkpoint(
+            dir,
+            format!("holds an earlier run's checkpoints (the newest at step {step}); --resume continues that run, --overwrite replaces its checkpoints, or choose another directory"),
+        )),
+    }
 }
 
 /// What a run does besides training steps.
@@ -268,6 +282,11 @@ impl TrainingRun {
             trainer.keep_checkpoints = c.keep;
             if trainer.is_root() {
                 lock = Some(super::store::lock(&c.dir)?);
+                if c.overwrite {
+                    super::store::remove_all(&c.dir)?;
+                } else if cfg.resume_from.is_none() {
+                    fresh_dir(&c.dir)?;
+                }
             }
         }
         trainer.set_cache(cfg.cache.clone())?;

@@ -231,6 +231,17 @@ impl Writer {
     }
 }
 
+/// Remove every checkpoint in `dir` and `latest` (an earlier run's, under this run's lock).
+pub fn remove_all(dir: &Path) -> Result<()> {
+    for (_, ck) in list(dir) {
+        std::fs::remove_dir_all(&ck).map_err(|e| io(&ck, e))?;
+    }
+    match std::fs::remove_file(dir.join(LATEST)) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(&dir.join(LATEST), e)),
+        _ => Ok(()),
+    }
+}
+
 /// Checkpoint directories in `dir`, oldest first, by (step, counter).
 pub fn list(dir: &Path) -> Vec<((u64, u64), PathBuf)> {
     let mut out: Vec<((u64, u64), PathBuf)> = std::fs::read_dir(dir)
