@@ -36,6 +36,14 @@ fn dflt<T: std::fmt::Display>(what: &str, field: impl Fn(&TrainConfig) -> T) -> 
     format!("{what} [default: {}]", field(&TrainConfig::default()))
 }
 
+impl TrainArgs {
+    fn checkpoint_dir(&self) -> PathBuf {
+        self.checkpoint_dir
+            .clone()
+            .unwrap_or_else(|| PathBuf::from("checkpoints"))
+    }
+}
+
 #[derive(Args)]
 pub struct TrainArgs {
     /// TOML with any TrainConfig fields (model, schedule, stages, ...); flags override it.
@@ -86,9 +94,11 @@ pub struct TrainArgs {
     /// example).
     #[arg(long, default_value_t = 8)]
     eval_batches: usize,
-    /// Directory for checkpoints.
-    #[arg(long, default_value = "checkpoints")]
-    checkpoint_dir: PathBuf,
+    /// Directory for checkpoints [default: checkpoints]. A directory given here that holds
+    /// an earlier run's checkpoints is refused without --resume or --overwrite; the default
+    /// one is a scratch place: a fresh run replaces what an earlier run left there, and says so.
+    #[arg(long)]
+    checkpoint_dir: Option<PathBuf>,
     /// Write a checkpoint every N steps (0: only at the end).
     #[arg(long, default_value_t = 0)]
     checkpoint_every: u64,
@@ -447,7 +457,7 @@ fn start_transport(a: &TrainArgs) -> Result<Procs> {
 /// writes nothing) its last error also in `last-error.txt` beside the checkpoints: a batch job's
 /// log may be gone, the checkpoints are not.
 pub fn cmd_train(a: TrainArgs) -> Result<()> {
-    let dir = (!a.no_checkpoint).then(|| a.checkpoint_dir.clone());
+    let dir = (!a.no_checkpoint).then(|| a.checkpoint_dir());
     let r = train(a);
     if let (Err(e), Some(dir)) = (&r, dir) {
         let root = crate::ranks::RANK.get().is_none_or(|&r| r == 0);
@@ -514,7 +524,8 @@ fn check_flags(a: &TrainArgs, cfg: &TrainConfig, mpi: bool) -> Result<()> {
         check_output(f)?;
     }
     if !a.no_checkpoint && crate::ranks::RANK.get().is_none_or(|&r| r == 0) {
-        check_writable_dir(&a.checkpoint_dir)?;
+        check_writable_dir(&a.checkpoint_dir())?;
+        note_replaced(a);
     }
     Ok(())
 }
@@ -578,12 +589,12 @@ fn run_config(a: &TrainArgs, cfg: &TrainConfig, links: Option<&Cluster>) -> Resu
         eval_every: a.eval_every,
         eval_batches: a.eval_batches,
         checkpoints: (!a.no_checkpoint).then(|| Checkpointing {
-            dir: a.checkpoint_dir.clone(),
+            dir: a.checkpoint_dir(),
             every: a.checkpoint_every,
             keep: a.keep,
-            overwrite: a.overwrite,
+            overwrite: a.overwrite || (a.checkpoint_dir.is_none() && !a.resume),
         }),
-        resume_from: a.resume.then(|| a.checkpoint_dir.clone()),
+        resume_from: a.resume.then(|| a.checkpoint_dir()),
         switches: switches(a, cfg, links)?,
         freeze: a.freeze.settings()?,
         cache: a.freeze.cache()?,
@@ -873,6 +884,21 @@ fn skip_train_plan(cfg: &TrainConfig, skip: f64, cluster: Option<&Path>) -> Resu
 }
 
 /// Create `dir` if needed and make sure files can be written there, before any training.
+/// A fresh run in the default checkpoint directory replaces an earlier run's checkpoints:
+/// said once, before they go.
+fn note_replaced(a: &TrainArgs) {
+    if a.checkpoint_dir.is_some() || a.resume {
+        return;
+    }
+    let dir = a.checkpoint_dir();
+    if let Some(((step, _), _)) = pipewright_runtime::train::store::list(&dir).last() {
+        eprintln!(
+            "note: replacing the checkpoints an earlier run left in {} (the newest at step {step}); --checkpoint-dir keeps runs apart",
+            dir.display()
+        );
+    }
+}
+
 fn check_writable_dir(dir: &Path) -> Result<()> {
     let bad = |e: std::io::Error| {
         BadInput(format!(

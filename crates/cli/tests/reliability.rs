@@ -482,3 +482,22 @@ fn a_fresh_run_does_not_mix_with_an_earlier_runs_checkpoints() {
     );
     assert!(run(&["--steps", "3", "--resume"]).status.success());
 }
+
+/// The default checkpoint directory is a scratch place: a fresh run there replaces what an
+/// earlier run left, and says so (so the README's first command can be run again).
+#[test]
+fn the_default_checkpoint_directory_is_replaced_with_a_note() {
+    let dir = scratch("default-dir");
+    let run = |steps: &str| {
+        train(&["--steps", steps])
+            .current_dir(&dir)
+            .output()
+            .unwrap()
+    };
+    assert!(run("3").status.success());
+    let o = run("2");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("note: replacing the checkpoints an earlier run left in checkpoints (the newest at step 3)"), "{err}");
+    assert_eq!(listing(&dir.join("checkpoints")), [".lock", "latest", "step-000002"]);
+}
