@@ -111,3 +111,20 @@ pub fn warn_oversubscribed() {
         }
     }
 }
+
+/// The launcher that started this process as one of several tasks, if one did: its name with
+/// the variable that says so, the task count, and this task's number.
+pub fn launcher_tasks() -> Option<(String, usize, usize)> {
+    let num = |k: &str| std::env::var(k).ok()?.trim().parse::<usize>().ok();
+    [
+        ("mpirun", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),
+        ("srun", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID"),
+        ("a PMI launcher", "PMI_SIZE", "PMI_RANK"),
+        ("a PMIx launcher", "PMIX_SIZE", "PMIX_RANK"),
+    ]
+    .into_iter()
+    .find_map(|(who, size, rank)| {
+        let n = num(size).filter(|&n| n > 1)?;
+        Some((format!("{who} ({size}={n})"), n, num(rank).unwrap_or(0)))
+    })
+}

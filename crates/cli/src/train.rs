@@ -432,6 +432,15 @@ fn start_transport(a: &TrainArgs) -> Result<Procs> {
         .into());
     }
     if a.transport == TransportKind::Threads {
+        // Started as one of several tasks, each would train the whole plan alone, on the same
+        // files: refused (by task 0 only, so the message comes once).
+        if let Some((who, n, me)) = crate::ranks::launcher_tasks() {
+            crate::ranks::set_rank(me);
+            return Err(BadInput(format!(
+                "this process is one of {n} tasks that {who} started; with --transport threads each would train the whole plan alone: add --transport mpi (or start one task)"
+            ))
+            .into());
+        }
         return Ok(None);
     }
     #[cfg(feature = "mpi")]

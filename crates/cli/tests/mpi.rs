@@ -525,3 +525,19 @@ fn measured_mpi_traces_carry_communication_and_optimizer_spans() {
         );
     }
 }
+
+/// Started as several tasks without --transport mpi, each would train the whole plan alone on
+/// the same files: refused, once, naming the launcher and the fix.
+#[test]
+fn several_tasks_with_threads_are_refused() {
+    let _one = one_at_a_time();
+    let o = mpirun(2)
+        .args(["train", "--steps", "1", "--no-checkpoint"])
+        .args(TINY)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert_eq!(err.matches("add --transport mpi").count(), 1, "{err}");
+    assert!(err.contains("mpirun (OMPI_COMM_WORLD_SIZE=2)"), "{err}");
+}

@@ -499,5 +499,8 @@ fn the_default_checkpoint_directory_is_replaced_with_a_note() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{err}");
     assert!(err.contains("note: replacing the checkpoints an earlier run left in checkpoints (the newest at step 3)"), "{err}");
-    assert_eq!(listing(&dir.join("checkpoints")), [".lock", "latest", "step-000002"]);
+    assert_eq!(
+        listing(&dir.join("checkpoints")),
+        [".lock", "latest", "step-000002"]
+    );
 }
