@@ -504,3 +504,32 @@ fn the_default_checkpoint_directory_is_replaced_with_a_note() {
         [".lock", "latest", "step-000002"]
     );
 }
+
+/// A full disk while writing a checkpoint: the run fails (exit 1, not the bad-input 2), says
+/// which file, and removes its partial checkpoint instead of leaving it to fill the disk.
+/// Needs a small tmpfs (root); skipped, saying so, where it cannot be mounted.
+#[test]
+fn a_full_disk_fails_the_run_and_leaves_no_partial_checkpoint() {
+    let dir = scratch("enospc");
+    let fs = dir.join("fs");
+    std::fs::create_dir_all(&fs).unwrap();
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=64k", "tmpfs"])
+        .arg(&fs)
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !mounted {
+        eprintln!("skipped: cannot mount a tmpfs here (needs root)");
+        return;
+    }
+    let ck = fs.join("ck");
+    let o = train(&["--steps", "2", "--checkpoint-dir", ck.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let names = listing(&ck);
+    let _ = Command::new("umount").arg(&fs).status();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("No space left on device"), "{err}");
+    assert!(!names.iter().any(|n| n.ends_with(".partial")), "{names:?}");
+}

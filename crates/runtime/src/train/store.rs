@@ -83,6 +83,14 @@ fn io(p: &Path, e: std::io::Error) -> Error {
     Error::checkpoint(p, e.to_string())
 }
 
+/// A write that failed (a full disk, say): the run failed, it was not given bad input.
+fn wio(p: &Path, e: std::io::Error) -> Error {
+    Error::Io {
+        what: format!("{}: cannot write the checkpoint", p.display()),
+        err: e,
+    }
+}
+
 fn fsync_dir(p: &Path) -> Result<()> {
     File::open(p)
         .and_then(|f| f.sync_all())
@@ -114,17 +122,17 @@ impl Writer {
             crash_after,
         };
         w.op()?;
-        std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
+        std::fs::create_dir_all(dir).map_err(|e| wio(dir, e))?;
         // A partial directory is what a crash left behind: never a checkpoint.
-        for e in std::fs::read_dir(dir).map_err(|e| io(dir, e))?.flatten() {
+        for e in std::fs::read_dir(dir).map_err(|e| wio(dir, e))?.flatten() {
             let name = e.file_name().to_string_lossy().to_string();
             if name.starts_with(".step-") && name.ends_with(".partial") {
                 w.op()?;
-                std::fs::remove_dir_all(e.path()).map_err(|x| io(&e.path(), x))?;
+                std::fs::remove_dir_all(e.path()).map_err(|x| wio(&e.path(), x))?;
             }
         }
         w.op()?;
-        std::fs::create_dir_all(&w.tmp).map_err(|e| io(&w.tmp, e))?;
+        std::fs::create_dir_all(&w.tmp).map_err(|e| wio(&w.tmp, e))?;
         Ok(w)
     }
 
@@ -142,14 +150,14 @@ impl Writer {
         if let Some(parent) = p.parent() {
             if !parent.exists() {
                 self.op()?;
-                std::fs::create_dir_all(parent).map_err(|e| io(parent, e))?;
+                std::fs::create_dir_all(parent).map_err(|e| wio(parent, e))?;
             }
         }
         self.op()?;
-        let mut f = File::create(&p).map_err(|e| io(&p, e))?;
-        f.write_all(bytes).map_err(|e| io(&p, e))?;
+        let mut f = File::create(&p).map_err(|e| wio(&p, e))?;
+        f.write_all(bytes).map_err(|e| wio(&p, e))?;
         self.op()?;
-        f.sync_all().map_err(|e| io(&p, e))?;
+        f.sync_all().map_err(|e| wio(&p, e))?;
         self.files
             .insert(rel.to_string(), (sha256(bytes), bytes.len() as u64));
         Ok(())
@@ -165,17 +173,17 @@ impl Writer {
         let text = serde_json::to_vec_pretty(&manifest).expect("manifest serialises");
         let mp = self.tmp.join(MANIFEST);
         self.op()?;
-        let mut f = File::create(&mp).map_err(|e| io(&mp, e))?;
-        f.write_all(&text).map_err(|e| io(&mp, e))?;
+        let mut f = File::create(&mp).map_err(|e| wio(&mp, e))?;
+        f.write_all(&text).map_err(|e| wio(&mp, e))?;
         self.op()?;
-        f.sync_all().map_err(|e| io(&mp, e))?;
+        f.sync_all().map_err(|e| wio(&mp, e))?;
         let sp = self.tmp.join(MANIFEST_SUM);
         self.op()?;
-        let mut f = File::create(&sp).map_err(|e| io(&sp, e))?;
+        let mut f = File::create(&sp).map_err(|e| wio(&sp, e))?;
         f.write_all(sha256(&text).as_bytes())
-            .map_err(|e| io(&sp, e))?;
+            .map_err(|e| wio(&sp, e))?;
         self.op()?;
-        f.sync_all().map_err(|e| io(&sp, e))?;
+        f.sync_all().map_err(|e| wio(&sp, e))?;
         let mut dirs: Vec<PathBuf> = manifest
             .files
             .keys()
@@ -202,17 +210,17 @@ impl Writer {
             .expect("a free name");
         let fin = self.dir.join(&name);
         self.op()?;
-        std::fs::rename(&self.tmp, &fin).map_err(|e| io(&fin, e))?;
+        std::fs::rename(&self.tmp, &fin).map_err(|e| wio(&fin, e))?;
         self.op()?;
         fsync_dir(&self.dir)?;
         let lt = self.dir.join(".latest.partial");
         self.op()?;
-        let mut f = File::create(&lt).map_err(|e| io(&lt, e))?;
-        f.write_all(name.as_bytes()).map_err(|e| io(&lt, e))?;
+        let mut f = File::create(&lt).map_err(|e| wio(&lt, e))?;
+        f.write_all(name.as_bytes()).map_err(|e| wio(&lt, e))?;
         self.op()?;
-        f.sync_all().map_err(|e| io(&lt, e))?;
+        f.sync_all().map_err(|e| wio(&lt, e))?;
         self.op()?;
-        std::fs::rename(&lt, self.dir.join(LATEST)).map_err(|e| io(&lt, e))?;
+        std::fs::rename(&lt, self.dir.join(LATEST)).map_err(|e| wio(&lt, e))?;
         self.op()?;
         fsync_dir(&self.dir)?;
         // Prune: keep the newest `keep` (the new one among them).
@@ -224,20 +232,30 @@ impl Writer {
                     continue;
                 }
                 self.op()?;
-                std::fs::remove_dir_all(old).map_err(|e| io(old, e))?;
+                std::fs::remove_dir_all(old).map_err(|e| wio(old, e))?;
             }
         }
         Ok(fin)
     }
 }
 
+/// A checkpoint left unfinished (its write failed) is removed, not left to fill the disk; a
+/// killed process leaves it to the next run's [`Writer::begin`].
+impl Drop for Writer {
+    fn drop(&mut self) {
+        if self.tmp.exists() && self.crash_after.is_none() {
+            let _ = std::fs::remove_dir_all(&self.tmp);
+        }
+    }
+}
+
 /// Remove every checkpoint in `dir` and `latest` (an earlier run's, under this run's lock).
 pub fn remove_all(dir: &Path) -> Result<()> {
     for (_, ck) in list(dir) {
-        std::fs::remove_dir_all(&ck).map_err(|e| io(&ck, e))?;
+        std::fs::remove_dir_all(&ck).map_err(|e| wio(&ck, e))?;
     }
     match std::fs::remove_file(dir.join(LATEST)) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(&dir.join(LATEST), e)),
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(wio(&dir.join(LATEST), e)),
         _ => Ok(()),
     }
 }
