@@ -128,3 +128,25 @@ pub fn launcher_tasks() -> Option<(String, usize, usize)> {
         Some((format!("{who} ({size}={n})"), n, num(rank).unwrap_or(0)))
     })
 }
+
+/// Under srun without PMIx (`--mpi=pmi2` or `none`), Open MPI's init dies with an unreadable
+/// error: said before it, with the fix.
+pub fn check_slurm_pmix() -> Result<(), String> {
+    let has = |k: &str| std::env::var_os(k).is_some();
+    let tasks = std::env::var("SLURM_STEP_NUM_TASKS")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .unwrap_or(1);
+    if tasks > 1 && !has("PMIX_RANK") && !has("OMPI_COMM_WORLD_SIZE") {
+        // Every task sees this; task 0 says it.
+        let me = std::env::var("SLURM_PROCID")
+            .ok()
+            .and_then(|v| v.trim().parse().ok());
+        set_rank(me.unwrap_or(0));
+        let how = if has("PMI_RANK") { "PMI-2" } else { "no PMI" };
+        return Err(format!(
+            "srun started these {tasks} tasks with {how}; this Open MPI needs PMIx: srun --mpi=pmix ... (or start them with mpirun)"
+        ));
+    }
+    Ok(())
+}

@@ -443,6 +443,7 @@ fn start_transport(a: &TrainArgs) -> Result<Procs> {
         }
         return Ok(None);
     }
+    crate::ranks::check_slurm_pmix().map_err(BadInput)?;
     #[cfg(feature = "mpi")]
     {
         let m =

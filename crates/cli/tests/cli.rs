@@ -1498,3 +1498,38 @@ fn profile_takes_a_train_configuration() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(String::from_utf8_lossy(&o.stdout).contains("4 layer blocks"));
 }
+
+/// srun without PMIx (the environment of `srun --mpi=pmi2`, given by hand here) is named before
+/// MPI's init dies on it, by task 0 only.
+#[test]
+fn srun_without_pmix_is_named_before_mpi_starts() {
+    let run = |procid: &str| {
+        Command::new(env!("CARGO_BIN_EXE_pipewright"))
+            .args([
+                "train",
+                "--transport",
+                "mpi",
+                "--steps",
+                "1",
+                "--no-checkpoint",
+            ])
+            .env("SLURM_STEP_NUM_TASKS", "2")
+            .env("SLURM_PROCID", procid)
+            .env("PMI_RANK", procid)
+            .env_remove("PMIX_RANK")
+            .env_remove("OMPI_COMM_WORLD_SIZE")
+            .output()
+            .unwrap()
+    };
+    let o = run("0");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("srun --mpi=pmix"), "{err}");
+    let o = run("1");
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        o.stderr.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
