@@ -326,15 +326,70 @@ fn print_ops(model: &ModelConfig, rows: usize, repeats: usize) {
     }
 }
 
-/// The run's settings: the config file, then the flags over it.
-fn config(a: &TrainArgs) -> Result<TrainConfig> {
-    let mut cfg = match &a.config {
+/// The settings a run starts from: the config file; with --resume and no config file, the
+/// checkpoint's own (so a resume needs no flags repeated); else the defaults.
+fn base_config(a: &TrainArgs) -> Result<TrainConfig> {
+    Ok(match &a.config {
         Some(f) => {
             let text = pipewright_core::error::read_file(f)?;
             pipewright_core::error::parse_toml::<TrainConfig>(&f.display().to_string(), &text)?
         }
+        // An unreadable checkpoint is the resume's to report.
+        None if a.resume => pipewright_runtime::train::checkpoint_config(&a.checkpoint_dir())
+            .map(|(cfg, _, _)| cfg)
+            .unwrap_or_default(),
         None => TrainConfig::default(),
+    })
+}
+
+/// What the flags changed of the checkpoint's settings on a resume, as `field old -> new`.
+fn resume_changes(base: &TrainConfig, cfg: &TrainConfig) -> Vec<String> {
+    let flat = |c: &TrainConfig| -> Vec<(String, String)> {
+        let v = serde_json::to_value(c).unwrap_or_default();
+        let mut out = Vec::new();
+        for (k, x) in v.as_object().into_iter().flatten() {
+            match x.as_object() {
+                Some(inner) => out.extend(
+                    inner
+                        .iter()
+                        .map(|(k2, y)| (format!("{k}.{k2}"), y.to_string())),
+                ),
+                None => out.push((k.clone(), x.to_string())),
+            }
+        }
+        out
     };
+    let (was, now) = (flat(base), flat(cfg));
+    now.iter()
+        .filter_map(|(k, v)| {
+            let old = was
+                .iter()
+                .find(|(k2, _)| k2 == k)
+                .map_or("none", |(_, o)| o.as_str());
+            (old != v).then(|| format!("{k} {old} -> {v}"))
+        })
+        .collect()
+}
+
+/// On a resume without --config: that the checkpoint's settings are used, and what the flags
+/// changed of them.
+fn resume_note(a: &TrainArgs, cfg: &TrainConfig) -> Result<Option<String>> {
+    if !a.resume || a.config.is_some() {
+        return Ok(None);
+    }
+    let changes = resume_changes(&base_config(a)?, cfg);
+    Ok(Some(match changes.is_empty() {
+        true => "with the checkpoint's settings".into(),
+        false => format!(
+            "with the checkpoint's settings; changed by flags: {}",
+            changes.join(", ")
+        ),
+    }))
+}
+
+/// The run's settings: the config file (or a resumed checkpoint's), then the flags over it.
+fn config(a: &TrainArgs) -> Result<TrainConfig> {
+    let mut cfg = base_config(a)?;
     macro_rules! set {
         ($($f:ident),*) => { $(if let Some(v) = a.$f.clone() { cfg.$f = v; })* };
     }
@@ -605,6 +660,7 @@ fn run_config(a: &TrainArgs, cfg: &TrainConfig, links: Option<&Cluster>) -> Resu
             overwrite: a.overwrite || (a.checkpoint_dir.is_none() && !a.resume),
         }),
         resume_from: a.resume.then(|| a.checkpoint_dir()),
+        resume_note: resume_note(a, cfg)?,
         switches: switches(a, cfg, links)?,
         freeze: a.freeze.settings()?,
         cache: a.freeze.cache()?,

@@ -460,19 +460,18 @@ fn train_small_run_and_bad_input() {
         .starts_with("step-000004"));
     // Resume with a different model is refused; resume with the same settings continues.
     bad(
-        &[
-            &[
-                "train",
-                "--stages",
-                "2",
-                "--steps",
-                "6",
-                "--resume",
-                "--checkpoint-dir",
-                ck.to_str().unwrap(),
-            ][..],
-            &tiny[..2],
-        ]
+        &[&[
+            "train",
+            "--stages",
+            "2",
+            "--steps",
+            "6",
+            "--resume",
+            "--checkpoint-dir",
+            ck.to_str().unwrap(),
+            "--layers",
+            "3",
+        ][..]]
         .concat(),
         "different model",
     );
@@ -1532,4 +1531,31 @@ fn srun_without_pmix_is_named_before_mpi_starts() {
         "{}",
         String::from_utf8_lossy(&o.stderr)
     );
+}
+
+/// `--resume` takes the checkpoint's settings (model, plan, data), so no flag need be
+/// repeated, and says what the flags given changed.
+#[test]
+fn resume_reuses_the_checkpoints_settings() {
+    let dir = fresh_dir("resume-settings");
+    let ck = dir.join("ck");
+    let ck_s = ck.to_str().unwrap();
+    let mut first = vec!["train", "--steps", "3", "--checkpoint-dir", ck_s];
+    first.extend(TINY);
+    assert!(pw(&first).status.success());
+    let o = pw(&[
+        "train",
+        "--resume",
+        "--checkpoint-dir",
+        ck_s,
+        "--steps",
+        "5",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("with the checkpoint's settings; changed by flags: steps 3 -> 5"),
+        "{err}"
+    );
+    assert!(err.contains("d_model 16"), "the checkpoint's model: {err}");
 }

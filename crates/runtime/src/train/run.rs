@@ -55,6 +55,8 @@ pub struct RunConfig {
     pub checkpoints: Option<Checkpointing>,
     /// Continue from the newest checkpoint that verifies in this directory.
     pub resume_from: Option<PathBuf>,
+    /// Said after a resume loads (for example which settings differ from the checkpoint's).
+    pub resume_note: Option<String>,
     /// Switch to another plan after a step: (step, plan).
     pub switches: Vec<(u64, Plan)>,
     /// AutoFreeze (and AutoPipe + AutoDP when elastic); `None`: nothing freezes.
@@ -77,6 +79,7 @@ impl Default for RunConfig {
             eval_batches: 8,
             checkpoints: None,
             resume_from: None,
+            resume_note: None,
             switches: Vec::new(),
             freeze: None,
             cache: None,
@@ -421,6 +424,9 @@ impl TrainingRun {
             r.path.display(),
             r.step
         ));
+        if let Some(n) = &self.cfg.resume_note {
+            sink.note(n);
+        }
         match self.freezer.as_mut() {
             Some(f) => {
                 if let Some(msg) = f.resumed(&mut self.trainer, r.step, r.frozen)? {
