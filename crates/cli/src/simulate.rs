@@ -89,11 +89,11 @@ pub struct SimulateArgs {
     /// Weight-gradient cost per stage-chunk (default 1); unsplit schedules run B+W as one.
     #[arg(long, conflicts_with = "profile", allow_negative_numbers = true)]
     cost_w: Option<f64>,
-    /// Model profile TOML (FORMATS.md). A generated plan's stages are cut from it by the exact
+    /// Model profile TOML (docs/formats.md). A generated plan's stages are cut from it by the exact
     /// partitioner; a plan file's stages take their layers' costs.
     #[arg(long)]
     profile: Option<PathBuf>,
-    /// Cluster TOML (FORMATS.md); workers run on the devices the plan names, else on the first ones.
+    /// Cluster TOML (docs/formats.md); workers run on the devices the plan names, else on the first ones.
     #[arg(long)]
     cluster: Option<PathBuf>,
     /// Simulate a plan file (JSON/CSV, e.g. from `plan --out`) instead of generating one; its

@@ -1,4 +1,4 @@
-//! Cluster: what each device and link can do (FORMATS.md, "Cluster").
+//! Cluster: what each device and link can do (docs/formats.md, "Cluster").
 
 use crate::error::{parse_toml, read_file, Error, Result};
 use serde::{Deserialize, Serialize};
@@ -96,7 +96,7 @@ impl Link {
         overhead: 0.0,
     };
 
-    /// `latency + bytes / bandwidth + overhead` (FORMATS.md).
+    /// `latency + bytes / bandwidth + overhead` (docs/formats.md).
     pub fn transfer_time(&self, bytes: u64) -> f64 {
         self.latency + bytes as f64 / self.bandwidth + self.overhead
     }

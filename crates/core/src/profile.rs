@@ -1,4 +1,4 @@
-//! Model profile: what each layer costs (FORMATS.md, "Model profile").
+//! Model profile: what each layer costs (docs/formats.md, "Model profile").
 
 use crate::error::{parse_toml, read_file, Error, Result};
 use serde::{Deserialize, Serialize};
@@ -186,7 +186,7 @@ impl Profile {
         Ok(())
     }
 
-    /// The profile as TOML in FORMATS.md's layout.
+    /// The profile as TOML in the layout of docs/formats.md.
     pub fn to_toml(&self) -> String {
         toml::to_string(self).expect("profile serialises")
     }
