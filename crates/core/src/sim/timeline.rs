@@ -267,6 +267,36 @@ impl Timeline {
 
     /// A standalone SVG Gantt chart: a row per worker, F/B/W/BW in distinct colours labelled
     /// with micro-batch ids, transfers as thin bars under the sending worker, legend and axis.
+    /// The SVG's legend from `left` (measured timelines also show their sends and waits).
+    fn svg_legend(&self, s: &mut String, left: f64) {
+        let measured = self
+            .spans
+            .iter()
+            .any(|sp| matches!(sp.kind, SpanKind::Send | SpanKind::Receive));
+        let mut lx = left;
+        for (label, colour, h) in [
+            ("F forward", colour(Op::F), 12.0),
+            ("B input grad", colour(Op::B), 12.0),
+            ("W weight grad", colour(Op::W), 12.0),
+            ("BW full backward", colour(Op::BW), 12.0),
+            ("activation transfer", TRANSFER_F, 4.0),
+            ("gradient transfer", TRANSFER_B, 4.0),
+            ("all-reduce", ALLREDUCE, 12.0),
+            ("optimizer step", OPTIMIZER, 12.0),
+        ]
+        .into_iter()
+        .chain(measured.then_some(("send, receive wait", COMM, 12.0)))
+        {
+            let _ = writeln!(
+                s,
+                r#"<rect x="{lx}" y="{:.1}" width="14" height="{h}" fill="{colour}"/><text x="{}" y="46" font-size="12">{label}</text>"#,
+                42.0 - h / 2.0,
+                lx + 18.0
+            );
+            lx += 30.0 + 7.0 * label.len() as f64;
+        }
+    }
+
     pub fn to_svg(&self, title: &str) -> String {
         let span = self.makespan().max(1e-12);
         let p = self.worker_names.len();
@@ -295,39 +325,13 @@ impl Timeline {
 "#,
             xml_escape(title)
         );
-        // Legend (measured timelines also show their sends and waits).
-        let measured = self
-            .spans
-            .iter()
-            .any(|sp| matches!(sp.kind, SpanKind::Send | SpanKind::Receive));
+        self.svg_legend(&mut s, left);
         // Where a worker runs several stages (interleaved, ZB-V), boxes name the stage too.
         let mut stages_of = vec![std::collections::BTreeSet::new(); p];
         for a in &self.actions {
             if let Some(set) = stages_of.get_mut(a.worker) {
                 set.insert(a.action.stage);
             }
-        }
-        let mut lx = left;
-        for (label, colour, h) in [
-            ("F forward", colour(Op::F), 12.0),
-            ("B input grad", colour(Op::B), 12.0),
-            ("W weight grad", colour(Op::W), 12.0),
-            ("BW full backward", colour(Op::BW), 12.0),
-            ("activation transfer", TRANSFER_F, 4.0),
-            ("gradient transfer", TRANSFER_B, 4.0),
-            ("all-reduce", ALLREDUCE, 12.0),
-            ("optimizer step", OPTIMIZER, 12.0),
-        ]
-        .into_iter()
-        .chain(measured.then_some(("send, receive wait", COMM, 12.0)))
-        {
-            let _ = writeln!(
-                s,
-                r#"<rect x="{lx}" y="{:.1}" width="14" height="{h}" fill="{colour}"/><text x="{}" y="46" font-size="12">{label}</text>"#,
-                42.0 - h / 2.0,
-                lx + 18.0
-            );
-            lx += 30.0 + 7.0 * label.len() as f64;
         }
         // Rows.
         for (w, name) in self.worker_names.iter().enumerate() {

@@ -62,6 +62,26 @@ pub fn describe(plan: &Plan) -> String {
     )
 }
 
+/// Worker `rank`'s all-reduce (from `synced`) and optimizer step (from `optimizer`, until
+/// now) on the step's clock.
+fn sync_spans(rank: usize, clock: Instant, synced: f64, optimizer: f64) -> [TimedSpan; 2] {
+    let span = |kind, start, end| TimedSpan {
+        worker: rank,
+        kind,
+        stage: None,
+        start,
+        end,
+    };
+    [
+        span(SpanKind::AllReduce, synced, optimizer),
+        span(
+            SpanKind::OptimizerStep,
+            optimizer,
+            clock.elapsed().as_secs_f64(),
+        ),
+    ]
+}
+
 /// A held-out micro-batch's task scores, summed over its rows: classes right (F1 0), or for
 /// answer spans SQuAD's exact match and F1 of the best span of each row's start and end
 /// logits; (0, 0) for text.
@@ -453,16 +473,7 @@ impl Trainer {
             let optimizer = clock.elapsed().as_secs_f64();
             let norm = (sums[0] as f64).sqrt();
             apply_gradients(worker, &out.grads, lr, clip_factor(norm, clip));
-            let span = |kind, start| TimedSpan {
-                worker: rank,
-                kind,
-                stage: None,
-                start,
-                end: clock.elapsed().as_secs_f64(),
-            };
-            out.spans.push(span(SpanKind::AllReduce, synced));
-            let end = span(SpanKind::OptimizerStep, optimizer);
-            out.spans.push(end);
+            out.spans.extend(sync_spans(rank, clock, synced, optimizer));
             Ok((out, norm, sums[1] as f64, layer_norms))
         });
         let seconds = clock.elapsed().as_secs_f64();
