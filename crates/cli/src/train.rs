@@ -833,6 +833,10 @@ impl RunSink for Progress {
         self.bar.inc(1);
         if row.report.step == row.steps {
             self.bar.finish();
+            // The bar leaves the cursor at its line's end: what follows starts a line of its own.
+            if !self.bar.is_hidden() {
+                eprintln!();
+            }
         }
         let step = row.report.step;
         if self
