@@ -186,30 +186,20 @@ fn search(
         let Some((plan, costs)) = layout(fp, frozen, pin, kind, d, r, total_mbs)? else {
             continue;
         };
-        let devices: Vec<usize> = (0..plan.num_workers()).collect();
-        let sim = simulate(&SimSetup {
-            plan: &plan,
-            stages: &costs,
-            cluster: &cluster.subset(&devices),
-        })?;
-        let peak = sim.peak_memory_bytes.iter().copied().max().unwrap_or(0);
+        let (time, peak) = time_and_peak(&plan, &costs, cluster)?;
         let fits = peak <= memory_budget;
         candidates.push(Candidate {
             depth: d,
             replicas: r,
-            time: fits.then_some(sim.iteration_time),
+            time: fits.then_some(time),
             peak_memory_bytes: peak,
         });
-        if fits
-            && best
-                .as_ref()
-                .is_none_or(|b| sim.iteration_time < b.time - 1e-12)
-        {
+        if fits && best.as_ref().is_none_or(|b| time < b.time - 1e-12) {
             best = Some(ElasticChoice {
                 plan,
                 depth: d,
                 replicas: r,
-                time: sim.iteration_time,
+                time: time,
                 candidates: Vec::new(),
             });
         }
@@ -231,14 +221,21 @@ fn price(plan: &Plan, profile: &Profile, cluster: &Cluster) -> Result<(Plan, f64
     for (st, c) in plan.stages.iter_mut().zip(&costs) {
         st.cost = Some(*c);
     }
+    let (time, peak) = time_and_peak(&plan, &costs, cluster)?;
+    Ok((plan, time, peak))
+}
+
+/// `plan`'s simulated iteration time and its fullest worker's memory, on the first devices of
+/// `cluster`.
+fn time_and_peak(plan: &Plan, costs: &[StageCost], cluster: &Cluster) -> Result<(f64, u64)> {
     let devices: Vec<usize> = (0..plan.num_workers()).collect();
     let sim = simulate(&SimSetup {
-        plan: &plan,
-        stages: &costs,
+        plan,
+        stages: costs,
         cluster: &cluster.subset(&devices),
     })?;
     let peak = sim.peak_memory_bytes.iter().copied().max().unwrap_or(0);
-    Ok((plan, sim.iteration_time, peak))
+    Ok((sim.iteration_time, peak))
 }
 
 /// AutoPipe's last word: `choice` only if the simulator rates it strictly faster than keeping
@@ -468,13 +465,7 @@ fn epoch_layout(
 /// The most memory a worker of `plan` holds (the simulator's count): the budget an elastic
 /// run keeps to.
 pub fn peak_memory(plan: &Plan, costs: &[StageCost], cluster: &Cluster) -> Result<u64> {
-    let devices: Vec<usize> = (0..plan.num_workers()).collect();
-    let sim = simulate(&SimSetup {
-        plan,
-        stages: costs,
-        cluster: &cluster.subset(&devices),
-    })?;
-    Ok(sim.peak_memory_bytes.iter().copied().max().unwrap_or(0))
+    Ok(time_and_peak(plan, costs, cluster)?.1)
 }
 
 #[cfg(test)]
