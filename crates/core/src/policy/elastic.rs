@@ -199,7 +199,7 @@ fn search(
                 plan,
                 depth: d,
                 replicas: r,
-                time: time,
+                time,
                 candidates: Vec::new(),
             });
         }
