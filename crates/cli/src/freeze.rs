@@ -13,52 +13,55 @@ pub struct FreezeArgs {
     /// Freeze converged front layer blocks: `adaptive` (gradient norms settled), `schedule`
     /// (the released rule, L (1 - (1 - alpha)^e) after decision e) or `off`.
     #[arg(long, value_enum, default_value = "off")]
-    freeze: FreezeMode,
+    pub(crate) freeze: FreezeMode,
     /// Steps between freeze decisions (default: once per epoch of the training text).
     #[arg(long)]
-    freeze_every: Option<u64>,
+    pub(crate) freeze_every: Option<u64>,
     /// Fraction of the still-training prefix that may freeze at one decision (adaptive), or
     /// the schedule's rate.
     #[arg(long, default_value_t = 0.3)]
-    freeze_alpha: f64,
+    pub(crate) freeze_alpha: f64,
     /// Relative change of a layer's gradient norm below which it has settled (adaptive).
     #[arg(long, default_value_t = 0.1)]
-    freeze_threshold: f64,
+    pub(crate) freeze_threshold: f64,
     /// Or below this percentile of the changes of all layers still training (adaptive; 0:
     /// the threshold only). 50, the median, is the released code's rule.
     #[arg(long, default_value_t = 50.0)]
-    freeze_percentile: f64,
+    pub(crate) freeze_percentile: f64,
     /// Decisions over which a layer must stay settled (adaptive).
     #[arg(long, default_value_t = 2)]
-    freeze_window: usize,
+    pub(crate) freeze_window: usize,
     /// Most of the freezable layer blocks (all but the head) that may ever freeze.
     #[arg(long, default_value_t = 0.8)]
-    max_frozen: f64,
+    pub(crate) max_frozen: f64,
     /// On each freeze change, re-cut the training layers over the fastest depth that fits
     /// each worker's memory (as the starting plan uses it) and turn freed workers into more
     /// data-parallel replicas, at the same global batch.
     #[arg(long)]
-    pub elastic: bool,
+    pub(crate) elastic: bool,
     /// With --elastic: `keep` the global batch (more replicas, fewer micro-batches each) or
     /// `scale` it (every replica keeps its micro-batches; the learning rate grows with the
     /// batch, the linear scaling rule).
     #[arg(long, value_enum, default_value = "keep", requires = "elastic")]
-    elastic_batch: ElasticBatch,
+    pub(crate) elastic_batch: ElasticBatch,
     /// AutoCache: keep the frozen prefix's output for each training sample, up to this many
     /// bytes in memory (suffixes K, M, G: powers of 1024), the rest in a spill file; later
     /// epochs skip the frozen layers. Implies --sampling epochs.
     #[arg(long, value_name = "BYTES", value_parser = parse_bytes)]
-    pub cache_budget: Option<u64>,
+    pub(crate) cache_budget: Option<u64>,
     /// Keep cached activations as f16 (half the bytes; the frozen output is rounded).
     #[arg(long, requires = "cache_budget")]
-    cache_f16: bool,
+    pub(crate) cache_f16: bool,
     /// Directory for the cache's spill file (deleted when the run ends; default: the system's
     /// temporary directory).
     #[arg(long, requires = "cache_budget")]
-    cache_dir: Option<std::path::PathBuf>,
+    pub(crate) cache_dir: Option<std::path::PathBuf>,
 }
 
-#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
 pub enum ElasticBatch {
     Keep,
     Scale,

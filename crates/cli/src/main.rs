@@ -12,6 +12,7 @@ mod output;
 mod plan;
 mod ranks;
 mod report;
+mod runtable;
 mod simulate;
 mod skip;
 mod tokenize;
@@ -199,7 +200,13 @@ fn main() {
     let parsed = Cli::command()
         .long_version(&*Box::leak(long_version.into_boxed_str()))
         .try_get_matches()
-        .and_then(|m| Cli::from_arg_matches(&m));
+        .and_then(|m| Ok((Cli::from_arg_matches(&m)?, m)))
+        .map(|(mut cli, m)| {
+            if let (Cmd::Train(a), Some(("train", t))) = (&mut cli.cmd, m.subcommand()) {
+                a.given = given_flags(t);
+            }
+            cli
+        });
     let cli = match parsed {
         Ok(c) => c,
         Err(e) => {
@@ -250,6 +257,14 @@ fn main() {
         // Over MPI, exit without finalising: a peer may be dead.
         std::process::exit(code);
     }
+}
+
+/// The ids of the flags given on the command line (not defaults).
+fn given_flags(m: &clap::ArgMatches) -> Vec<String> {
+    m.ids()
+        .filter(|id| m.value_source(id.as_str()) == Some(clap::parser::ValueSource::CommandLine))
+        .map(|id| id.to_string())
+        .collect()
 }
 
 /// `error: MESSAGE` on stderr in one write: `eprintln!` writes its pieces separately, and under

@@ -22,7 +22,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// How the plan's workers run.
-#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
 pub enum TransportKind {
     /// One process, a thread per worker.
     Threads,
@@ -48,129 +51,141 @@ impl TrainArgs {
 pub struct TrainArgs {
     /// TOML with any TrainConfig fields (model, schedule, stages, ...); flags override it.
     #[arg(long)]
-    config: Option<PathBuf>,
+    pub(crate) config: Option<PathBuf>,
     /// Print the resolved settings (the config file with the flags over it, every default
     /// filled in) as TOML that `--config` takes back, and exit.
     #[arg(long)]
-    print_config: bool,
+    pub(crate) print_config: bool,
     /// Whole-job plan file (from `plan --out`, `schedule --format json`, or by hand).
     #[arg(long, conflicts_with_all = ["schedule", "stages", "chunks", "replicas", "microbatches"])]
-    plan: Option<PathBuf>,
+    pub(crate) plan: Option<PathBuf>,
     #[arg(long, value_enum, help = dflt("Pipeline schedule of the generated plan", |c| c.schedule))]
-    schedule: Option<ScheduleKind>,
+    pub(crate) schedule: Option<ScheduleKind>,
     #[arg(long, help = dflt("Pipeline depth P of the generated plan (workers per pipeline)", |c| c.stages))]
-    stages: Option<usize>,
+    pub(crate) stages: Option<usize>,
     #[arg(long, help = dflt("Stage chunks per worker (interleaved; zbv uses 2)", |c| c.chunks))]
-    chunks: Option<usize>,
+    pub(crate) chunks: Option<usize>,
     #[arg(long, help = dflt("Data-parallel replicas D of the generated plan", |c| c.replicas))]
-    replicas: Option<usize>,
+    pub(crate) replicas: Option<usize>,
     #[arg(long, help = dflt("Micro-batches M of each replica per step (the global batch is M x D micro-batches)", |c| c.microbatches))]
-    microbatches: Option<usize>,
+    pub(crate) microbatches: Option<usize>,
+    /// Micro-batches per step over all replicas (the global batch, in micro-batches of
+    /// --micro-batch-size sequences): sets --microbatches to this over --replicas.
+    #[arg(long, conflicts_with_all = ["microbatches", "plan"])]
+    pub(crate) global_batch: Option<usize>,
     #[arg(long, visible_alias = "micro-batch-size", help = dflt("Sequences per micro-batch", |c| c.rows))]
-    rows: Option<usize>,
+    pub(crate) rows: Option<usize>,
     #[arg(long, help = dflt("Optimizer steps (in all, counting those before a --resume)", |c| c.steps))]
-    steps: Option<u64>,
+    pub(crate) steps: Option<u64>,
     #[arg(long, help = dflt("Peak learning rate (linear warmup, then cosine down to --min-lr)", |c| c.lr))]
-    lr: Option<f64>,
+    pub(crate) lr: Option<f64>,
     #[arg(long, help = dflt("Learning rate at the last step", |c| c.min_lr))]
-    min_lr: Option<f64>,
+    pub(crate) min_lr: Option<f64>,
     #[arg(long, help = dflt("Warmup steps", |c| c.warmup))]
-    warmup: Option<u64>,
+    pub(crate) warmup: Option<u64>,
     #[arg(long, help = dflt("AdamW weight decay", |c| c.weight_decay))]
-    weight_decay: Option<f32>,
+    pub(crate) weight_decay: Option<f32>,
     #[arg(long, help = dflt("Global gradient-norm clip", |c| c.clip))]
-    clip: Option<f32>,
+    pub(crate) clip: Option<f32>,
     #[arg(long, help = dflt("Seed of the weights and the data order", |c| c.seed))]
-    seed: Option<u64>,
+    pub(crate) seed: Option<u64>,
     #[command(flatten)]
-    data: crate::data::DataArgs,
+    pub(crate) data: crate::data::DataArgs,
     /// Write metrics as JSON lines.
     #[arg(long)]
-    metrics: Option<PathBuf>,
+    pub(crate) metrics: Option<PathBuf>,
+    /// Also write the metrics as TensorBoard event files into this directory (`tensorboard
+    /// --logdir DIR` shows them).
+    #[arg(long)]
+    pub(crate) tensorboard: Option<PathBuf>,
     /// Validate every N steps (and before the first and after the last).
     #[arg(long, default_value_t = 10)]
-    eval_every: u64,
+    pub(crate) eval_every: u64,
     /// Held-out micro-batches of a text per validation (a task scores every held-out
     /// example).
     #[arg(long, default_value_t = 8)]
-    eval_batches: usize,
+    pub(crate) eval_batches: usize,
     /// Directory for checkpoints [default: checkpoints]. A directory given here that holds
     /// an earlier run's checkpoints is refused without --resume or --overwrite; the default
     /// one is a scratch place: a fresh run replaces what an earlier run left there, and says so.
     #[arg(long)]
-    checkpoint_dir: Option<PathBuf>,
+    pub(crate) checkpoint_dir: Option<PathBuf>,
     /// Write a checkpoint every N steps (0: only at the end).
     #[arg(long, default_value_t = 0)]
-    checkpoint_every: u64,
+    pub(crate) checkpoint_every: u64,
     /// Do not write checkpoints.
     #[arg(long, conflicts_with = "checkpoint_every")]
-    no_checkpoint: bool,
+    pub(crate) no_checkpoint: bool,
     /// Checkpoints to keep in --checkpoint-dir (the newest).
     #[arg(long, default_value_t = 3)]
-    keep: usize,
+    pub(crate) keep: usize,
     /// Continue from the latest checkpoint in --checkpoint-dir (under this run's plan, which
     /// may differ from the one that wrote it).
     #[arg(long)]
-    resume: bool,
+    pub(crate) resume: bool,
     /// Start afresh in a --checkpoint-dir that holds an earlier run's checkpoints: they are
     /// removed first (without this or --resume, such a directory is refused).
     #[arg(long, conflicts_with = "resume")]
-    overwrite: bool,
+    pub(crate) overwrite: bool,
     /// Write the last step's measured timeline as a Chrome trace (the whole run's with
     /// --elastic).
     #[arg(long)]
-    trace: Option<PathBuf>,
+    pub(crate) trace: Option<PathBuf>,
     /// Write the same measured timeline as an SVG Gantt chart.
     #[arg(long)]
-    svg: Option<PathBuf>,
+    pub(crate) svg: Option<PathBuf>,
     #[command(flatten)]
-    model: crate::model::ModelArgs,
+    pub(crate) model: crate::model::ModelArgs,
     /// How text becomes tokens: bytes (default), gpt2, cl100k, or a tokenizer.json (or a
     /// directory with one); default with --model DIR: its tokenizer.json if it has one.
     #[arg(long)]
-    tokenizer: Option<String>,
+    pub(crate) tokenizer: Option<String>,
     #[arg(long, help = dflt("Model width", |c| c.model.d_model))]
-    d_model: Option<usize>,
+    pub(crate) d_model: Option<usize>,
     #[arg(long, help = dflt("Transformer blocks (the model has these plus the embedding and the head as layer blocks)", |c| c.model.layers))]
-    layers: Option<usize>,
+    pub(crate) layers: Option<usize>,
     #[arg(long, help = dflt("Attention heads", |c| c.model.heads))]
-    heads: Option<usize>,
+    pub(crate) heads: Option<usize>,
     #[arg(long, help = dflt("Sequence length", |c| c.model.seq_len))]
-    seq_len: Option<usize>,
+    pub(crate) seq_len: Option<usize>,
     /// Emulate this cluster's links between workers (each worker on the plan's device for it).
     #[arg(long)]
-    cluster: Option<PathBuf>,
+    pub(crate) cluster: Option<PathBuf>,
     /// SkipPipe: each micro-batch skips this many of the --stages model stages (a count, or
     /// a fraction below 1: 0.25 of 4 = 1). The plan comes from the skip-plan scheduler:
     /// --replicas data nodes (embedding and head), the other devices of --cluster (default
     /// stages x replicas identical ones) as pools for the other stages, --microbatches per
     /// data node. --skip 0 gives the full pipeline on the same layout.
     #[arg(long, conflicts_with_all = ["plan", "schedule", "chunks", "elastic"])]
-    skip: Option<f64>,
+    pub(crate) skip: Option<f64>,
     /// Switch to another whole-job plan after step STEP (STEP:FILE; repeatable): parameters
     /// and optimizer state move in memory to the new plan's workers.
     #[arg(long, value_name = "STEP:FILE")]
-    switch_plan: Vec<String>,
+    pub(crate) switch_plan: Vec<String>,
     /// After training, profile the model and print simulated vs measured iteration time of the
     /// same plan (needs at least 3 steps in this run).
     #[arg(long)]
-    compare_sim: bool,
+    pub(crate) compare_sim: bool,
     /// Threads in this process, or MPI processes (launch with `mpirun -np WORKERS`).
     #[arg(long, value_enum, default_value = "threads")]
-    transport: TransportKind,
+    pub(crate) transport: TransportKind,
     /// Seconds a worker waits for a peer's message before it gives up and names the peer.
     #[arg(long, default_value_t = 60.0)]
-    peer_timeout: f64,
+    pub(crate) peer_timeout: f64,
     /// Without a terminal (nohup, Slurm, CI), a timestamped log line every N steps (and the
     /// last); on a terminal the progress bar shows the same.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
-    log_every: u64,
+    pub(crate) log_every: u64,
     /// How steps draw sequences: random windows of the text, or epochs over fixed samples
     /// (each sample once an epoch; what --cache-budget keys on).
     #[arg(long, value_enum)]
     sampling: Option<SamplingArg>,
     #[command(flatten)]
-    freeze: crate::freeze::FreezeArgs,
+    pub(crate) freeze: crate::freeze::FreezeArgs,
+    /// The flags given on the command line (clap's ids): `--config`'s `[run]` keys fill the
+    /// others.
+    #[arg(skip)]
+    pub(crate) given: Vec<String>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -332,7 +347,12 @@ fn base_config(a: &TrainArgs) -> Result<TrainConfig> {
     Ok(match &a.config {
         Some(f) => {
             let text = pipewright_core::error::read_file(f)?;
-            pipewright_core::error::parse_toml::<TrainConfig>(&f.display().to_string(), &text)?
+            let name = f.display().to_string();
+            // The [run] table is the runtable module's.
+            pipewright_core::error::parse_toml_split::<TrainConfig, toml::Table>(
+                &name, &text, "run",
+            )?
+            .0
         }
         // An unreadable checkpoint is the resume's to report.
         None if a.resume => pipewright_runtime::train::checkpoint_config(&a.checkpoint_dir())
@@ -408,6 +428,16 @@ fn config(a: &TrainArgs) -> Result<TrainConfig> {
         clip,
         seed
     );
+    if let Some(g) = a.global_batch {
+        if g == 0 || g % cfg.replicas != 0 {
+            return Err(BadInput(format!(
+                "--global-batch {g}: expected a positive multiple of the {} replicas (each replica runs global batch / replicas micro-batches)",
+                cfg.replicas
+            ))
+            .into());
+        }
+        cfg.microbatches = g / cfg.replicas;
+    }
     if let Some(chosen) = a.model.resolve()? {
         if chosen.weights.is_some() && (a.d_model, a.layers, a.heads) != (None, None, None) {
             return Err(BadInput(
@@ -522,6 +552,7 @@ fn start_transport(a: &TrainArgs) -> Result<Procs> {
 /// writes nothing) its last error also in `last-error.txt` beside the checkpoints: a batch job's
 /// log may be gone, the checkpoints are not.
 pub fn cmd_train(a: TrainArgs) -> Result<()> {
+    let a = crate::runtable::apply(a)?;
     let dir = (!a.no_checkpoint).then(|| a.checkpoint_dir());
     let r = train(a);
     if let (Err(e), Some(dir)) = (&r, dir) {
@@ -541,7 +572,18 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
 
 fn train(a: TrainArgs) -> Result<()> {
     if a.print_config {
-        print!("{}", toml::to_string(&config(&a)?)?);
+        #[derive(serde::Serialize)]
+        struct Run {
+            run: crate::runtable::RunTable,
+        }
+        let run = Run {
+            run: crate::runtable::RunTable::of(&a),
+        };
+        print!(
+            "{}\n{}",
+            toml::to_string(&config(&a)?)?,
+            toml::to_string(&run)?
+        );
         return Ok(());
     }
     let procs = start_transport(&a)?;

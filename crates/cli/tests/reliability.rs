@@ -396,6 +396,92 @@ fn a_printed_config_reproduces_the_run() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// Every `train` setting has a key in the `[run]` table: a config printed with run flags
+/// trains the same run with no flags, and a flag given on the command line wins over its key.
+#[test]
+fn run_settings_round_trip_through_the_run_table() {
+    let d = scratch("run-table");
+    let m = d.join("m.jsonl");
+    let flags = [
+        &TINY[..12],
+        &[
+            "--steps",
+            "4",
+            "--stages",
+            "1",
+            "--global-batch",
+            "6",
+            "--eval-every",
+            "2",
+            "--no-checkpoint",
+            "--metrics",
+            m.to_str().unwrap(),
+        ],
+    ]
+    .concat();
+    let o = Command::new(env!("CARGO_BIN_EXE_pipewright"))
+        .arg("train")
+        .args(&flags)
+        .arg("--print-config")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = String::from_utf8_lossy(&o.stdout).to_string();
+    for key in [
+        "[run]",
+        "global_batch = 6",
+        "eval_every = 2",
+        "no_checkpoint = true",
+        "microbatches = 6",
+    ] {
+        assert!(text.contains(key), "{key} missing from\n{text}");
+    }
+    let toml = d.join("run.toml");
+    std::fs::write(&toml, &text).unwrap();
+    let rows = |args: &[&str]| -> Vec<String> {
+        let o = Command::new(env!("CARGO_BIN_EXE_pipewright"))
+            .arg("train")
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let text = std::fs::read_to_string(&m).unwrap();
+        text.lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                format!("{} {} {}", v["step"], v["loss"], v["val_loss"])
+            })
+            .collect()
+    };
+    let by_flags = rows(&flags);
+    let by_file = rows(&["--config", toml.to_str().unwrap()]);
+    assert_eq!(by_flags, by_file);
+    let vals = |r: &[String]| r.iter().filter(|l| !l.ends_with(" null")).count();
+    assert_eq!(
+        vals(&by_file),
+        3,
+        "validation at steps 0, 2 and 4: {by_file:?}"
+    );
+    // The flag wins over the file's eval_every = 2: validation at steps 0, 3 and 4.
+    let over = rows(&["--config", toml.to_str().unwrap(), "--eval-every", "3"]);
+    assert_eq!(vals(&over), 3);
+    assert!(
+        over.iter()
+            .any(|l| l.starts_with("3 ") && !l.ends_with(" null")),
+        "{over:?}"
+    );
+    // An unknown key is named with its line.
+    std::fs::write(&toml, "[run]\nevl_every = 2\n").unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_pipewright"))
+        .args(["train", "--config", toml.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("line 2") && err.contains("evl_every"), "{err}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// A run that fails (here it diverges) leaves its last error beside its checkpoints, with a
 /// timestamp; bad input writes nothing there.
 #[test]

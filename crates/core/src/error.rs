@@ -82,16 +82,53 @@ impl Error {
 /// Parse TOML into `T`, turning the parser's multi-line report into one line with
 /// line and column.
 pub fn parse_toml<T: serde::de::DeserializeOwned>(file: &str, text: &str) -> Result<T> {
-    toml::from_str(text).map_err(|e| {
-        let msg = e.message().trim().replace('\n', " ");
-        match e.span() {
-            Some(span) => {
-                let (line, col) = line_col(text, span.start);
-                Error::input(file, format!("line {line}, column {col}: {msg}"))
-            }
-            None => Error::input(file, msg),
+    toml::from_str(text).map_err(|e| located(file, text, e))
+}
+
+/// Parse TOML whose table `key` (if present) is a `B` and whose other keys are an `A`; errors
+/// in either name the line and column, as [`parse_toml`]'s do.
+pub fn parse_toml_split<A, B>(file: &str, text: &str, key: &str) -> Result<(A, Option<B>)>
+where
+    A: serde::de::DeserializeOwned,
+    B: serde::de::DeserializeOwned,
+{
+    use serde::Deserialize;
+    use toml::de::{DeTable, Deserializer};
+    let err = |e| located(file, text, e);
+    let mut rest = DeTable::parse(text).map_err(err)?;
+    let span = rest.span();
+    let found = rest.get_ref().keys().find(|k| k.get_ref() == key).cloned();
+    let mut part = DeTable::new();
+    if let Some(k) = found {
+        let v = rest.get_mut().remove(&k).expect("the key was just found");
+        part.insert(k, v);
+    }
+    let a = A::deserialize(Deserializer::from(rest)).map_err(err)?;
+    #[derive(Deserialize)]
+    struct Part<B> {
+        #[serde(rename = "part")]
+        inner: Option<B>,
+    }
+    // The part under a fixed name, so that `B` keeps its own field names in errors.
+    let part: DeTable = part
+        .into_iter()
+        .map(|(k, v)| (toml::Spanned::new(k.span(), "part".into()), v))
+        .collect();
+    let b =
+        Part::<B>::deserialize(Deserializer::from(toml::Spanned::new(span, part))).map_err(err)?;
+    Ok((a, b.inner))
+}
+
+/// A parser error as one line, with the line and column where it has a place.
+fn located(file: &str, text: &str, e: toml::de::Error) -> Error {
+    let msg = e.message().trim().replace('\n', " ");
+    match e.span() {
+        Some(span) => {
+            let (line, col) = line_col(text, span.start);
+            Error::input(file, format!("line {line}, column {col}: {msg}"))
         }
-    })
+        None => Error::input(file, msg),
+    }
 }
 
 fn line_col(text: &str, offset: usize) -> (usize, usize) {
