@@ -54,8 +54,11 @@ pub fn step_line(row: &StepRow) -> String {
     let mem = resident_bytes().map_or(String::new(), |b| {
         format!(" memory {:.0} MB", b as f64 / 1e6)
     });
+    let mfu = row
+        .mfu
+        .map_or(String::new(), |m| format!(" MFU {:.1}%", 100.0 * m));
     format!(
-        "{} step {}/{} loss {:.4}{val} lr {:.2e} tokens/s {:.0} grad norm {:.3}{mem}",
+        "{} step {}/{} loss {:.4}{val} lr {:.2e} tokens/s {:.0}{mfu} grad norm {:.3}{mem}",
         now(),
         r.step,
         row.steps,

@@ -19,6 +19,7 @@ use burn::tensor::{Tensor, TensorData};
 
 mod attention;
 mod blas;
+pub use blas::measured_peak_flops;
 pub mod blas_lib;
 pub mod coretype;
 mod cpu;

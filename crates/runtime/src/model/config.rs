@@ -569,6 +569,15 @@ impl ModelConfig {
         }
     }
 
+    /// Model FLOPs of one training token, forward and backward (3 x 2 x the multiply-adds of
+    /// the blocks' and head's products and of attention over the whole sequence, as PaLM's
+    /// MFU counts them; the embedding is a lookup). The work of the whole model, whatever is
+    /// frozen or cached.
+    pub fn train_flops_per_token(&self) -> f64 {
+        let (d, t) = (self.d_model as f64, self.seq_len as f64);
+        6.0 * (self.layers as f64 * (self.block_flops() + 2.0 * t * d) + self.head_flops())
+    }
+
     /// All parameters (None on overflow).
     pub fn param_count(&self) -> Option<usize> {
         let (e, b, h) = self.layer_params()?;
@@ -651,5 +660,40 @@ impl ModelConfig {
             },
             layers: (0..self.num_blocks()).map(layer).collect(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Training FLOPs per token, counted by hand for two shapes: 6 x (the blocks' products,
+    /// attention's two T x d products per token and layer, and the head's product).
+    #[test]
+    fn training_flops_per_token_count_every_product() {
+        let gpt = ModelConfig::default(); // d 64, 4 layers, seq 64, vocab 256
+        let block = 12.0 * 64.0 * 64.0 + 2.0 * 64.0 * 64.0;
+        assert_eq!(
+            gpt.train_flops_per_token(),
+            6.0 * (4.0 * block + 64.0 * 256.0)
+        );
+        // examples/llama_bench.toml: d 256, 8 heads of 32, 4 KV heads, SwiGLU 704, seq 128.
+        let llama = ModelConfig {
+            family: Family::Llama,
+            d_model: 256,
+            heads: 8,
+            kv_heads: Some(4),
+            ffn: Some(704),
+            layers: 8,
+            seq_len: 128,
+            ..ModelConfig::default()
+        };
+        let q_o = 2.0 * 256.0 * 256.0;
+        let k_v = 2.0 * 256.0 * 128.0;
+        let mlp = 3.0 * 256.0 * 704.0;
+        let attention = 2.0 * 128.0 * 256.0;
+        let want = 6.0 * (8.0 * (q_o + k_v + mlp + attention) + 256.0 * 256.0);
+        assert_eq!(llama.train_flops_per_token(), want);
+        assert_eq!(want, 38_928_384.0);
     }
 }

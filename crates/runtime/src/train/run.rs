@@ -147,6 +147,11 @@ pub struct StepRow<'a> {
     pub stages: usize,
     pub replicas: usize,
     pub cache: Option<CacheStats>,
+    /// Model FLOPs utilisation: the model's FLOPs per second (see
+    /// [`ModelConfig::train_flops_per_token`]) over the peak of the job's processes (each
+    /// measured as rank 0's [`crate::kernels::measured_peak_flops`]); `None` where no
+    /// peak was measured (non-root processes).
+    pub mfu: Option<f64>,
 }
 
 impl StepRow<'_> {
@@ -157,7 +162,7 @@ impl StepRow<'_> {
     /// The metrics row (JSON lines): the one place that names its fields.
     pub fn to_json(&self) -> Value {
         let r = self.report;
-        json!({"step": r.step, "loss": r.loss, "val_loss": self.val_loss, "val_perplexity": self.val_loss.map(f64::exp), "accuracy": self.accuracy, "f1": self.f1, "tokens_per_s": self.tokens_per_s(), "samples_per_s": self.samples_per_s, "lr": r.lr, "grad_norm": r.grad_norm, "busy": r.busy, "seconds": r.seconds, "frozen_layers": self.frozen, "stages": self.stages, "replicas": self.replicas, "cache": self.cache.as_ref().map(|c| json!({"hits": c.hits, "extended": c.extended, "misses": c.misses, "memory_bytes": c.memory_bytes, "disk_bytes": c.disk_bytes}))})
+        json!({"step": r.step, "loss": r.loss, "val_loss": self.val_loss, "val_perplexity": self.val_loss.map(f64::exp), "accuracy": self.accuracy, "f1": self.f1, "tokens_per_s": self.tokens_per_s(), "samples_per_s": self.samples_per_s, "lr": r.lr, "grad_norm": r.grad_norm, "busy": r.busy, "seconds": r.seconds, "frozen_layers": self.frozen, "mfu": self.mfu, "stages": self.stages, "replicas": self.replicas, "cache": self.cache.as_ref().map(|c| json!({"hits": c.hits, "extended": c.extended, "misses": c.misses, "memory_bytes": c.memory_bytes, "disk_bytes": c.disk_bytes}))})
     }
 }
 
@@ -505,6 +510,7 @@ impl TrainingRun {
             stages: plan.num_stages(),
             replicas: plan.replicas(),
             cache: self.trainer.cache_stats(),
+            mfu: self.mfu(&r),
         })?;
         if let Some(c) = &self.cfg.checkpoints {
             if c.every > 0 && r.step % c.every == 0 && r.step < steps {
@@ -519,6 +525,16 @@ impl TrainingRun {
         self.after_step(sink, &r)?;
         self.last = Some(r);
         Ok(val.unwrap_or(last_val))
+    }
+
+    /// The step's model FLOPs utilisation (see [`StepRow::mfu`]); root only.
+    fn mfu(&self, r: &StepReport) -> Option<f64> {
+        if !self.trainer.is_root() {
+            return None;
+        }
+        let peak = crate::kernels::measured_peak_flops() * self.trainer.processes() as f64;
+        let flops = self.trainer.cfg.model.train_flops_per_token() * r.tokens as f64;
+        Some(flops / r.seconds / peak)
     }
 
     /// `compare_sim`: a profile pass, and the step's actions once past warm-up.

@@ -147,6 +147,8 @@ pub struct Trainer {
     cache: Option<Arc<PrefixCache>>,
     /// Where the two copies of a tied embedding matrix live, if the model ties them.
     tied: Option<Tied>,
+    /// The plan's workers when the run started: over MPI, the ranks.
+    workers_at_start: usize,
 }
 
 impl Trainer {
@@ -209,6 +211,7 @@ impl Trainer {
     ) -> Result<Self> {
         cfg.check()?;
         cfg.check_plan(&plan)?;
+        let plan_workers = plan.num_workers();
         let state = initial_state(&cfg)?;
         let workers = build_workers(&plan, &state, rank);
         Ok(Trainer {
@@ -228,7 +231,17 @@ impl Trainer {
             frozen: 0,
             step: 0,
             keep_checkpoints: 3,
+            workers_at_start: plan_workers,
         })
+    }
+
+    /// Processes the job runs in: one, or one per worker of the plan it started with (MPI
+    /// ranks).
+    pub fn processes(&self) -> usize {
+        match self.rank {
+            None => 1,
+            Some(_) => self.workers_at_start,
+        }
     }
 
     /// Whether this process writes metrics, progress and checkpoints (rank 0, or the only
