@@ -15,6 +15,7 @@ mod report;
 mod runtable;
 mod simulate;
 mod skip;
+mod tensorboard;
 mod tokenize;
 mod train;
 

@@ -630,8 +630,15 @@ fn check_flags(a: &TrainArgs, cfg: &TrainConfig, mpi: bool) -> Result<()> {
     for f in a.metrics.iter().chain(&a.trace).chain(&a.svg) {
         check_output(f)?;
     }
+    if let Some(d) = a
+        .tensorboard
+        .as_ref()
+        .filter(|_| crate::ranks::RANK.get().is_none_or(|&r| r == 0))
+    {
+        check_writable_dir("--tensorboard", d)?;
+    }
     if !a.no_checkpoint && crate::ranks::RANK.get().is_none_or(|&r| r == 0) {
-        check_writable_dir(&a.checkpoint_dir())?;
+        check_writable_dir("--checkpoint-dir", &a.checkpoint_dir())?;
         note_replaced(a);
     }
     Ok(())
@@ -788,6 +795,9 @@ struct Progress {
     bar: indicatif::ProgressBar,
     metrics_path: Option<PathBuf>,
     metrics: Option<std::io::BufWriter<std::fs::File>>,
+    /// `--tensorboard`'s directory (the root only), and its event file once the run starts.
+    tensorboard_dir: Option<PathBuf>,
+    tensorboard: Option<crate::tensorboard::EventFile>,
     /// Log lines every this many steps, when stderr is no terminal (the root only).
     log_every: Option<u64>,
 }
@@ -808,6 +818,8 @@ impl Progress {
             bar,
             metrics_path: a.metrics.clone().filter(|_| root),
             metrics: None,
+            tensorboard_dir: a.tensorboard.clone().filter(|_| root),
+            tensorboard: None,
             log_every: (root && !std::io::stderr().is_terminal()).then_some(a.log_every),
         }
     }
@@ -819,6 +831,9 @@ impl Progress {
                 .and_then(|_| m.flush())
                 .map_err(|e| self.metrics_error(e))?;
         }
+        if let Some(tb) = self.tensorboard.as_mut() {
+            tb.write_row(&row).map_err(|e| tb_error(tb.path(), e))?;
+        }
         Ok(())
     }
 
@@ -828,6 +843,14 @@ impl Progress {
             what: format!("cannot write {}", path.display()),
             err: e,
         }
+    }
+}
+
+/// A TensorBoard event file that cannot be written, named.
+fn tb_error(path: &Path, err: std::io::Error) -> pipewright_runtime::error::Error {
+    pipewright_runtime::error::Error::Io {
+        what: format!("cannot write {}", path.display()),
+        err,
     }
 }
 
@@ -848,6 +871,10 @@ impl RunSink for Progress {
             self.metrics = Some(std::io::BufWriter::new(
                 file.map_err(|e| self.metrics_error(e))?,
             ));
+        }
+        if let Some(d) = &self.tensorboard_dir {
+            let f = crate::tensorboard::EventFile::create(d).map_err(|e| tb_error(d, e))?;
+            self.tensorboard = Some(f);
         }
         if s.resumed.is_none() {
             self.emit(s.to_json())?;
@@ -1011,13 +1038,9 @@ fn note_replaced(a: &TrainArgs) {
     }
 }
 
-fn check_writable_dir(dir: &Path) -> Result<()> {
-    let bad = |e: std::io::Error| {
-        BadInput(format!(
-            "--checkpoint-dir {}: cannot write there: {e}",
-            dir.display()
-        ))
-    };
+fn check_writable_dir(flag: &str, dir: &Path) -> Result<()> {
+    let bad =
+        |e: std::io::Error| BadInput(format!("{flag} {}: cannot write there: {e}", dir.display()));
     std::fs::create_dir_all(dir).map_err(bad)?;
     let probe = dir.join(format!(".write-test-{}", std::process::id()));
     std::fs::write(&probe, b"").map_err(bad)?;

@@ -490,6 +490,52 @@ fn run_settings_round_trip_through_the_run_table() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// `--tensorboard DIR` writes an event file there (its records are checked in the unit tests
+/// and read by TensorBoard's own reader by hand: docs/training.md); a file in the way is bad
+/// input, named, before any step.
+#[test]
+fn tensorboard_event_files_are_written_and_a_bad_directory_is_named() {
+    let d = scratch("tensorboard");
+    let tb = d.join("tb");
+    let o = train(&[
+        "--steps",
+        "2",
+        "--no-checkpoint",
+        "--tensorboard",
+        tb.to_str().unwrap(),
+    ])
+    .output()
+    .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let files: Vec<_> = std::fs::read_dir(&tb)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    let name = files[0].file_name().unwrap().to_string_lossy().to_string();
+    assert!(name.starts_with("events.out.tfevents."), "{name}");
+    // The version record, then the starting row and 2 steps: at least 4 records.
+    assert!(std::fs::metadata(&files[0]).unwrap().len() > 200);
+    let blocker = d.join("a-file");
+    std::fs::write(&blocker, "x").unwrap();
+    let o = train(&[
+        "--steps",
+        "2",
+        "--no-checkpoint",
+        "--tensorboard",
+        blocker.to_str().unwrap(),
+    ])
+    .output()
+    .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--tensorboard") && err.contains("a-file"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// A run that fails (here it diverges) leaves its last error beside its checkpoints, with a
 /// timestamp; bad input writes nothing there.
 #[test]
