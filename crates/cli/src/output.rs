@@ -4,6 +4,7 @@
 use crate::files::{write_file, write_with};
 use anyhow::Result;
 use clap::Args;
+use pipewright_core::cluster::Cluster;
 use pipewright_core::sim::timeline::Timeline;
 use std::path::PathBuf;
 
@@ -30,5 +31,19 @@ impl Outputs {
             write_file(f, &tl.to_svg(title))?;
         }
         Ok(())
+    }
+}
+
+/// Mark the devices of `cluster` that no worker of `tl` runs on as idle, and say so on stderr
+/// (stdout may be JSON): a plan that leaves paid-for devices unused should say which.
+pub fn mark_idle(tl: &mut Timeline, cluster: &Cluster) {
+    tl.idle_devices = cluster
+        .devices
+        .iter()
+        .map(|d| d.name.clone())
+        .filter(|n| !tl.worker_names.contains(n))
+        .collect();
+    if let Some(line) = tl.idle_line() {
+        eprintln!("{line}");
     }
 }

@@ -73,7 +73,8 @@ pub fn cmd_plan(a: PlanArgs) -> Result<()> {
     let secs = t0.elapsed().as_secs_f64();
     let best = cands.first().filter(|c| c.iteration_time.is_some());
     if let Some(w) = best {
-        let r = w.result.as_ref().expect("simulated");
+        let mut r = w.result.clone().expect("simulated");
+        crate::output::mark_idle(&mut r.timeline, &cluster);
         let title = format!(
             "plan: {} P={} x {} replicas, M={} | iteration {:.4} s | bubble {:.1}%",
             w.schedule,

@@ -205,7 +205,7 @@ fn simulate_and_print(
 ) -> Result<()> {
     let p = plan.num_workers();
     check_memory(plan, stages, cluster)?;
-    let r = simulate_with(
+    let mut r = simulate_with(
         &SimSetup {
             plan,
             stages,
@@ -215,6 +215,9 @@ fn simulate_and_print(
             shared_compute: a.shared_compute,
         },
     )?;
+    if let Some(f) = &a.cluster {
+        crate::output::mark_idle(&mut r.timeline, &Cluster::load(f)?);
+    }
     let allreduce = r.iteration_time > r.makespan;
     let title = format!(
         "{} | workers={}{} M={} stages={} | makespan {:.4}{} | bubble {:.1}%",
@@ -243,6 +246,7 @@ fn simulate_and_print(
         j["stages"] = json!(plan.num_stages());
         j["microbatches"] = json!(plan.num_microbatches);
         j["layers_per_stage"] = json!(plan.layers_per_stage());
+        j["idle_devices"] = json!(r.timeline.idle_devices);
         println!("{}", serde_json::to_string_pretty(&j)?);
         return Ok(());
     }

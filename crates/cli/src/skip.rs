@@ -106,11 +106,12 @@ pub fn cmd_skip_plan(a: SkipPlanArgs) -> Result<()> {
     // The plan simulated once more: its timeline, and its time without the gradient all-reduce
     // (SkipPipe's own objective).
     let stages = r.plan.stage_costs().expect("skip plans carry stage costs");
-    let sim = simulate(&SimSetup {
+    let mut sim = simulate(&SimSetup {
         plan: &r.plan,
         stages: &stages,
         cluster: &cluster,
     })?;
+    crate::output::mark_idle(&mut sim.timeline, &cluster);
     let title = format!("SkipPipe routes, skip {skip} of {}", a.stages);
     a.output.write_timeline(&sim.timeline, &title)?;
     print_result(&a, &r, skip, sim.makespan);

@@ -113,6 +113,10 @@ fn examples_load_and_simulate_with_files() {
         27
     );
     assert!(j["links"].as_array().unwrap().len() >= 7);
+    // 8 of the 16 devices work: the other node's 8 are listed as idle, in the SVG too.
+    let idle = j["idle_devices"].as_array().unwrap();
+    assert_eq!(idle.len(), 8, "{idle:?}");
+    assert!(std::fs::read_to_string(&svg).unwrap().contains("idle devices (8)"));
     let t: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
     assert!(t["traceEvents"].as_array().unwrap().len() > 16 * 8 * 2);

@@ -236,6 +236,7 @@ impl<'a> State<'a> {
                 transfers: Vec::new(),
                 marks: Vec::new(),
                 spans: Vec::new(),
+                idle_devices: Vec::new(),
             },
             events: BinaryHeap::new(),
             waiting: vec![Vec::new(); s * m],

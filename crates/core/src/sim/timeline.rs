@@ -74,6 +74,9 @@ pub struct Timeline {
     pub marks: Vec<(f64, String)>,
     /// All-reduces and optimizer steps: the iteration past the pipeline's makespan.
     pub spans: Vec<TimedSpan>,
+    /// Devices of the cluster that the plan leaves without work (listed under the chart).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub idle_devices: Vec<String>,
 }
 
 const US: f64 = 1e6;
@@ -315,7 +318,12 @@ impl Timeline {
         let (left, top, row_h, bar_h, lane_h) = (120.0, 70.0, 34.0, 24.0, 5.0);
         let x = |t: f64| left + t / span * plot_w;
         let width = left + plot_w + 30.0;
-        let height = top + p as f64 * row_h + 50.0;
+        let footer = if self.idle_devices.is_empty() {
+            0.0
+        } else {
+            20.0
+        };
+        let height = top + p as f64 * row_h + 50.0 + footer;
         let mut s = String::new();
         let _ = write!(
             s,
@@ -455,8 +463,40 @@ impl Timeline {
             left + plot_w / 2.0,
             ay + 36.0
         );
+        self.svg_idle(&mut s, left, ay + 56.0);
         s.push_str("</svg>\n");
         s
+    }
+
+    /// `idle devices (N): a, b, ...`: the first 8 by name (what fits under the narrowest
+    /// chart), then how many more; `None`
+    /// when every device works.
+    pub fn idle_line(&self) -> Option<String> {
+        let idle = &self.idle_devices;
+        if idle.is_empty() {
+            return None;
+        }
+        let shown: Vec<&str> = idle.iter().take(8).map(String::as_str).collect();
+        let more = match idle.len() - shown.len() {
+            0 => String::new(),
+            n => format!(" and {n} more"),
+        };
+        Some(format!(
+            "idle devices ({}): {}{more}",
+            idle.len(),
+            shown.join(", ")
+        ))
+    }
+
+    /// The idle devices under the chart.
+    fn svg_idle(&self, s: &mut String, left: f64, y: f64) {
+        if let Some(line) = self.idle_line() {
+            let _ = writeln!(
+                s,
+                r##"<text x="{left}" y="{y:.1}" font-size="12" fill="#666">{}</text>"##,
+                xml_escape(&line)
+            );
+        }
     }
 
     /// Text chart, one row per worker and one column per `unit` of time.
@@ -632,5 +672,20 @@ mod tests {
             r.timeline.actions.len() + r.timeline.transfers.len()
         );
         assert!(svg.contains("W weight grad"));
+    }
+
+    /// Idle devices are listed under the chart: the first 8, then how many more; none, no line.
+    #[test]
+    fn idle_devices_are_listed_under_the_chart() {
+        let mut tl = Timeline::default();
+        assert_eq!(tl.idle_line(), None);
+        assert!(!tl.to_svg("t").contains("idle devices"));
+        tl.idle_devices = (0..11).map(|i| format!("gpu{i}")).collect();
+        let line = tl.idle_line().unwrap();
+        assert_eq!(
+            line,
+            "idle devices (11): gpu0, gpu1, gpu2, gpu3, gpu4, gpu5, gpu6, gpu7 and 3 more"
+        );
+        assert!(tl.to_svg("t").contains(&line));
     }
 }

@@ -754,6 +754,7 @@ impl Trainer {
             transfers: Vec::new(),
             marks: Vec::new(),
             spans: report.spans.clone(),
+            idle_devices: Vec::new(),
         }
     }
 }
