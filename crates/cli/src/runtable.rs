@@ -108,6 +108,7 @@ run_table! {
     trace: PathBuf = trace;
     svg: PathBuf = svg;
     compare_sim: bool = compare_sim;
+    compare_svg: PathBuf = compare_svg;
     freeze: FreezeMode = freeze.freeze;
     freeze_every: u64 = freeze.freeze_every;
     freeze_alpha: f64 = freeze.freeze_alpha;
@@ -162,6 +163,7 @@ pub fn apply(mut a: TrainArgs) -> Result<TrainArgs> {
     if a.skip.is_some() && a.freeze.elastic {
         return bad("skip (--skip) and elastic (--elastic) cannot go together");
     }
+    a.compare_sim |= a.compare_svg.is_some();
     let cache = a.freeze.cache_budget.is_some();
     if !cache && (a.freeze.cache_f16 || a.freeze.cache_dir.is_some()) {
         return bad("cache_f16 (--cache-f16) and cache_dir (--cache-dir) need cache_budget (--cache-budget)");

@@ -166,6 +166,10 @@ pub struct TrainArgs {
     /// same plan (needs at least 3 steps in this run).
     #[arg(long)]
     pub(crate) compare_sim: bool,
+    /// With the comparison (implies --compare-sim), draw the simulated iteration above the
+    /// last measured step on one time scale, as an SVG.
+    #[arg(long, value_name = "SVG")]
+    pub(crate) compare_svg: Option<PathBuf>,
     /// Threads in this process, or MPI processes (launch with `mpirun -np WORKERS`).
     #[arg(long, value_enum, default_value = "threads")]
     pub(crate) transport: TransportKind,
@@ -627,7 +631,13 @@ fn check_flags(a: &TrainArgs, cfg: &TrainConfig, mpi: bool) -> Result<()> {
             "--switch-plan and --elastic both change the plan during the run: use one of them",
         );
     }
-    for f in a.metrics.iter().chain(&a.trace).chain(&a.svg) {
+    for f in a
+        .metrics
+        .iter()
+        .chain(&a.trace)
+        .chain(&a.svg)
+        .chain(&a.compare_svg)
+    {
         check_output(f)?;
     }
     if let Some(d) = a
@@ -714,7 +724,7 @@ fn run_config(a: &TrainArgs, cfg: &TrainConfig, links: Option<&Cluster>) -> Resu
         freeze: a.freeze.settings()?,
         cache: a.freeze.cache()?,
         compare_sim: a.compare_sim,
-        trace: a.trace.is_some() || a.svg.is_some(),
+        trace: a.trace.is_some() || a.svg.is_some() || a.compare_svg.is_some(),
         stop: Some(&crate::ranks::STOP_REQUESTED),
     })
 }
@@ -966,7 +976,21 @@ fn report(a: &TrainArgs, run: &mut TrainingRun, s: &RunSummary) -> Result<()> {
             ))
             .into());
         }
-        print_sim_comparison(&run.sim_comparison()?);
+        let c = run.sim_comparison()?;
+        print_sim_comparison(&c);
+        if let (Some(f), Some(tl)) = (&a.compare_svg, &s.timeline) {
+            let plan = pipewright_runtime::train::describe(&run.trainer.plan);
+            let titles = [
+                format!("simulated iteration {:.4} s: {plan}", c.simulated),
+                format!("measured: last step, {:.4} s", tl.makespan()),
+            ];
+            let svg = pipewright_core::sim::timeline::Timeline::compare_svg(
+                &c.timeline,
+                tl,
+                [&titles[0], &titles[1]],
+            );
+            write_file(f, &svg)?;
+        }
     }
     Ok(())
 }

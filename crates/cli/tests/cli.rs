@@ -116,7 +116,9 @@ fn examples_load_and_simulate_with_files() {
     // 8 of the 16 devices work: the other node's 8 are listed as idle, in the SVG too.
     let idle = j["idle_devices"].as_array().unwrap();
     assert_eq!(idle.len(), 8, "{idle:?}");
-    assert!(std::fs::read_to_string(&svg).unwrap().contains("idle devices (8)"));
+    assert!(std::fs::read_to_string(&svg)
+        .unwrap()
+        .contains("idle devices (8)"));
     let t: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
     assert!(t["traceEvents"].as_array().unwrap().len() > 16 * 8 * 2);
@@ -1286,6 +1288,29 @@ fn compare_sim_models_serialised_threads() {
     let one = run("1");
     assert!(one.contains("measured/simulated"), "{one}");
     assert!(!one.contains("compute serialised"), "{one}");
+    // --compare-svg draws both timelines of the step in one SVG (and implies --compare-sim).
+    let svg = std::env::temp_dir().join(format!("pw-compare-{}.svg", std::process::id()));
+    let o = pw(&[
+        &[
+            "train",
+            "--steps",
+            "4",
+            "--no-checkpoint",
+            "--compare-svg",
+            svg.to_str().unwrap(),
+        ][..],
+        &TINY,
+    ]
+    .concat());
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = std::fs::read_to_string(&svg).unwrap();
+    assert_eq!(
+        text.matches("<svg").count(),
+        5,
+        "an outer SVG holding two charts"
+    );
+    assert!(text.contains("simulated iteration") && text.contains("measured: last step"));
+    let _ = std::fs::remove_file(&svg);
     bad(
         &[&["train", "--steps", "2", "--compare-sim"][..], &TINY].concat(),
         "--compare-sim needs at least 3 steps",

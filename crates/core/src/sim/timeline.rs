@@ -301,20 +301,48 @@ impl Timeline {
     }
 
     pub fn to_svg(&self, title: &str) -> String {
+        self.svg_scaled(title, self.svg_scale()).0
+    }
+
+    /// The time drawn and the plot's width for it: wide enough that the shortest action can
+    /// carry a two-digit label, within reason.
+    fn svg_scale(&self) -> (f64, f64) {
         let span = self.makespan().max(1e-12);
-        let p = self.worker_names.len();
         let min_dur = self
             .actions
             .iter()
             .map(|a| a.end - a.start)
             .filter(|d| *d > 0.0)
             .fold(f64::INFINITY, f64::min);
-        // Wide enough that the shortest action can carry a two-digit label, within reason.
         let plot_w = if min_dur.is_finite() {
             (18.0 * span / min_dur).clamp(1000.0, 6000.0)
         } else {
             1000.0
         };
+        (span, plot_w)
+    }
+
+    /// Two timelines of one step, one above the other on one time scale: the simulated one,
+    /// then the measured one (`train --compare-svg`), so that where they differ shows.
+    pub fn compare_svg(simulated: &Timeline, measured: &Timeline, titles: [&str; 2]) -> String {
+        let (s0, w0) = simulated.svg_scale();
+        let (s1, w1) = measured.svg_scale();
+        let scale = (s0.max(s1), w0.max(w1));
+        let (a, aw, ah) = simulated.svg_scaled(titles[0], scale);
+        let (b, bw, bh) = measured.svg_scaled(titles[1], scale);
+        let (w, h) = (aw.max(bw), ah + bh);
+        format!(
+            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w:.0}" height="{h:.0}" viewBox="0 0 {w:.0} {h:.0}">
+<svg x="0" y="0">{a}</svg>
+<svg x="0" y="{ah:.0}">{b}</svg>
+</svg>
+"#
+        )
+    }
+
+    /// The SVG at a given (time drawn, plot width), with its width and height.
+    fn svg_scaled(&self, title: &str, (span, plot_w): (f64, f64)) -> (String, f64, f64) {
+        let p = self.worker_names.len();
         let (left, top, row_h, bar_h, lane_h) = (120.0, 70.0, 34.0, 24.0, 5.0);
         let x = |t: f64| left + t / span * plot_w;
         let width = left + plot_w + 30.0;
@@ -465,7 +493,7 @@ impl Timeline {
         );
         self.svg_idle(&mut s, left, ay + 56.0);
         s.push_str("</svg>\n");
-        s
+        (s, width, height)
     }
 
     /// `idle devices (N): a, b, ...`: the first 8 by name (what fits under the narrowest

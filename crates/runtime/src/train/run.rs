@@ -669,6 +669,7 @@ impl TrainingRun {
             shared_compute: shared,
             own_devices: own,
             stages: stage_rows,
+            timeline: sim.timeline,
         })
     }
 }
@@ -692,6 +693,8 @@ pub struct SimComparison {
     /// With a device each (what worker processes get), when `shared_compute`.
     pub own_devices: Option<f64>,
     pub stages: Vec<StageComparison>,
+    /// The simulated iteration's timeline.
+    pub timeline: Timeline,
 }
 
 /// Settings that no step can fix, refused before any work.
