@@ -16,7 +16,7 @@ pub struct EvalArgs {
     #[arg(long, default_value = "checkpoints")]
     checkpoint_dir: PathBuf,
     /// Evaluate a Hugging Face model instead of a checkpoint (each transformer block is then a
-    /// stage that --omit and --keep may leave out).
+    /// stage that --omit and --keep-stages may leave out).
     #[command(flatten)]
     model: crate::model::ModelArgs,
     /// The data the run trained on, as `train` takes it (its held-out part is scored): a text
@@ -29,14 +29,15 @@ pub struct EvalArgs {
     batches: usize,
     /// Stages (of the plan that wrote the checkpoint) to leave out, e.g. 1,3. Stages holding
     /// the embedding or the head stay.
-    #[arg(long, value_delimiter = ',', conflicts_with = "keep")]
+    #[arg(long, value_delimiter = ',', conflicts_with = "keep_stages")]
     omit: Vec<usize>,
     /// Fractions of the model's stages to keep (repeatable, default 0.75 and 0.5): the others
     /// are left out, chosen at random among those that may go (every choice when there are at
-    /// most --draws of them).
-    #[arg(long)]
-    keep: Vec<f64>,
-    /// Random choices of left-out stages per --keep fraction.
+    /// most --draws of them). (`--keep` is train's count of checkpoints; the old spelling
+    /// here is still taken.)
+    #[arg(long, alias = "keep")]
+    keep_stages: Vec<f64>,
+    /// Random choices of left-out stages per --keep-stages fraction.
     #[arg(long, default_value_t = 8)]
     draws: usize,
     #[arg(long, default_value_t = 7)]
@@ -149,11 +150,11 @@ fn check_args(a: &EvalArgs) -> Result<()> {
         .into());
     }
     if let Some(f) = a
-        .keep
+        .keep_stages
         .iter()
         .find(|f| !(f.is_finite() && **f > 0.0 && **f <= 1.0))
     {
-        return Err(BadInput(format!("--keep {f}: a fraction in (0, 1]")).into());
+        return Err(BadInput(format!("--keep-stages {f}: a fraction in (0, 1]")).into());
     }
     Ok(())
 }
@@ -291,7 +292,7 @@ impl Stages {
         Ok(())
     }
 
-    /// The sets of stages to leave out: `--omit`'s, or per `--keep` fraction every choice (or
+    /// The sets of stages to leave out: `--omit`'s, or per `--keep-stages` fraction every choice (or
     /// `--draws` random ones).
     fn omission_sets(&self, a: &EvalArgs) -> Result<Vec<(String, Vec<Vec<usize>>)>> {
         if !a.omit.is_empty() {
@@ -300,10 +301,10 @@ impl Stages {
             o.dedup();
             return Ok(vec![(format!("omit {o:?}"), vec![o])]);
         }
-        let keeps = if a.keep.is_empty() {
+        let keeps = if a.keep_stages.is_empty() {
             vec![0.75, 0.5]
         } else {
-            a.keep.clone()
+            a.keep_stages.clone()
         };
         let (model_stages, may_go) = (self.model_stages, &self.may_go);
         let mut rng = Lcg(a.seed);
@@ -314,13 +315,13 @@ impl Stages {
             let k = model_stages - keep.min(model_stages);
             // The default fractions show what this plan allows: none leaving out nothing,
             // more than may go, or the same count twice.
-            if a.keep.is_empty() && (k == 0 || k > may_go.len() || done.contains(&k)) {
+            if a.keep_stages.is_empty() && (k == 0 || k > may_go.len() || done.contains(&k)) {
                 continue;
             }
             done.push(k);
             if k > may_go.len() {
                 return Err(BadInput(format!(
-                    "--keep {f}: keeping {keep} of {model_stages} stages leaves out {k}, but only {} may go ({may_go:?})",
+                    "--keep-stages {f}: keeping {keep} of {model_stages} stages leaves out {k}, but only {} may go ({may_go:?})",
                     may_go.len()
                 ))
                 .into());

@@ -31,16 +31,18 @@ pub struct SchedArgs {
     /// Data-parallel replicas D of the pipeline (workers r P .. (r + 1) P).
     #[arg(long, default_value_t = 1)]
     pub replicas: usize,
-    /// Model layers to cut evenly into the stages (default: one per stage).
-    #[arg(long)]
-    pub layers: Option<usize>,
+    /// Layer blocks of the model to cut evenly into the stages (default: one per stage).
+    /// (`--layers` is train's count of transformer blocks; the old spelling here is still
+    /// taken.)
+    #[arg(long, alias = "layers")]
+    pub layer_blocks: Option<usize>,
     /// zb-auto: micro-batches' activations a worker may hold (default P, 1F1B's peak).
     #[arg(long)]
     pub mem_cap: Option<usize>,
 }
 
 impl SchedArgs {
-    /// The job these flags describe: layers cut evenly (`--layers`) or one per stage.
+    /// The job these flags describe: layers cut evenly (`--layer-blocks`) or one per stage.
     pub fn spec(&self) -> Result<JobSpec<'static>> {
         if self.mem_cap.is_some() && self.kind != ScheduleKind::ZbAuto {
             return Err(BadInput(format!(
@@ -55,7 +57,7 @@ impl SchedArgs {
             replicas: self.replicas,
             microbatches: self.microbatches,
         };
-        let layers = match self.layers {
+        let layers = match self.layer_blocks {
             Some(n) => LayerCut::Even(n),
             None => LayerCut::OnePerStage,
         };
@@ -66,10 +68,10 @@ impl SchedArgs {
     }
 
     pub fn plan(&self) -> Result<Plan> {
-        let layers = self.layers;
+        let layers = self.layer_blocks;
         build(&self.spec()?).map_err(|e| match (e, layers) {
             (pipewright_core::Error::Infeasible(m), Some(n)) => {
-                BadInput(format!("--layers {n}: {m}")).into()
+                BadInput(format!("--layer-blocks {n}: {m}")).into()
             }
             (e, _) => e.into(),
         })

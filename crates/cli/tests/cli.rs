@@ -920,8 +920,8 @@ fn skip_training_and_skip_robust_eval() {
         "stages 0..4",
     );
     bad(
-        &["eval", "--checkpoint-dir", ck, "--keep", "1.5"],
-        "--keep 1.5",
+        &["eval", "--checkpoint-dir", ck, "--keep-stages", "1.5"],
+        "--keep-stages 1.5",
     );
     bad(
         &["eval", "--checkpoint-dir", ck, "--draws", "0"],
