@@ -68,7 +68,7 @@ enum Cmd {
         #[command(flatten)]
         sched: simulate::SchedArgs,
         /// Print this plan file (JSON or CSV) instead of generating one.
-        #[arg(long, conflicts_with_all = ["kind", "stages", "microbatches", "chunks", "replicas", "layers", "mem_cap"])]
+        #[arg(long, conflicts_with_all = ["kind", "stages", "microbatches", "chunks", "replicas", "layer_blocks", "mem_cap"])]
         plan: Option<PathBuf>,
         #[arg(long, value_enum, default_value = "grid")]
         format: Format,

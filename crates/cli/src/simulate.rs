@@ -100,7 +100,7 @@ pub struct SimulateArgs {
     cluster: Option<PathBuf>,
     /// Simulate a plan file (JSON/CSV, e.g. from `plan --out`) instead of generating one; its
     /// own stage costs are used unless --profile or --cost-* say otherwise.
-    #[arg(long, conflicts_with_all = ["kind", "stages", "microbatches", "chunks", "replicas", "layers"])]
+    #[arg(long, conflicts_with_all = ["kind", "stages", "microbatches", "chunks", "replicas", "layer_blocks"])]
     plan: Option<PathBuf>,
     /// All workers share one compute resource, one action at a time: how `pipewright train`
     /// runs in-process worker threads (burn's autodiff is serialised); messages stay concurrent.
