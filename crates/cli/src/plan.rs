@@ -76,7 +76,7 @@ pub fn cmd_plan(a: PlanArgs) -> Result<()> {
         let mut r = w.result.clone().expect("simulated");
         crate::output::mark_idle(&mut r.timeline, &cluster);
         let title = format!(
-            "plan: {} P={} x {} replicas, M={} | iteration {:.4} s | bubble {:.1}%",
+            "plan: {} | stages={} replicas={} M={} | iteration {:.4} s | bubble {:.1}%",
             w.schedule,
             w.depth,
             w.replicas,
