@@ -135,6 +135,10 @@ pub fn apply(mut a: TrainArgs) -> Result<TrainArgs> {
         if let Some(t) = table {
             t.fill(&mut a);
         }
+    } else if a.resume {
+        if let Some(t) = from_checkpoint(&a) {
+            t.fill(&mut a);
+        }
     }
     let bad = |m: &str| Err(BadInput(m.into()).into());
     let given = |flags: &[&'static str]| -> Option<&'static str> {
@@ -181,4 +185,19 @@ pub fn apply(mut a: TrainArgs) -> Result<TrainArgs> {
         return bad("elastic_batch (--elastic-batch) needs elastic (--elastic)");
     }
     Ok(a)
+}
+
+/// A resume without `--config` continues with the settings the checkpoint's run had (its
+/// `[run]` table, as `train` keeps it in checkpoints), less those that name this invocation:
+/// resume, overwrite, no_checkpoint and checkpoint_dir. An unreadable checkpoint is the
+/// resume's to report; a table this version does not know is passed over.
+fn from_checkpoint(a: &TrainArgs) -> Option<RunTable> {
+    let dir = a
+        .checkpoint_dir
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("checkpoints"));
+    let v = pipewright_runtime::train::checkpoint_run_settings(&dir).ok()??;
+    let mut t: RunTable = serde_json::from_value(v).ok()?;
+    (t.resume, t.overwrite, t.no_checkpoint, t.checkpoint_dir) = (None, None, None, None);
+    Some(t)
 }

@@ -599,7 +599,8 @@ fn train(a: TrainArgs) -> Result<()> {
     let plan = agree(&procs, train_plan(&a, &cfg)?)?;
     let links = links(&a, &plan)?;
     let run_cfg = run_config(&a, &cfg, links.as_ref())?;
-    let trainer = trainer(&procs, cfg, plan, links, &run_cfg, a.peer_timeout)?;
+    let mut trainer = trainer(&procs, cfg, plan, links, &run_cfg, a.peer_timeout)?;
+    trainer.run_settings = Some(serde_json::to_value(crate::runtable::RunTable::of(&a))?);
     let mut run = TrainingRun::new(trainer, corpus, run_cfg)?;
     let mut sink = Progress::new(&a, run.trainer.is_root());
     let summary = run.run(&mut sink)?;

@@ -490,6 +490,61 @@ fn run_settings_round_trip_through_the_run_table() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// A checkpoint keeps the run's `[run]` settings: `--resume` without `--config` continues
+/// with them (here the metrics file and the validation cadence), with no flag repeated.
+#[test]
+fn a_resume_continues_with_the_checkpoints_run_settings() {
+    let d = scratch("resume-run-table");
+    let (ck, m) = (d.join("ck"), d.join("m.jsonl"));
+    let o = train(&[
+        "--steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--checkpoint-dir",
+        ck.to_str().unwrap(),
+        "--metrics",
+        m.to_str().unwrap(),
+    ])
+    .output()
+    .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = Command::new(env!("CARGO_BIN_EXE_pipewright"))
+        .args([
+            "train",
+            "--resume",
+            "--steps",
+            "6",
+            "--checkpoint-dir",
+            ck.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(&m)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let steps: Vec<u64> = rows.iter().map(|r| r["step"].as_u64().unwrap()).collect();
+    assert_eq!(
+        steps,
+        [0, 1, 2, 3, 4, 5, 6],
+        "the same metrics file, continued"
+    );
+    let validated: Vec<u64> = rows
+        .iter()
+        .filter(|r| r["val_loss"].is_number())
+        .map(|r| r["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        validated,
+        [0, 2, 4, 6],
+        "every 2 steps, as the first run did"
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// `--tensorboard DIR` writes an event file there (its records are checked in the unit tests
 /// and read by TensorBoard's own reader by hand: docs/training.md); a file in the way is bad
 /// input, named, before any step.

@@ -26,6 +26,9 @@ struct CheckpointState {
     /// Where the epoch sampler's next step starts.
     #[serde(default)]
     sampler: Option<SamplerPos>,
+    /// The driving program's own settings (the CLI's `[run]` table), kept for its resume.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    run: Option<serde_json::Value>,
 }
 
 fn parse_state(ck: &Path, bytes: &[u8]) -> Result<CheckpointState> {
@@ -43,6 +46,17 @@ pub fn checkpoint_config(dir: &Path) -> Result<(TrainConfig, Plan, u64)> {
         .ok_or_else(|| Error::checkpoint(v.path.join("state.json"), "missing from the manifest"))?;
     let st = parse_state(&v.path, bytes)?;
     Ok((st.config, st.plan, st.step))
+}
+
+/// The driving program's settings kept in the newest checkpoint that verifies in `dir` (see
+/// [`Trainer::run_settings`]), if it kept any.
+pub fn checkpoint_run_settings(dir: &Path) -> Result<Option<serde_json::Value>> {
+    let (v, _) = newest_verified(dir)?;
+    let bytes = v
+        .files
+        .get("state.json")
+        .ok_or_else(|| Error::checkpoint(v.path.join("state.json"), "missing from the manifest"))?;
+    Ok(parse_state(&v.path, bytes)?.run)
 }
 
 /// What a resume loaded.
@@ -98,6 +112,7 @@ impl Trainer {
             plan: self.plan.clone(),
             frozen: self.frozen(),
             sampler: self.sampler.position(),
+            run: self.run_settings.clone(),
         };
         w.file(
             "state.json",

@@ -11,7 +11,7 @@ pub mod store;
 mod tied;
 mod trainer;
 
-pub use checkpoint::{checkpoint_config, Resumed};
+pub use checkpoint::{checkpoint_config, checkpoint_run_settings, Resumed};
 pub use config::{DataSource, TrainConfig};
 pub use freeze::{FreezeController, FreezeSettings};
 pub use layers::{hf_layers, hf_params};

@@ -149,6 +149,9 @@ pub struct Trainer {
     tied: Option<Tied>,
     /// The plan's workers when the run started: over MPI, the ranks.
     workers_at_start: usize,
+    /// Settings of the program driving the run that it wants back on a resume (the CLI's
+    /// `[run]` table), written into checkpoints as they are.
+    pub run_settings: Option<serde_json::Value>,
 }
 
 impl Trainer {
@@ -232,6 +235,7 @@ impl Trainer {
             step: 0,
             keep_checkpoints: 3,
             workers_at_start: plan_workers,
+            run_settings: None,
         })
     }
 
