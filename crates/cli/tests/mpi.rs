@@ -486,7 +486,8 @@ fn tied_llama_over_four_ranks_equals_the_same_plan_in_threads() {
 }
 
 /// A measured trace over MPI shows where time goes besides compute: each rank's sends, its
-/// waits for a peer, the all-reduce and the optimizer step, on both ranks' rows.
+/// waits for a peer, the all-reduce and the optimizer step, on both ranks' rows, and the
+/// messages on the links' own tracks.
 #[test]
 fn measured_mpi_traces_carry_communication_and_optimizer_spans() {
     let _one = one_at_a_time();
@@ -524,6 +525,20 @@ fn measured_mpi_traces_carry_communication_and_optimizer_spans() {
             "{cat} spans"
         );
     }
+    // Links are tracks of their own (pid 1): activations w0 -> w1, gradients w1 -> w0, each
+    // message from its send to its receive.
+    let links: std::collections::BTreeSet<u64> = t["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["cat"] == "transfer" && e["pid"] == 1)
+        .map(|e| e["tid"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        links.into_iter().collect::<Vec<_>>(),
+        [1, 2],
+        "w0->w1 and w1->w0"
+    );
 }
 
 /// Started as several tasks without --transport mpi, each would train the whole plan alone on

@@ -13,7 +13,7 @@ use burn::module::Module;
 use burn::optim::ModuleOptimizer;
 use burn::tensor::{Tensor, TensorData};
 use pipewright_core::plan::ir::{Action, Hop, Op, Plan, RouteIndex};
-use pipewright_core::sim::timeline::{SpanKind, TimedAction, TimedSpan};
+use pipewright_core::sim::timeline::{Message, SpanKind, TimedAction, TimedSpan};
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
@@ -251,14 +251,16 @@ impl<'a> Iteration<'a> {
         Ok((slot, mb))
     }
 
-    /// Record a measured span of this worker from `start` (seconds on the step's clock).
-    fn span(&self, kind: SpanKind, stage: usize, start: f64) {
+    /// Record a measured span of this worker from `start` (seconds on the step's clock), with
+    /// the message a send or receive moved.
+    fn span(&self, kind: SpanKind, stage: usize, start: f64, message: Option<Message>) {
         self.spans.borrow_mut().push(TimedSpan {
             worker: self.worker.rank,
             kind,
             stage: Some(stage),
             start,
             end: self.clock.elapsed().as_secs_f64(),
+            message,
         });
     }
 
@@ -270,7 +272,8 @@ impl<'a> Iteration<'a> {
         };
         let start = self.clock.elapsed().as_secs_f64();
         let p = self.transport.recv(self.worker.rank, from, tag)?;
-        self.span(SpanKind::Receive, a.stage, start);
+        let m = message(from, kind, a.mb, p.bytes());
+        self.span(SpanKind::Receive, a.stage, start, Some(m));
         Ok(p)
     }
 
@@ -281,9 +284,11 @@ impl<'a> Iteration<'a> {
             mb,
         };
         let start = self.clock.elapsed().as_secs_f64();
+        let payload = to_payload(t);
+        let m = message(to.worker, kind, mb, payload.bytes());
         self.transport
-            .send(self.worker.rank, to.worker, tag, to_payload(t));
-        self.span(SpanKind::Send, to.stage, start);
+            .send(self.worker.rank, to.worker, tag, payload);
+        self.span(SpanKind::Send, to.stage, start, Some(m));
     }
 
     /// F: receive the activation (or embed the tokens), run the stage keeping the graph, and
@@ -494,4 +499,14 @@ fn frozen_splits(worker: &Worker) -> Vec<Option<(Stage, Stage)>> {
             })
         })
         .collect()
+}
+
+/// What a send or receive moved, for the measured timeline's link tracks.
+fn message(peer: usize, kind: Kind, mb: usize, bytes: u64) -> Message {
+    Message {
+        peer,
+        mb,
+        gradient: kind == Kind::Gradient,
+        bytes,
+    }
 }

@@ -528,6 +528,7 @@ pub fn simulate_with(setup: &SimSetup, options: SimOptions) -> Result<SimResult>
                     stage: Some(st),
                     start: done[st],
                     end: done[st] + allreduce[st],
+                    message: None,
                 });
             }
         }
@@ -541,6 +542,7 @@ pub fn simulate_with(setup: &SimSetup, options: SimOptions) -> Result<SimResult>
                     stage: None,
                     start: ready,
                     end: ready + update,
+                    message: None,
                 });
             }
         }

@@ -61,6 +61,51 @@ pub struct TimedSpan {
     pub stage: Option<usize>,
     pub start: f64,
     pub end: f64,
+    /// For a measured send or receive: the message it moved.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<Message>,
+}
+
+/// The message of a measured send or receive: the worker at the other end, the micro-batch,
+/// whether it carried a gradient (else an activation), and its bytes. The stage is the span's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Message {
+    pub peer: usize,
+    pub mb: usize,
+    pub gradient: bool,
+    pub bytes: u64,
+}
+
+/// Measured messages as link transfers: each send joined to its receive, from the moment the
+/// sender handed it over to the moment the receiver had it (in flight, or waiting to be
+/// taken). A send whose receive is not among `spans` (another step's) is left out.
+pub fn transfers_of(spans: &[TimedSpan]) -> Vec<TimedTransfer> {
+    type Key = (usize, usize, usize, usize, bool);
+    let key = |from: usize, to: usize, st: usize, m: &Message| (from, to, st, m.mb, m.gradient);
+    let received: std::collections::HashMap<Key, f64> = spans
+        .iter()
+        .filter(|s| s.kind == SpanKind::Receive)
+        .filter_map(|s| Some((key(s.message?.peer, s.worker, s.stage?, &s.message?), s.end)))
+        .collect();
+    let mut out: Vec<TimedTransfer> = spans
+        .iter()
+        .filter(|s| s.kind == SpanKind::Send)
+        .filter_map(|s| {
+            let (m, stage) = (s.message?, s.stage?);
+            let end = *received.get(&key(s.worker, m.peer, stage, &m))?;
+            let op = if m.gradient { Op::B } else { Op::F };
+            Some(TimedTransfer {
+                from: s.worker,
+                to: m.peer,
+                action: Action::new(op, stage, m.mb),
+                bytes: m.bytes,
+                start: s.start,
+                end: end.max(s.end),
+            })
+        })
+        .collect();
+    out.sort_by(|a, b| a.start.total_cmp(&b.start));
+    out
 }
 
 /// What happened, in order of start time per worker: the format both the simulator and the
@@ -227,6 +272,7 @@ impl Timeline {
                         .map(|x| x as usize),
                     start,
                     end: start + e.get("dur").and_then(Value::as_f64).unwrap_or(0.0) / US,
+                    message: None,
                 });
                 continue;
             }
@@ -715,5 +761,38 @@ mod tests {
             "idle devices (11): gpu0, gpu1, gpu2, gpu3, gpu4, gpu5, gpu6, gpu7 and 3 more"
         );
         assert!(tl.to_svg("t").contains(&line));
+    }
+
+    /// Measured sends and receives join into link transfers: from the send's start to the
+    /// receive's end, matched by ends, stage, micro-batch and kind; a send without its receive
+    /// is left out.
+    #[test]
+    fn measured_messages_join_into_link_transfers() {
+        let span = |worker, kind, stage, (start, end), peer, mb, gradient| TimedSpan {
+            worker,
+            kind,
+            stage: Some(stage),
+            start,
+            end,
+            message: Some(Message {
+                peer,
+                mb,
+                gradient,
+                bytes: 64,
+            }),
+        };
+        let spans = [
+            span(0, SpanKind::Send, 1, (1.0, 1.1), 1, 0, false),
+            span(1, SpanKind::Receive, 1, (0.5, 1.5), 0, 0, false),
+            span(1, SpanKind::Send, 0, (2.0, 2.1), 0, 0, true),
+            span(0, SpanKind::Receive, 0, (2.5, 2.6), 1, 0, true),
+            span(0, SpanKind::Send, 1, (3.0, 3.1), 1, 1, false),
+        ];
+        let t = transfers_of(&spans);
+        assert_eq!(t.len(), 2, "{t:?}");
+        assert_eq!((t[0].from, t[0].to, t[0].action.op), (0, 1, Op::F));
+        assert_eq!((t[0].start, t[0].end, t[0].bytes), (1.0, 1.5, 64));
+        assert_eq!((t[1].from, t[1].to, t[1].action.op), (1, 0, Op::B));
+        assert_eq!((t[1].start, t[1].end), (2.0, 2.6));
     }
 }

@@ -71,6 +71,7 @@ fn sync_spans(rank: usize, clock: Instant, synced: f64, optimizer: f64) -> [Time
         stage: None,
         start,
         end,
+        message: None,
     };
     [
         span(SpanKind::AllReduce, synced, optimizer),
@@ -749,13 +750,14 @@ impl Trainer {
     pub fn timeline(&self, report: &StepReport) -> Timeline {
         Timeline {
             worker_names: (0..self.plan.num_workers())
-                .map(|w| match self.plan.devices.get(w) {
-                    Some(d) => format!("worker {w} ({d})"),
-                    None => format!("worker {w}"),
+                .map(|w| match (self.plan.devices.get(w), self.rank) {
+                    (Some(d), _) => d.clone(),
+                    (None, Some(_)) => format!("rank {w}"),
+                    (None, None) => format!("thread {w}"),
                 })
                 .collect(),
             actions: report.actions.clone(),
-            transfers: Vec::new(),
+            transfers: pipewright_core::sim::timeline::transfers_of(&report.spans),
             marks: Vec::new(),
             spans: report.spans.clone(),
             idle_devices: Vec::new(),
