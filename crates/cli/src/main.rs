@@ -178,6 +178,22 @@ fn warn_slow_kernels() {
     }
 }
 
+/// `--version` also says which BLAS library runs the matrix products (see blas_lib), and the
+/// threads it and this process have.
+fn long_version() -> String {
+    let blas = match pipewright_runtime::kernels::blas_lib::blas() {
+        Ok(b) => b.description.clone(),
+        Err(e) => format!("unusable: {e}"),
+    };
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let threads = pipewright_runtime::kernels::blas_lib::blas_threads()
+        .map_or("?".to_string(), |t| t.to_string());
+    format!(
+        "{}\nBLAS: {blas}\nthreads: BLAS {threads}, cores this process may use {cores}",
+        env!("CARGO_PKG_VERSION")
+    )
+}
+
 fn main() {
     fit_blas_kernels();
     keep_freed_memory();
@@ -186,20 +202,8 @@ fn main() {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
-    // `--version` also says which BLAS library runs the matrix products (see blas_lib).
-    let blas = match pipewright_runtime::kernels::blas_lib::blas() {
-        Ok(b) => b.description.clone(),
-        Err(e) => format!("unusable: {e}"),
-    };
-    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
-    let threads = pipewright_runtime::kernels::blas_lib::blas_threads()
-        .map_or("?".to_string(), |t| t.to_string());
-    let long_version = format!(
-        "{}\nBLAS: {blas}\nthreads: BLAS {threads}, cores this process may use {cores}",
-        env!("CARGO_PKG_VERSION")
-    );
     let parsed = Cli::command()
-        .long_version(&*Box::leak(long_version.into_boxed_str()))
+        .long_version(&*Box::leak(long_version().into_boxed_str()))
         .try_get_matches()
         .and_then(|m| Ok((Cli::from_arg_matches(&m)?, m)))
         .map(|(mut cli, m)| {
