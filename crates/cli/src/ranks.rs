@@ -14,15 +14,12 @@ extern "C" fn on_stop_signal(sig: libc::c_int) {
     STOP_SIGNAL.store(sig, std::sync::atomic::Ordering::SeqCst);
 }
 
-/// Over MPI, the launcher ends every rank when one dies: say what this rank was waiting for
-/// (which names the peer it needed) before exiting, instead of vanishing silently.
+/// Over MPI, SIGINT (a Ctrl-C that the launcher passes on) ends the rank: say what it was
+/// waiting for (which names the peer it needed) before exiting, instead of vanishing
+/// silently. SIGTERM is a stop request instead ([`stop_on_signals`]).
 pub fn watch_signals(rank: usize) {
     #[cfg(unix)]
     unsafe {
-        libc::signal(
-            libc::SIGTERM,
-            on_stop_signal as *const () as libc::sighandler_t,
-        );
         libc::signal(
             libc::SIGINT,
             on_stop_signal as *const () as libc::sighandler_t,
@@ -46,13 +43,8 @@ pub fn watch_signals(rank: usize) {
             };
             #[cfg(not(feature = "mpi"))]
             let waiting: Option<String> = None;
-            let name = if sig == libc::SIGINT {
-                "SIGINT"
-            } else {
-                "SIGTERM"
-            };
             eprintln!(
-                "rank {rank}: stopped by {name} (the launcher ends the job when a rank fails) {}",
+                "rank {rank}: stopped by SIGINT {}",
                 match waiting {
                     Some(w) => format!("while waiting for {w}"),
                     None => "while computing, not waiting for a peer".into(),
@@ -64,9 +56,12 @@ pub fn watch_signals(rank: usize) {
     });
 }
 
-/// Set by SIGUSR1 (Slurm's `--signal`), and by SIGTERM when the workers are threads: the run
-/// stops at its next step boundary and writes a checkpoint, so a preempted or requeued job
-/// continues with `--resume`. A second such signal ends the process at once.
+/// Set by SIGUSR1 (Slurm's `--signal`) and SIGTERM (`scancel`, a time limit, `kill`): the
+/// run stops at its next step boundary, every rank at the same one, and writes a checkpoint,
+/// so a preempted or requeued job continues with `--resume`. A second such signal ends the
+/// process at once. Over MPI a SIGTERM to every rank is a stop, not a peer's failure; when a
+/// rank dies instead, the launcher's SIGTERM to the others finds them waiting for it, and its
+/// SIGKILL (or the peer timeout) ends them.
 pub static STOP_REQUESTED: std::sync::atomic::AtomicBool =
     std::sync::atomic::AtomicBool::new(false);
 
@@ -77,16 +72,13 @@ extern "C" fn on_stop_request(sig: libc::c_int) {
     }
 }
 
-/// Stop at a step boundary on SIGUSR1, and on SIGTERM too unless the workers are MPI ranks
-/// (there the launcher's SIGTERM means a peer failed: see [`watch_signals`]).
-pub fn stop_on_signals(mpi: bool) {
+/// Stop at a step boundary on SIGUSR1 and SIGTERM (see [`STOP_REQUESTED`]).
+pub fn stop_on_signals() {
     #[cfg(unix)]
     unsafe {
         let handler = on_stop_request as *const () as libc::sighandler_t;
         libc::signal(libc::SIGUSR1, handler);
-        if !mpi {
-            libc::signal(libc::SIGTERM, handler);
-        }
+        libc::signal(libc::SIGTERM, handler);
     }
 }
 

@@ -175,11 +175,22 @@ pub fn apply(mut a: TrainArgs) -> Result<TrainArgs> {
     if a.log_every == 0 {
         return bad("log_every (--log-every) must be at least 1");
     }
+    // Of two keys that cannot go together, a flag given on the command line wins (clap
+    // refuses both as flags); from files alone, they are refused.
+    let flag = |f: &str| a.given.iter().any(|g| g == f);
     if a.no_checkpoint && a.checkpoint_every > 0 {
-        return bad("no_checkpoint (--no-checkpoint) and checkpoint_every (--checkpoint-every) cannot go together");
+        match (flag("no_checkpoint"), flag("checkpoint_every")) {
+            (true, _) => a.checkpoint_every = 0,
+            (false, true) => a.no_checkpoint = false,
+            _ => return bad("no_checkpoint and checkpoint_every cannot go together"),
+        }
     }
     if a.resume && a.overwrite {
-        return bad("resume (--resume) and overwrite (--overwrite) cannot go together");
+        match (flag("resume"), flag("overwrite")) {
+            (true, _) => a.overwrite = false,
+            (false, true) => a.resume = false,
+            _ => return bad("resume and overwrite cannot go together"),
+        }
     }
     if !a.freeze.elastic && a.freeze.elastic_batch != ElasticBatch::Keep {
         return bad("elastic_batch (--elastic-batch) needs elastic (--elastic)");

@@ -591,7 +591,7 @@ fn train(a: TrainArgs) -> Result<()> {
         return Ok(());
     }
     let procs = start_transport(&a)?;
-    crate::ranks::stop_on_signals(procs.is_some());
+    crate::ranks::stop_on_signals();
     let mut cfg = config(&a)?;
     let data = a.data.resolve(cfg.data.as_ref())?;
     let corpus = crate::data::corpus(&data, &mut cfg)?;

@@ -380,8 +380,32 @@ fn elastic_freezing_under_mpi_turns_freed_ranks_into_replicas() {
 /// same parameters as a run that was never stopped.
 #[test]
 fn sigusr1_checkpoints_every_rank_at_one_step_and_resume_continues_exactly() {
+    preempt("preempt-usr1", |launcher, _| {
+        // SAFETY: sends a signal to the launcher this test started.
+        unsafe { libc::kill(launcher as i32, libc::SIGUSR1) };
+    });
+}
+
+/// SIGTERM to every rank (what `scancel` and a Slurm time limit send) is a stop, not a peer's
+/// failure: the ranks checkpoint at one step, exit 0, and the resume continues exactly.
+#[test]
+fn sigterm_to_every_rank_checkpoints_and_resume_continues_exactly() {
+    preempt("preempt-term", |_, ck| {
+        let ranks = common::pids_with_arg("pipewright", ck);
+        assert_eq!(ranks.len(), 2, "two ranks running: {ranks:?}");
+        for pid in ranks {
+            // SAFETY: sends a signal to a rank of the job this test started.
+            unsafe { libc::kill(pid, libc::SIGTERM) };
+        }
+    });
+}
+
+/// Start a long 2-rank run, `signal` it (given the launcher's PID and the checkpoint
+/// directory), and check that it stopped at one step with a checkpoint from which a resume
+/// reaches the parameters of a run that was never stopped.
+fn preempt(name: &str, signal: impl Fn(u32, &Path)) {
     let _one = one_at_a_time();
-    let d = dir("preempt");
+    let d = dir(name);
     let (ck, straight) = (d.join("ck"), d.join("straight"));
     // A constant learning rate: the schedule then does not depend on --steps, which differs
     // between the stopped run and the ones compared.
@@ -405,8 +429,7 @@ fn sigusr1_checkpoints_every_rank_at_one_step_and_resume_continues_exactly() {
         .spawn()
         .unwrap();
     std::thread::sleep(std::time::Duration::from_secs(4));
-    // SAFETY: sends a signal to the launcher this test started.
-    unsafe { libc::kill(job.id() as i32, libc::SIGUSR1) };
+    signal(job.id(), &ck);
     let o = job.wait_with_output().unwrap();
     assert!(o.status.success(), "{}", text(&o));
     let err = String::from_utf8_lossy(&o.stderr);

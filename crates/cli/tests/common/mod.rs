@@ -56,3 +56,25 @@ pub fn stopped_at(log: &str) -> u64 {
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("no stop message: {log}"))
 }
+
+/// PIDs of running processes whose program name ends with `program` and one of whose
+/// arguments is `arg` (Linux /proc): the ranks of a job, told apart by a path of their own.
+#[allow(dead_code)]
+pub fn pids_with_arg(program: &str, arg: &std::path::Path) -> Vec<i32> {
+    let want = arg.as_os_str().as_encoded_bytes();
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(cmd) = std::fs::read(e.path().join("cmdline")) else {
+            continue;
+        };
+        let args: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
+        let prog = args.first().copied().unwrap_or_default();
+        if prog.ends_with(program.as_bytes()) && args.contains(&want) {
+            out.push(pid);
+        }
+    }
+    out
+}
