@@ -14,9 +14,10 @@ extern "C" fn on_stop_signal(sig: libc::c_int) {
     STOP_SIGNAL.store(sig, std::sync::atomic::Ordering::SeqCst);
 }
 
-/// Over MPI, SIGINT (a Ctrl-C that the launcher passes on) ends the rank: say what it was
-/// waiting for (which names the peer it needed) before exiting, instead of vanishing
-/// silently. SIGTERM is a stop request instead ([`stop_on_signals`]).
+/// Over MPI, SIGINT (a Ctrl-C that the launcher passes on) ends the rank, and SIGTERM asks
+/// it to stop at the next step boundary ([`stop_on_signals`]). Either way the rank says what
+/// it was doing: a rank waiting for a peer names it, which, when the launcher is ending the job
+/// because that peer died, is the line that tells which one (the launcher's SIGKILL follows).
 pub fn watch_signals(rank: usize) {
     #[cfg(unix)]
     unsafe {
@@ -25,36 +26,57 @@ pub fn watch_signals(rank: usize) {
             on_stop_signal as *const () as libc::sighandler_t,
         );
     }
-    std::thread::spawn(move || loop {
-        let sig = STOP_SIGNAL.load(std::sync::atomic::Ordering::SeqCst);
-        if sig != 0 {
-            // A rank stopped mid-computation soon waits for the peer that died: give it a
-            // moment to get there (the launcher's SIGKILL follows after about a second).
-            #[cfg(feature = "mpi")]
-            let waiting = {
-                let t0 = std::time::Instant::now();
-                loop {
-                    let w = pipewright_runtime::transport::mpi::waiting_for();
-                    if w.is_some() || t0.elapsed() > std::time::Duration::from_millis(700) {
-                        break w;
-                    }
-                    std::thread::sleep(std::time::Duration::from_millis(5));
-                }
-            };
-            #[cfg(not(feature = "mpi"))]
-            let waiting: Option<String> = None;
-            eprintln!(
-                "rank {rank}: stopped by SIGINT {}",
-                match waiting {
-                    Some(w) => format!("while waiting for {w}"),
-                    None => "while computing, not waiting for a peer".into(),
-                }
-            );
-            std::process::exit(128 + sig);
+    std::thread::spawn(move || {
+        let mut told = false;
+        loop {
+            let sig = STOP_SIGNAL.load(std::sync::atomic::Ordering::SeqCst);
+            if sig != 0 {
+                eprintln!("rank {rank}: stopped by SIGINT {}", doing());
+                std::process::exit(128 + sig);
+            }
+            let asked = STOP_REQUEST_SIGNAL.load(std::sync::atomic::Ordering::SeqCst);
+            if asked != 0 && !told {
+                told = true;
+                let name = if asked == libc::SIGTERM {
+                    "SIGTERM"
+                } else {
+                    "SIGUSR1"
+                };
+                eprintln!(
+                    "rank {rank}: {name}: stopping at the next step boundary with a checkpoint; {}",
+                    doing()
+                );
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
         }
-        std::thread::sleep(std::time::Duration::from_millis(20));
     });
 }
+
+/// What this rank is doing when a signal comes: waiting for a peer (named), or computing. A
+/// rank stopped mid-computation soon waits for a peer that died: it is given a moment to get
+/// there (the launcher's SIGKILL follows after about a second).
+fn doing() -> String {
+    #[cfg(feature = "mpi")]
+    let waiting = {
+        let t0 = std::time::Instant::now();
+        loop {
+            let w = pipewright_runtime::transport::mpi::waiting_for();
+            if w.is_some() || t0.elapsed() > std::time::Duration::from_millis(700) {
+                break w;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    };
+    #[cfg(not(feature = "mpi"))]
+    let waiting: Option<String> = None;
+    match waiting {
+        Some(w) => format!("while waiting for {w}"),
+        None => "while computing, not waiting for a peer".into(),
+    }
+}
+
+/// The signal of the first stop request (SIGTERM or SIGUSR1), 0 if none.
+static STOP_REQUEST_SIGNAL: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
 
 /// Set by SIGUSR1 (Slurm's `--signal`) and SIGTERM (`scancel`, a time limit, `kill`): the
 /// run stops at its next step boundary, every rank at the same one, and writes a checkpoint,
@@ -66,6 +88,7 @@ pub static STOP_REQUESTED: std::sync::atomic::AtomicBool =
     std::sync::atomic::AtomicBool::new(false);
 
 extern "C" fn on_stop_request(sig: libc::c_int) {
+    STOP_REQUEST_SIGNAL.store(sig, std::sync::atomic::Ordering::SeqCst);
     if STOP_REQUESTED.swap(true, std::sync::atomic::Ordering::SeqCst) {
         // SAFETY: _exit is async-signal-safe.
         unsafe { libc::_exit(128 + sig) };
@@ -141,4 +164,33 @@ pub fn check_slurm_pmix() -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+/// Finish MPI after a run that completed (checkpoint written): a peer that never gets there
+/// (stopped, hung) would hold MPI's finalisation for ever, so after `timeout` this rank says so
+/// and exits 0 anyway: its work is done and saved.
+///
+/// Test hook: `PIPEWRIGHT_TEST_STOP_BEFORE_FINISH=R` makes rank R stop itself (SIGSTOP) here,
+/// as a peer stopped after the final checkpoint would be.
+#[cfg(feature = "mpi")]
+pub fn finish_within(m: &pipewright_runtime::transport::mpi::Mpi, timeout: std::time::Duration) {
+    let rank = m.world().rank;
+    let hook = std::env::var("PIPEWRIGHT_TEST_STOP_BEFORE_FINISH").ok();
+    if hook.and_then(|r| r.trim().parse::<usize>().ok()) == Some(rank) {
+        // SAFETY: raise only sends a signal to this process.
+        unsafe { libc::raise(libc::SIGSTOP) };
+    }
+    std::thread::spawn(move || {
+        std::thread::sleep(timeout);
+        eprintln!(
+            "warning: rank {rank}: MPI did not finish within the peer timeout ({:.1} s) after the run: a peer is stopped or hung; exiting, the run and its checkpoint are complete",
+            timeout.as_secs_f64()
+        );
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        // SAFETY: _exit skips the C library's exit handlers, MPI's among them, which could
+        // wait for the stopped peer in turn.
+        unsafe { libc::_exit(0) };
+    });
+    m.finish();
 }

@@ -604,14 +604,17 @@ fn train(a: TrainArgs) -> Result<()> {
     let mut run = TrainingRun::new(trainer, corpus, run_cfg)?;
     let mut sink = Progress::new(&a, run.trainer.is_root());
     let summary = run.run(&mut sink)?;
+    // The root reports before MPI finishes: the run is done and checkpointed, and a peer that
+    // never finishes must not hold its summary back.
+    let reported = match run.trainer.is_root() {
+        true => report(&a, &mut run, &summary),
+        false => Ok(()),
+    };
     #[cfg(feature = "mpi")]
-    if let Some(m) = &procs {
-        m.finish();
+    if let (Some(m), Ok(())) = (&procs, &reported) {
+        crate::ranks::finish_within(m, Duration::from_secs_f64(a.peer_timeout));
     }
-    if !run.trainer.is_root() {
-        return Ok(());
-    }
-    report(&a, &mut run, &summary)
+    reported
 }
 
 /// Flag values no run can use, named by their flags (the runtime checks them too, by its

@@ -455,6 +455,44 @@ fn preempt(name: &str, signal: impl Fn(u32, &Path)) {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// A peer that stops after the final checkpoint (here rank 1 stops itself, through the test
+/// hook) cannot hold rank 0 for ever in MPI's finalisation: rank 0 prints its summary, waits
+/// the peer timeout, says why it gives up, and exits 0; the launcher then ends the job.
+#[test]
+fn a_peer_stopped_after_the_final_checkpoint_cannot_hold_the_job() {
+    let _one = one_at_a_time();
+    let d = dir("stopped-peer");
+    let ck = d.join("ck");
+    let t0 = Instant::now();
+    let o = mpirun(2)
+        .env("PIPEWRIGHT_TEST_STOP_BEFORE_FINISH", "1")
+        .args([
+            "train",
+            "--transport",
+            "mpi",
+            "--stages",
+            "2",
+            "--peer-timeout",
+            "2",
+        ])
+        .args(TINY)
+        .args(SHORT)
+        .arg("--checkpoint-dir")
+        .arg(&ck)
+        .output()
+        .unwrap();
+    let (secs, all) = (t0.elapsed().as_secs_f64(), text(&o));
+    assert!(secs < 30.0, "the job ended after {secs:.1} s: {all}");
+    assert!(all.contains("val loss"), "the summary came first: {all}");
+    assert!(
+        all.contains("rank 0: MPI did not finish within the peer timeout (2.0 s)"),
+        "{all}"
+    );
+    let latest = std::fs::read_to_string(ck.join("latest")).unwrap();
+    assert_eq!(latest.trim(), "step-000003");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// A LLaMA with tied embeddings over 4 ranks (2 stages x 2 replicas, ZB-H1): the tied matrix's
 /// two copies sit on different ranks and sum their gradients through their own group; the
 /// result is the same run as the same plan's worker threads in one process.
