@@ -325,6 +325,27 @@ impl Cluster {
         self.devices.is_empty()
     }
 
+    /// For each device, its region's number when its links are its region's alone (no link of
+    /// its own to another device, and no copy of it in the cluster), else `None`. Devices of one
+    /// region with `Some` reach every other device over the same links.
+    pub fn region_linked(&self) -> Vec<Option<u32>> {
+        let mut own = vec![false; self.len()];
+        for &(a, b) in self.device_links.keys() {
+            for d in [a, b] {
+                if let Some(x) = own.get_mut(d as usize) {
+                    *x = true;
+                }
+            }
+        }
+        let mut copies: HashMap<u32, usize> = HashMap::new();
+        for &o in &self.origin {
+            *copies.entry(o).or_default() += 1;
+        }
+        (0..self.len())
+            .map(|d| (!own[d] && copies[&self.origin[d]] == 1).then_some(self.region_of[d]))
+            .collect()
+    }
+
     /// The link from device `from` to device `to` (free to itself, or to a copy of itself
     /// in a subset).
     pub fn link(&self, from: usize, to: usize) -> Link {

@@ -70,7 +70,25 @@ pub fn search(profile: &Profile, cluster: &Cluster, global_batch: usize) -> Resu
             "must be at least 1 micro-batch",
         ));
     }
-    let mut out = Vec::new();
+    let mut out: Vec<Candidate> = Vec::new();
+    // Only the best candidate so far keeps its plan and simulation (with a large cluster each
+    // holds a timeline of every device): memory stays that of one plan.
+    let mut best: Option<usize> = None;
+    let mut keep_best = |out: &mut Vec<Candidate>| {
+        let i = out.len() - 1;
+        let t = out[i].iteration_time.unwrap_or(f64::INFINITY);
+        match best {
+            Some(b) if out[b].iteration_time.unwrap_or(f64::INFINITY) <= t => {
+                (out[i].plan, out[i].result) = (None, None);
+            }
+            Some(b) if t.is_finite() => {
+                (out[b].plan, out[b].result) = (None, None);
+                best = Some(i);
+            }
+            None if t.is_finite() => best = Some(i),
+            _ => {}
+        }
+    };
     for depth in 1..=d {
         let replicas = d / depth;
         if !global_batch.is_multiple_of(replicas) {
@@ -94,7 +112,10 @@ pub fn search(profile: &Profile, cluster: &Cluster, global_batch: usize) -> Resu
                 &[Layout::PipelineMajor]
             };
             for &layout in layouts {
-                out.extend(evaluate(profile, cluster, kind, shape, layout)?);
+                if let Some(c) = evaluate(profile, cluster, kind, shape, layout)? {
+                    out.push(c);
+                    keep_best(&mut out);
+                }
             }
         }
     }

@@ -260,6 +260,77 @@ mod tests {
             .to_string()
             .contains("cannot cut 3 layers into 4"));
     }
+
+    /// Device classes found by region first equal those of comparing every device's links
+    /// with every other's: with regions, a device's own link, a copy of a device (a subset
+    /// holding one twice) and two regions whose links are alike (merged into one class).
+    #[test]
+    fn device_classes_by_region_equal_the_pairwise_ones() {
+        let text = r#"
+[defaults]
+latency = 0.001
+[[devices]]
+name = "a0"
+region = "a"
+[[devices]]
+name = "a1"
+region = "a"
+[[devices]]
+name = "b0"
+region = "b"
+[[devices]]
+name = "b1"
+region = "b"
+[[devices]]
+name = "c0"
+region = "c"
+[[devices]]
+name = "c1"
+region = "c"
+[[devices]]
+name = "d0"
+region = "d"
+speed = 2.0
+[[links]]
+a = "a"
+b = "b"
+latency = 0.05
+[[links]]
+a = "c1"
+b = "d0"
+latency = 0.2
+"#;
+        let cl = crate::cluster::Cluster::parse("t", text).unwrap();
+        let pairwise = |cl: &crate::cluster::Cluster| {
+            let n = cl.len();
+            let same = |a: usize, b: usize| {
+                let (x, y) = (&cl.devices[a], &cl.devices[b]);
+                x.speed == y.speed
+                    && x.memory == y.memory
+                    && (0..n).all(|k| {
+                        k == a
+                            || k == b
+                            || (cl.link(a, k) == cl.link(b, k) && cl.link(k, a) == cl.link(k, b))
+                    })
+            };
+            let mut classes: Vec<Vec<usize>> = Vec::new();
+            for d in 0..n {
+                match classes.iter_mut().find(|c| same(c[0], d)) {
+                    Some(c) => c.push(d),
+                    None => classes.push(vec![d]),
+                }
+            }
+            classes
+        };
+        assert_eq!(device_classes(&cl), pairwise(&cl));
+        // a and b differ (their link), c0 is alike to neither; c1 has a link of its own.
+        assert_eq!(
+            device_classes(&cl),
+            vec![vec![0, 1], vec![2, 3], vec![4], vec![5], vec![6]]
+        );
+        let sub = cl.subset(&[0, 0, 2, 4, 5, 1]);
+        assert_eq!(device_classes(&sub), pairwise(&sub));
+    }
 }
 
 /// Cut a profile's layers into a plan's stages, each stage timed on its worker's device, with
@@ -337,7 +408,6 @@ pub struct PartitionProblem<'a> {
 
 /// Devices that are interchangeable: same speed, memory and region (so the same links).
 fn device_classes(cluster: &crate::cluster::Cluster) -> Vec<Vec<usize>> {
-    let mut classes: Vec<Vec<usize>> = Vec::new();
     let n = cluster.len();
     let same = |a: usize, b: usize| {
         let (x, y) = (&cluster.devices[a], &cluster.devices[b]);
@@ -351,13 +421,75 @@ fn device_classes(cluster: &crate::cluster::Cluster) -> Vec<Vec<usize>> {
                         && cluster.link(k, a) == cluster.link(k, b))
             })
     };
+    // Devices of one region whose links are the region's, of equal speed and memory, are
+    // alike without comparing their links one by one (linear in the devices); the groups are
+    // then merged by comparing one member of each (the full check, per pair of groups).
+    let region = cluster.region_linked();
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    let mut index: std::collections::HashMap<_, usize> = std::collections::HashMap::new();
     for d in 0..n {
-        match classes.iter_mut().find(|c| same(c[0], d)) {
-            Some(c) => c.push(d),
-            None => classes.push(vec![d]),
+        let x = &cluster.devices[d];
+        let key = (
+            x.speed.to_bits(),
+            x.memory,
+            x.memory_microbatches,
+            region[d].map_or(Err(d), Ok),
+        );
+        match index.get(&key) {
+            Some(&g) => groups[g].push(d),
+            None => {
+                index.insert(key, groups.len());
+                groups.push(vec![d]);
+            }
         }
     }
+    let mut classes: Vec<Vec<usize>> = Vec::new();
+    for g in groups {
+        match classes.iter_mut().find(|c| same(c[0], g[0])) {
+            Some(c) => c.extend(g),
+            None => classes.push(g),
+        }
+    }
+    for c in &mut classes {
+        c.sort_unstable();
+    }
     classes
+}
+
+/// Nearest-neighbour device chains of `k` devices, one from each class's first device (a chain
+/// from another member of the class is the same chain up to interchangeable devices): each next
+/// device the one reached fastest from the last (ties: the faster, then the lower index). Only
+/// each class's next unused device is a candidate, which is what a scan of every device would
+/// pick, so the chains cost O(classes^2 k), not O(devices^2 k).
+fn neighbour_chains(
+    cl: &crate::cluster::Cluster,
+    classes: &[Vec<usize>],
+    k: usize,
+    layers: &[crate::profile::Layer],
+) -> Vec<Vec<usize>> {
+    let bytes = layers.iter().map(|l| l.activation).max().unwrap_or(0);
+    let mut starts: Vec<(usize, usize)> =
+        classes.iter().enumerate().map(|(j, c)| (c[0], j)).collect();
+    starts.sort_unstable();
+    starts
+        .into_iter()
+        .map(|(start, j0)| {
+            let mut used = vec![0usize; classes.len()];
+            used[j0] = 1;
+            let mut chain = vec![start];
+            while chain.len() < k {
+                let last = *chain.last().unwrap();
+                let cost = |d: usize| cl.transfer_time(last, d, bytes) - 1e-9 * cl.devices[d].speed;
+                let (j, d) = (0..classes.len())
+                    .filter_map(|j| classes[j].get(used[j]).map(|&d| (j, d)))
+                    .min_by(|&(_, a), &(_, b)| cost(a).total_cmp(&cost(b)).then(a.cmp(&b)))
+                    .expect("k <= devices");
+                used[j] += 1;
+                chain.push(d);
+            }
+            chain
+        })
+        .collect()
 }
 
 /// States the exact search may visit before it gives up and uses a heuristic device order.
@@ -453,23 +585,7 @@ pub fn partition(pr: &PartitionProblem) -> Result<Assignment> {
         fastest.sort_unstable();
         orders.push(fastest);
         if c > 1 {
-            let bytes = layers.iter().map(|l| l.activation).max().unwrap_or(0);
-            for start in 0..cl.len() {
-                let mut chain = vec![start];
-                while chain.len() < k {
-                    let last = *chain.last().unwrap();
-                    let next = (0..cl.len())
-                        .filter(|d| !chain.contains(d))
-                        .min_by(|&a, &b| {
-                            let ta = cl.transfer_time(last, a, bytes) - 1e-9 * cl.devices[a].speed;
-                            let tb = cl.transfer_time(last, b, bytes) - 1e-9 * cl.devices[b].speed;
-                            ta.total_cmp(&tb)
-                        })
-                        .expect("k <= devices");
-                    chain.push(next);
-                }
-                orders.push(chain);
-            }
+            orders.extend(neighbour_chains(cl, &classes, k, layers));
         }
         let best = orders
             .into_iter()
