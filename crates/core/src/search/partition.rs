@@ -427,13 +427,12 @@ fn device_classes(cluster: &crate::cluster::Cluster) -> Vec<Vec<usize>> {
     let region = cluster.region_linked();
     let mut groups: Vec<Vec<usize>> = Vec::new();
     let mut index: std::collections::HashMap<_, usize> = std::collections::HashMap::new();
-    for d in 0..n {
-        let x = &cluster.devices[d];
+    for (d, (x, r)) in cluster.devices.iter().zip(&region).enumerate() {
         let key = (
             x.speed.to_bits(),
             x.memory,
             x.memory_microbatches,
-            region[d].map_or(Err(d), Ok),
+            r.map_or(Err(d), Ok),
         );
         match index.get(&key) {
             Some(&g) => groups[g].push(d),
