@@ -432,7 +432,7 @@ fn device_classes(cluster: &crate::cluster::Cluster) -> Vec<Vec<usize>> {
             x.speed.to_bits(),
             x.memory,
             x.memory_microbatches,
-            r.map_or(Err(d), Ok),
+            r.ok_or(d),
         );
         match index.get(&key) {
             Some(&g) => groups[g].push(d),
