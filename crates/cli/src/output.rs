@@ -37,12 +37,15 @@ impl Outputs {
 /// Mark the devices of `cluster` that no worker of `tl` runs on as idle, and say so on stderr
 /// (stdout may be JSON): a plan that leaves paid-for devices unused should say which.
 pub fn mark_idle(tl: &mut Timeline, cluster: &Cluster) {
-    tl.idle_devices = cluster
+    let working: std::collections::HashSet<&str> =
+        tl.worker_names.iter().map(String::as_str).collect();
+    let idle = cluster
         .devices
         .iter()
+        .filter(|d| !working.contains(d.name.as_str()))
         .map(|d| d.name.clone())
-        .filter(|n| !tl.worker_names.contains(n))
         .collect();
+    tl.idle_devices = idle;
     if let Some(line) = tl.idle_line() {
         eprintln!("{line}");
     }
