@@ -953,6 +953,12 @@ fn report(a: &TrainArgs, run: &mut TrainingRun, s: &RunSummary) -> Result<()> {
             c.memory_bytes as f64 / (1u64 << 20) as f64,
             c.disk_bytes as f64 / (1u64 << 20) as f64
         );
+        if c.not_kept > 0 {
+            println!(
+                "frozen-prefix cache: the spill file's disk filled up; {} outputs were not kept, and their samples ran the frozen layers again",
+                c.not_kept
+            );
+        }
     }
     let (base, base_name) = run.baseline();
     match (s.first_accuracy, s.last_accuracy) {

@@ -42,6 +42,9 @@ pub struct CacheStats {
     pub disk_entries: u64,
     /// Bytes of live entries in the spill file (the file may hold older, replaced ones too).
     pub disk_bytes: u64,
+    /// Entries past the budget that the spill file could not take (a full disk): they are
+    /// not kept, and their samples run the frozen layers again when they come back.
+    pub not_kept: u64,
 }
 
 struct Inner {
@@ -49,6 +52,8 @@ struct Inner {
     spill: Option<File>,
     spill_len: u64,
     stats: CacheStats,
+    /// Why the spill file stopped taking entries (the first write that failed), if it did.
+    spill_failed: Option<String>,
 }
 
 /// The frozen-prefix activation cache of one run (shared by the workers that run stage 0).
@@ -80,6 +85,7 @@ impl PrefixCache {
                 spill: None,
                 spill_len: 0,
                 stats: CacheStats::default(),
+                spill_failed: None,
             }),
         }
     }
@@ -95,6 +101,11 @@ impl PrefixCache {
             .map_err(|e| self.err(format!("cannot create the directory: {e}")))?;
         tempfile::tempfile_in(&self.dir)
             .map_err(|e| self.err(format!("cannot create a spill file there: {e}")))
+    }
+
+    /// Why the spill file stopped taking entries, if it did (see [`CacheStats::not_kept`]).
+    pub fn spill_failed(&self) -> Option<String> {
+        self.lock().spill_failed.clone()
     }
 
     pub fn stats(&self) -> CacheStats {
@@ -183,14 +194,23 @@ impl PrefixCache {
             inner.stats.memory_bytes += n;
             Place::Memory(bytes)
         } else {
+            if inner.spill_failed.is_some() {
+                inner.stats.not_kept += 1;
+                return Ok(());
+            }
             if inner.spill.is_none() {
                 inner.spill = Some(self.spill_file()?);
             }
             let at = inner.spill_len;
             let f = inner.spill.as_mut().expect("made above");
-            f.write_all_at(&bytes, at)
-                .and_then(|_| f.flush())
-                .map_err(|e| self.err(format!("cannot write the spill file: {e}")))?;
+            if let Err(e) = f.write_all_at(&bytes, at).and_then(|_| f.flush()) {
+                // A full disk costs speed, not the run: this entry and later ones past the
+                // budget are not kept (their samples are recomputed); the file's tail past
+                // `spill_len` is never read.
+                inner.spill_failed = Some(e.to_string());
+                inner.stats.not_kept += 1;
+                return Ok(());
+            }
             inner.spill_len += n;
             inner.stats.disk_entries += 1;
             inner.stats.disk_bytes += n;
@@ -354,5 +374,31 @@ mod tests {
         let c = PrefixCache::new(0, false, Path::new("/proc/no-such-dir"));
         let e = c.put(0, 1, &[1.0]).unwrap_err().to_string();
         assert!(e.contains("/proc/no-such-dir"), "{e}");
+    }
+
+    /// A full disk (here /dev/full, whose writes fail with ENOSPC) stops the spill, not the
+    /// run: entries past the budget are then not kept (their samples are recomputed), those
+    /// kept still read back, and the reason is kept for the summary.
+    #[test]
+    fn a_full_disk_stops_the_spill_not_the_run() {
+        let Ok(full) = std::fs::OpenOptions::new().write(true).open("/dev/full") else {
+            return;
+        };
+        let row = |s: u64| -> Vec<f32> { (0..100).map(|i| s as f32 + i as f32).collect() };
+        let c = PrefixCache::new(800, false, &dir("full"));
+        c.lock().spill = Some(full);
+        for s in 0..5 {
+            c.put(s, 1, &row(s)).unwrap();
+        }
+        let st = c.stats();
+        assert_eq!(
+            (st.memory_entries, st.disk_entries, st.not_kept),
+            (2, 0, 3),
+            "{st:?}"
+        );
+        assert_eq!(c.get(0).unwrap(), Some((1, row(0))));
+        assert_eq!(c.get(4).unwrap(), None, "not kept: computed again");
+        let why = c.spill_failed().expect("the failure is kept");
+        assert!(why.contains("space"), "{why}");
     }
 }
