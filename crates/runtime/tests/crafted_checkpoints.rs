@@ -109,13 +109,17 @@ fn harm() -> impl Strategy<Value = Harm> {
 fn apply(d: &Path, h: &Harm) {
     let fs = files(d);
     let pick = |i: &usize| fs.get(i % fs.len().max(1)).cloned();
+    // Contents are harmed in regular files only (a FIFO made by an earlier harm would block
+    // the test's own read, and a link leads out of the directory).
+    let regular = |f: &PathBuf| std::fs::symlink_metadata(f).is_ok_and(|m| m.is_file());
+    let content = |i: &usize| pick(i).filter(regular);
     let _ = match h {
-        Harm::Truncate(i, x) => pick(i).map(|f| {
+        Harm::Truncate(i, x) => content(i).map(|f| {
             let len = std::fs::metadata(&f).map_or(0, |m| m.len());
             let file = std::fs::OpenOptions::new().write(true).open(&f).unwrap();
             file.set_len((len as f64 * x) as u64).unwrap();
         }),
-        Harm::Overwrite(i, x, b) => pick(i).map(|f| {
+        Harm::Overwrite(i, x, b) => content(i).map(|f| {
             let mut data = std::fs::read(&f).unwrap();
             let at = (data.len() as f64 * x) as usize;
             for (k, v) in b.iter().enumerate() {
@@ -125,7 +129,7 @@ fn apply(d: &Path, h: &Harm) {
             }
             std::fs::write(&f, data).unwrap();
         }),
-        Harm::Append(i, b) => pick(i).map(|f| {
+        Harm::Append(i, b) => content(i).map(|f| {
             let mut data = std::fs::read(&f).unwrap();
             data.extend_from_slice(b);
             std::fs::write(&f, data).unwrap();
@@ -144,7 +148,13 @@ fn apply(d: &Path, h: &Harm) {
             std::fs::remove_file(&f).unwrap();
             std::os::unix::fs::symlink("/dev/zero", &f).unwrap();
         }),
-        Harm::Latest(text) => Some(std::fs::write(d.join("latest"), text).unwrap()),
+        // `latest` may be a directory, FIFO or link by now: then it stays one (writing into
+        // a FIFO would block the test itself).
+        Harm::Latest(text) => {
+            let l = d.join("latest");
+            let odd = std::fs::symlink_metadata(&l).is_ok_and(|m| !m.is_file());
+            (!odd).then(|| std::fs::write(&l, text).unwrap())
+        }
     };
 }
 
