@@ -781,8 +781,11 @@ fn trainer(
     {
         let w = m.world();
         if w.size != plan.num_workers() {
+            // The fix in the launcher's own words: srun's task count, else mpirun's.
+            let srun = std::env::var_os("SLURM_STEP_NUM_TASKS").is_some();
+            let launch = if srun { "srun -n" } else { "mpirun -np" };
             return Err(BadInput(format!(
-                "the plan has {} workers but MPI started {} ranks: launch with `mpirun -np {}`",
+                "the plan has {} workers but MPI started {} ranks: launch with `{launch} {}`",
                 plan.num_workers(),
                 w.size,
                 plan.num_workers()
