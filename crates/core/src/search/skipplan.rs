@@ -552,28 +552,43 @@ fn placement(cluster: &Cluster, data_nodes: usize, middle: usize, bytes: u64) ->
             .sum::<f64>()
     };
     let all: Vec<usize> = (0..n).collect();
+    // Each device's reach is computed once (n^2 link lookups, not n^2 log n).
+    let to_all: Vec<f64> = all.iter().map(|&a| reach(a, &all)).collect();
     let mut order = all.clone();
-    order.sort_by(|&a, &b| reach(a, &all).total_cmp(&reach(b, &all)).then(a.cmp(&b)));
+    order.sort_by(|&a, &b| to_all[a].total_cmp(&to_all[b]).then(a.cmp(&b)));
     let data: Vec<usize> = order[..data_nodes].to_vec();
     let mut free: Vec<usize> = order[data_nodes..].to_vec();
     let per = free.len() / middle.max(1);
     let mut pools = Vec::with_capacity(middle);
     let mut prev = data.clone();
     for _ in 0..middle {
-        let mut pool = Vec::with_capacity(per);
-        for _ in 0..per {
-            let (i, _) = free
-                .iter()
-                .enumerate()
-                .min_by(|(_, &a), (_, &b)| reach(a, &prev).total_cmp(&reach(b, &prev)))
-                .expect("enough devices");
-            pool.push(free.remove(i));
-        }
+        // The free devices reached fastest from the previous hosts, ties in their order: the
+        // same as taking the fastest one at a time, as the hosts stay fixed within a pool.
+        let key: Vec<f64> = free.iter().map(|&a| reach(a, &prev)).collect();
+        let mut idx: Vec<usize> = (0..free.len()).collect();
+        idx.sort_by(|&i, &j| key[i].total_cmp(&key[j]));
+        let mut taken = vec![false; free.len()];
+        let pool: Vec<usize> = idx[..per]
+            .iter()
+            .map(|&i| {
+                taken[i] = true;
+                free[i]
+            })
+            .collect();
+        free = free
+            .iter()
+            .zip(&taken)
+            .filter(|(_, &t)| !t)
+            .map(|(&d, _)| d)
+            .collect();
         prev = pool.clone();
         pools.push(pool);
     }
     Placement { data, pools }
 }
+
+/// Devices the placement takes at most: it compares every pair (n^2 link lookups).
+const MAX_DEVICES: usize = 20_000;
 
 /// Schedule SkipPipe routes for `profile` on `cluster` (see the module docs).
 pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Result<SkipResult> {
@@ -594,6 +609,12 @@ pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Res
             setup.skip,
             format!("cannot skip {} of the {middle} middle stages (stage 0 and the head are always visited)", setup.skip),
         ));
+    }
+    if cluster.len() > MAX_DEVICES {
+        return Err(Error::Invalid(format!(
+            "the cluster has {} devices; skip-plan's network-aware placement compares every pair of them, and takes at most {MAX_DEVICES} (about 5 s at that size)",
+            cluster.len()
+        )));
     }
     if setup.data_nodes == 0 {
         return Err(Error::shape(
