@@ -29,9 +29,12 @@ fn cfg() -> TrainConfig {
     }
 }
 
+/// A checkpoint directory, and the parameters of each step written into it.
+type Pristine = (PathBuf, Vec<(u64, Vec<f32>)>);
+
 /// A directory with the checkpoints of steps 1 and 2, and each step's parameters.
-fn pristine() -> &'static (PathBuf, Vec<(u64, Vec<f32>)>) {
-    static P: OnceLock<(PathBuf, Vec<(u64, Vec<f32>)>)> = OnceLock::new();
+fn pristine() -> &'static Pristine {
+    static P: OnceLock<Pristine> = OnceLock::new();
     P.get_or_init(|| {
         let d = std::env::temp_dir().join(format!("pw-crafted-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
