@@ -200,7 +200,7 @@ pub fn apply(mut a: TrainArgs) -> Result<TrainArgs> {
 
 /// A resume without `--config` continues with the settings the checkpoint's run had (its
 /// `[run]` table, as `train` keeps it in checkpoints), less those that name this invocation:
-/// resume, overwrite, no_checkpoint and checkpoint_dir. An unreadable checkpoint is the
+/// resume, overwrite, no_checkpoint and checkpoint_dir, and its plan when flags name another. An unreadable checkpoint is the
 /// resume's to report; a table this version does not know is passed over.
 fn from_checkpoint(a: &TrainArgs) -> Option<RunTable> {
     let dir = a
@@ -210,5 +210,20 @@ fn from_checkpoint(a: &TrainArgs) -> Option<RunTable> {
     let v = pipewright_runtime::train::checkpoint_run_settings(&dir).ok()??;
     let mut t: RunTable = serde_json::from_value(v).ok()?;
     (t.resume, t.overwrite, t.no_checkpoint, t.checkpoint_dir) = (None, None, None, None);
+    // A resume may run under another plan: one named by flags replaces the checkpoint's plan
+    // file, skip and switches.
+    let shape = [
+        "plan",
+        "skip",
+        "schedule",
+        "stages",
+        "chunks",
+        "replicas",
+        "microbatches",
+        "global_batch",
+    ];
+    if a.given.iter().any(|g| shape.contains(&g.as_str())) {
+        (t.plan, t.skip, t.switch_plan) = (None, None, None);
+    }
     Some(t)
 }

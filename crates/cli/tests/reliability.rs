@@ -542,6 +542,45 @@ fn a_resume_continues_with_the_checkpoints_run_settings() {
         [0, 2, 4, 6],
         "every 2 steps, as the first run did"
     );
+    // A run from a plan file resumes under another plan named by flags: the checkpoint's
+    // plan file gives way instead of conflicting with them.
+    let plan = d.join("plan.json");
+    let o = Command::new(env!("CARGO_BIN_EXE_pipewright"))
+        .args([
+            "schedule",
+            "--kind",
+            "1f1b",
+            "--stages",
+            "2",
+            "--microbatches",
+            "2",
+        ])
+        .args(["--layer-blocks", "4", "--format", "json"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    std::fs::write(&plan, &o.stdout).unwrap();
+    let ck2 = d.join("ck2");
+    let base = [&TINY[..12], &["--checkpoint-dir", ck2.to_str().unwrap()]].concat();
+    let first = [
+        &base[..],
+        &["--plan", plan.to_str().unwrap(), "--steps", "2"],
+    ]
+    .concat();
+    let o = Command::new(env!("CARGO_BIN_EXE_pipewright"))
+        .arg("train")
+        .args(&first)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = Command::new(env!("CARGO_BIN_EXE_pipewright"))
+        .args(["train", "--resume", "--stages", "1", "--steps", "3"])
+        .args(["--checkpoint-dir", ck2.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("1 stage"), "{err}");
     let _ = std::fs::remove_dir_all(&d);
 }
 
