@@ -203,11 +203,7 @@ pub fn apply(mut a: TrainArgs) -> Result<TrainArgs> {
 /// resume, overwrite, no_checkpoint and checkpoint_dir, and its plan when flags name another. An unreadable checkpoint is the
 /// resume's to report; a table this version does not know is passed over.
 fn from_checkpoint(a: &TrainArgs) -> Option<RunTable> {
-    let dir = a
-        .checkpoint_dir
-        .clone()
-        .unwrap_or_else(|| PathBuf::from("checkpoints"));
-    let v = pipewright_runtime::train::checkpoint_run_settings(&dir).ok()??;
+    let v = pipewright_runtime::train::checkpoint_run_settings(&a.checkpoint_dir()).ok()??;
     let mut t: RunTable = serde_json::from_value(v).ok()?;
     (t.resume, t.overwrite, t.no_checkpoint, t.checkpoint_dir) = (None, None, None, None);
     // A resume may run under another plan: one named by flags replaces the checkpoint's plan

@@ -40,7 +40,8 @@ fn dflt<T: std::fmt::Display>(what: &str, field: impl Fn(&TrainConfig) -> T) -> 
 }
 
 impl TrainArgs {
-    fn checkpoint_dir(&self) -> PathBuf {
+    /// `--checkpoint-dir`, or the default one (the one place that names it).
+    pub(crate) fn checkpoint_dir(&self) -> PathBuf {
         self.checkpoint_dir
             .clone()
             .unwrap_or_else(|| PathBuf::from("checkpoints"))
