@@ -191,17 +191,22 @@ pub struct Topology {
 
 impl Topology {
     pub fn new(plan: &Plan) -> Self {
-        let groups: Vec<Vec<usize>> = plan
-            .stages
+        let hosts: Vec<&[usize]> = plan.stages.iter().map(|st| &st.hosts[..]).collect();
+        Self::of_hosts(&hosts, plan.num_workers())
+    }
+
+    /// The topology of stages hosted by `hosts[s]`, among `workers` workers.
+    pub fn of_hosts(hosts: &[&[usize]], workers: usize) -> Self {
+        let groups: Vec<Vec<usize>> = hosts
             .iter()
-            .map(|st| {
-                let mut g = st.hosts.clone();
+            .map(|h| {
+                let mut g = h.to_vec();
                 g.sort_unstable();
                 g.dedup();
                 g
             })
             .collect();
-        let mut held = vec![Vec::new(); plan.num_workers()];
+        let mut held = vec![Vec::new(); workers];
         for (s, g) in groups.iter().enumerate() {
             for &w in g {
                 if let Some(h) = held.get_mut(w) {
@@ -212,7 +217,7 @@ impl Topology {
         Topology {
             groups,
             held,
-            everyone: (0..plan.num_workers()).collect(),
+            everyone: (0..workers).collect(),
         }
     }
     /// Is `w` the first host of `s` (the one that counts the stage once in job-wide sums)?

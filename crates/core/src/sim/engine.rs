@@ -505,17 +505,7 @@ pub fn simulate_with(setup: &SimSetup, options: SimOptions) -> Result<SimResult>
         .collect();
     // Then each worker steps the optimizer over the stages it holds (one after another, in
     // the order they become ready, when the compute is shared).
-    let mut steps: Vec<(f64, f64)> = (0..p)
-        .map(|w| {
-            let held = &topo.held[w];
-            let ready = held
-                .iter()
-                .map(|&st| done[st] + allreduce[st])
-                .fold(0.0, f64::max);
-            let update: f64 = held.iter().map(|&st| stages[st].update).sum();
-            (ready, update / cluster.devices[w].speed)
-        })
-        .collect();
+    let mut steps = optimizer_steps(&topo.held, &done, &allreduce, stages, cluster);
     // The iteration past the pipeline's makespan, drawn: each stage's all-reduce on its hosts
     // (when it has replicas to reduce with), then each worker's optimizer step.
     let mut timeline = timeline;
@@ -548,7 +538,7 @@ pub fn simulate_with(setup: &SimSetup, options: SimOptions) -> Result<SimResult>
         }
     }
     let iteration_time = match shared {
-        None => steps.iter().map(|(r, u)| r + u).fold(makespan, f64::max),
+        None => iteration_end(makespan, &steps),
         Some(mut slots) => {
             steps.sort_by(|a, b| a.0.total_cmp(&b.0));
             steps
@@ -592,6 +582,34 @@ pub fn simulate_with(setup: &SimSetup, options: SimOptions) -> Result<SimResult>
         links,
         timeline,
     })
+}
+
+/// Each worker's optimizer step as (ready, seconds): ready when every stage it holds (`held`)
+/// has finished its last backward (`done`) and its all-reduce (`allreduce`), per stage.
+pub fn optimizer_steps(
+    held: &[Vec<usize>],
+    done: &[f64],
+    allreduce: &[f64],
+    stages: &[StageCost],
+    cluster: &Cluster,
+) -> Vec<(f64, f64)> {
+    held.iter()
+        .enumerate()
+        .map(|(w, held)| {
+            let ready = held
+                .iter()
+                .map(|&st| done[st] + allreduce[st])
+                .fold(0.0, f64::max);
+            let update: f64 = held.iter().map(|&st| stages[st].update).sum();
+            (ready, update / cluster.devices[w].speed)
+        })
+        .collect()
+}
+
+/// The iteration's end when each worker steps its optimizer on its own compute as soon as the
+/// step is ready: the latest of the pipeline's `makespan` and every step's end.
+pub fn iteration_end(makespan: f64, steps: &[(f64, f64)]) -> f64 {
+    steps.iter().map(|(r, u)| r + u).fold(makespan, f64::max)
 }
 
 /// Ring all-reduce of `bytes` over `devices`: `2 (R - 1)` steps, each moving `bytes / R` over
