@@ -99,23 +99,21 @@ pub fn route_schedule(
     transfer: impl Fn(usize, usize, usize) -> f64,
 ) -> Option<RouteSchedule> {
     use std::cmp::Reverse;
-    use std::collections::{BTreeSet, BinaryHeap};
-    /// (time, 0 = an action ends on the worker / 1 = an input arrives, worker, forward?, mb,
-    /// position on the route).
-    type Event = Reverse<(Time, u8, usize, bool, usize, usize)>;
+    use std::collections::BinaryHeap;
     let m = routes.len();
     let mut in_flight = vec![0usize; num_workers];
     let mut held = vec![0usize; num_workers * m];
-    let mut ready_f: Vec<BTreeSet<(usize, usize)>> = vec![BTreeSet::new(); num_workers];
-    let mut ready_b: Vec<BTreeSet<(usize, usize)>> = vec![BTreeSet::new(); num_workers];
-    let mut events: BinaryHeap<Event> = BinaryHeap::new();
+    let mut ready_f: Vec<Ready> = vec![Vec::new(); num_workers];
+    let mut ready_b: Vec<Ready> = vec![Vec::new(); num_workers];
+    let mut events: BinaryHeap<Reverse<(Time, u64)>> = BinaryHeap::new();
     let longest = routes.iter().map(Vec::len).max().unwrap_or(0);
+    let event = Event { longest };
     let slot = |mb: usize, at: usize, fwd: bool| (mb * longest + at) * 2 + usize::from(fwd);
     let mut pending = Pending::new(2 * m * longest);
     // When each (mb, position, direction) became ready (for `Order::Arrival`).
     let mut ready_at = vec![0.0f64; 2 * m * longest];
     for (mb, r) in routes.iter().enumerate() {
-        events.push(Reverse((Time(0.0), 1, r.first()?.worker, true, mb, 0)));
+        events.push(Reverse((Time(0.0), event.pack(1, r.first()?.worker, true, mb, 0))));
     }
     let mut workers = vec![Vec::new(); num_workers];
     let total: usize = routes.iter().map(|r| 2 * r.len()).sum();
@@ -130,18 +128,19 @@ pub fn route_schedule(
     let mut stage_done = vec![0.0f64; stages];
     let mut makespan = 0.0f64;
     // When each directed link is next free: messages on it queue, first sent first.
-    let mut link_free: std::collections::HashMap<(usize, usize), f64> = Default::default();
+    // Per sender, a short list: (receiver, free at).
+    let mut link_free: Vec<Vec<(usize, f64)>> = vec![Vec::new(); num_workers];
     // Only a worker with an event at this instant can start something: its ready sets and
     // in-flight count change through its own events alone.
     let mut touched: Vec<usize> = Vec::with_capacity(num_workers);
-    while let Some(Reverse((Time(now), _, _, _, _, _))) = events.peek() {
+    while let Some(Reverse((Time(now), _))) = events.peek() {
         let now = *now;
         touched.clear();
-        while let Some(Reverse((Time(t), kind, w, fwd, mb, at))) = events.peek() {
-            if *t > now {
+        while let Some(&Reverse((Time(t), key))) = events.peek() {
+            if t > now {
                 break;
             }
-            let (kind, w, fwd, mb, at) = (*kind, *w, *fwd, *mb, *at);
+            let (kind, w, fwd, mb, at) = event.unpack(key);
             events.pop();
             if !touched.contains(&w) {
                 touched.push(w);
@@ -156,7 +155,7 @@ pub fn route_schedule(
                     (Waiter::Backward(r[at].stage), &mut ready_b[w])
                 };
                 if pending.meet(slot(mb, at, fwd), need_count(waiter, prev, next)) {
-                    set.insert((mb, at));
+                    set.push((mb, at));
                     ready_at[slot(mb, at, fwd)] = now;
                 }
                 continue;
@@ -186,7 +185,7 @@ pub fn route_schedule(
                 if to_at == at {
                     // Its own backward, on this worker: no message to wait for.
                     if pending.meet(slot(mb, at, false), need_count(waiter, prev, next)) {
-                        ready_b[w].insert((mb, at));
+                        ready_b[w].push((mb, at));
                         ready_at[slot(mb, at, false)] = now;
                     }
                     continue;
@@ -197,11 +196,19 @@ pub fn route_schedule(
                 let arrive = if to == w {
                     now
                 } else {
-                    let free = link_free.entry((w, to)).or_insert(0.0);
+                    let links = &mut link_free[w];
+                    let i = match links.iter().position(|&(b, _)| b == to) {
+                        Some(i) => i,
+                        None => {
+                            links.push((to, 0.0));
+                            links.len() - 1
+                        }
+                    };
+                    let free = &mut links[i].1;
                     *free = free.max(now) + transfer(w, to, payload);
                     *free
                 };
-                events.push(Reverse((Time(arrive), 1, to, to_fwd, mb, to_at)));
+                events.push(Reverse((Time(arrive), event.pack(1, to, to_fwd, mb, to_at))));
             }
         }
         touched.sort_unstable();
@@ -223,7 +230,7 @@ pub fn route_schedule(
                 workers[w].push(Action::new(op, stage, mb));
                 running[w] = Some((fwd, mb, at));
                 let end = now + duration(w, op, stage);
-                events.push(Reverse((Time(end), 0, w, fwd, mb, at)));
+                events.push(Reverse((Time(end), event.pack(0, w, fwd, mb, at))));
             }
         }
     }
@@ -242,11 +249,39 @@ fn neighbours(r: &[Hop], at: usize) -> (Option<usize>, Option<usize>) {
     )
 }
 
+/// An event of [`route_schedule`] packed in one integer that sorts as (0 = an action ends on
+/// the worker / 1 = an input arrives, worker, forward?, micro-batch, position on the route).
+struct Event {
+    longest: usize,
+}
+
+impl Event {
+    fn pack(&self, kind: u8, w: usize, fwd: bool, mb: usize, at: usize) -> u64 {
+        // Workers and (micro-batch, position) slots stay below 2^31: at most
+        // `MAX_DEVICES` devices and `limits::MAX_ACTIONS` actions.
+        let slot = (mb * self.longest + at) as u64;
+        (u64::from(kind) << 63) | ((w as u64) << 32) | (u64::from(fwd) << 31) | slot
+    }
+
+    fn unpack(&self, key: u64) -> (u8, usize, bool, usize, usize) {
+        let slot = (key & 0x7fff_ffff) as usize;
+        (
+            (key >> 63) as u8,
+            ((key >> 32) & 0x7fff_ffff) as usize,
+            (key >> 31) & 1 == 1,
+            slot / self.longest,
+            slot % self.longest,
+        )
+    }
+}
+
+/// A worker's ready actions as (micro-batch, position on the route): a few at a time.
+type Ready = Vec<(usize, usize)>;
+
 /// Worker `w`'s next action when idle: a ready backward first, else the earliest ready forward
 /// its in-flight cap admits (a micro-batch it already holds always continues); with `since`
 /// (when each became ready), whichever of those became ready first. Counts what it admits;
-/// `(forward?, mb, position on the route)`.
-type Ready = std::collections::BTreeSet<(usize, usize)>;
+/// `(forward?, mb, position on the route)`. Ties go to the lower micro-batch and position.
 fn pick_next(
     w: usize,
     (ready_f, ready_b): (&mut Ready, &mut Ready),
@@ -257,49 +292,33 @@ fn pick_next(
 ) -> Option<(bool, usize, usize)> {
     let m = held.len() / in_flight.len().max(1);
     let admits = |mb: usize| held[w * m + mb] > 0 || in_flight[w] < cap;
-    let first_f = ready_f.iter().find(|&&(mb, _)| admits(mb)).copied();
-    let first_b = match since {
-        // The earliest-ready backward, and whether it came before every admissible forward.
-        Some(t) => {
-            let b = ready_b
-                .iter()
-                .min_by(|x, y| t(x.0, x.1, false).total_cmp(&t(y.0, y.1, false)));
-            let f = ready_f
-                .iter()
-                .filter(|&&(mb, _)| admits(mb))
-                .min_by(|x, y| t(x.0, x.1, true).total_cmp(&t(y.0, y.1, true)));
-            match (b, f) {
-                (Some(&b), Some(&f)) if t(f.0, f.1, true) < t(b.0, b.1, false) => {
-                    return Some(take_forward(w, f, ready_f, held, in_flight, m))
-                }
-                (None, Some(&f)) => return Some(take_forward(w, f, ready_f, held, in_flight, m)),
-                (b, _) => b.copied(),
-            }
-        }
-        None => ready_b.iter().next().copied(),
+    let time = |x: &(usize, usize), fwd: bool| since.map_or(0.0, |t| t(x.0, x.1, fwd));
+    // The first by (time ready, micro-batch, position); without `since`, by the latter two.
+    let first = |set: &Ready, fwd: bool, ok: &dyn Fn(usize) -> bool| {
+        set.iter()
+            .enumerate()
+            .filter(|(_, x)| ok(x.0))
+            .min_by(|(_, a), (_, b)| time(a, fwd).total_cmp(&time(b, fwd)).then(a.cmp(b)))
+            .map(|(i, &x)| (i, x))
     };
-    if let Some((mb, at)) = first_b {
-        ready_b.remove(&(mb, at));
+    let b = first(ready_b, false, &|_| true);
+    let f = first(ready_f, true, &admits);
+    let backward = match (b, f) {
+        (Some(b), Some(f)) => since.is_none() || time(&f.1, true) >= time(&b.1, false),
+        (b, _) => b.is_some(),
+    };
+    if backward {
+        let (i, (mb, at)) = b?;
+        ready_b.swap_remove(i);
         return Some((false, mb, at));
     }
-    Some(take_forward(w, first_f?, ready_f, held, in_flight, m))
-}
-
-/// Admit forward `(mb, at)` on worker `w`, counting a micro-batch it did not hold yet.
-fn take_forward(
-    w: usize,
-    (mb, at): (usize, usize),
-    ready_f: &mut Ready,
-    held: &mut [usize],
-    in_flight: &mut [usize],
-    m: usize,
-) -> (bool, usize, usize) {
-    ready_f.remove(&(mb, at));
+    let (i, (mb, at)) = f?;
+    ready_f.swap_remove(i);
     if held[w * m + mb] == 0 {
         in_flight[w] += 1;
     }
     held[w * m + mb] += 1;
-    (true, mb, at)
+    Some((true, mb, at))
 }
 
 /// The annealing's start temperature, as a fraction of the best iteration time so far.
