@@ -40,7 +40,7 @@ pub struct SkipPlanArgs {
     max_swaps: usize,
     /// Annealing moves per search, the full pipeline's and the skip routes' (they run side by
     /// side; deterministic for a seed unless the time limit stops them).
-    #[arg(long, default_value_t = 40000)]
+    #[arg(long, default_value_t = 100000)]
     moves: usize,
     /// Seconds the searches may take at most (they stop early, and the result then depends
     /// on the machine's speed).

@@ -113,7 +113,10 @@ pub fn route_schedule(
     // When each (mb, position, direction) became ready (for `Order::Arrival`).
     let mut ready_at = vec![0.0f64; 2 * m * longest];
     for (mb, r) in routes.iter().enumerate() {
-        events.push(Reverse((Time(0.0), event.pack(1, r.first()?.worker, true, mb, 0))));
+        events.push(Reverse((
+            Time(0.0),
+            event.pack(1, r.first()?.worker, true, mb, 0),
+        )));
     }
     let mut workers = vec![Vec::new(); num_workers];
     let total: usize = routes.iter().map(|r| 2 * r.len()).sum();
@@ -208,7 +211,10 @@ pub fn route_schedule(
                     *free = free.max(now) + transfer(w, to, payload);
                     *free
                 };
-                events.push(Reverse((Time(arrive), event.pack(1, to, to_fwd, mb, to_at))));
+                events.push(Reverse((
+                    Time(arrive),
+                    event.pack(1, to, to_fwd, mb, to_at),
+                )));
             }
         }
         touched.sort_unstable();
@@ -513,6 +519,20 @@ impl Problem<'_> {
         Routes { mid }
     }
 
+    /// The placement of `starts` on which greedy routes skipping `skip` stages are fastest,
+    /// with those routes.
+    fn best_start(&self, starts: &[Placement], skip: usize) -> (Placement, Routes) {
+        starts
+            .iter()
+            .map(|pl| {
+                let r = self.greedy_routes(pl, skip);
+                (self.score(pl, &r), (pl.clone(), r))
+            })
+            .min_by(|a, b| a.0.total_cmp(&b.0))
+            .expect("at least one placement")
+            .1
+    }
+
     /// A random change that keeps the rules: another pool worker for a hop, exchanged skip
     /// sets of two micro-batches, a swap of two neighbouring stages toggled, or two devices
     /// exchanging their places (pools, data nodes) with every hop on them.
@@ -521,7 +541,17 @@ impl Problem<'_> {
         let mut place = pl.clone();
         let m = out.mid.len();
         let mb = rng.below(m);
-        match rng.below(4) {
+        // Trading skipped stages means nothing to the full pipeline.
+        let kinds = if r.mid.first().is_some_and(|x| x.len() < self.middle()) {
+            5
+        } else {
+            4
+        };
+        match rng.below(kinds) {
+            4 => {
+                let other = rng.below(m);
+                self.trade_skipped(&mut out.mid, mb, other, rng);
+            }
             0 if !out.mid[mb].is_empty() => {
                 let h = rng.below(out.mid[mb].len());
                 let st = out.mid[mb][h].0;
@@ -567,6 +597,38 @@ impl Problem<'_> {
         (place, out)
     }
 
+    /// Micro-batches `a` and `b` trade a stage: `a` now visits one that `b` visited and `a`
+    /// skipped, on `b`'s worker, and `b` one that `a` visited and `b` skipped, on `a`'s. Each
+    /// stage keeps its visits (the balance rule), while skip sets other than the initial
+    /// ones become reachable. The new stage goes where model order puts it; a swap that no
+    /// longer follows the rules is undone.
+    fn trade_skipped(&self, mid: &mut [Vec<(usize, usize)>], a: usize, b: usize, rng: &mut Lcg) {
+        let only = |x: &[(usize, usize)], y: &[(usize, usize)]| -> Vec<(usize, usize)> {
+            x.iter()
+                .filter(|h| y.iter().all(|g| g.0 != h.0))
+                .copied()
+                .collect()
+        };
+        let (from_a, from_b) = (only(&mid[a], &mid[b]), only(&mid[b], &mid[a]));
+        if from_a.is_empty() || from_b.is_empty() {
+            return;
+        }
+        let ha = from_a[rng.below(from_a.len())];
+        let hb = from_b[rng.below(from_b.len())];
+        let max_swaps = self.setup.max_swaps;
+        let put = |route: &mut Vec<(usize, usize)>, out: (usize, usize), into: (usize, usize)| {
+            route.retain(|h| h.0 != out.0);
+            let at = route.iter().filter(|h| h.0 < into.0).count();
+            route.insert(at, into);
+            let order: Vec<usize> = route.iter().map(|h| h.0).collect();
+            if neighbour_swaps(&order).is_none_or(|n| n > max_swaps) {
+                route.sort_unstable_by_key(|h| h.0);
+            }
+        };
+        put(&mut mid[a], ha, hb);
+        put(&mut mid[b], hb, ha);
+    }
+
     /// Simulated annealing from `start` for `budget` moves (or until the deadline): a
     /// candidate replaces the current routes when the simulator says it is faster, or, while
     /// the temperature lasts, with the Metropolis probability of a slower one. Returns the best
@@ -608,8 +670,6 @@ impl Problem<'_> {
     }
 }
 
-/// Network-aware placement: data nodes are the devices with the fastest links to the rest;
-/// each pool takes, in turn, the free device reached fastest from the previous stage's hosts.
 /// Devices in a random order: the first `data_nodes` hold the data, the rest split evenly
 /// into a pool per middle stage.
 fn blind_placement(devices: usize, data_nodes: usize, middle: usize, rng: &mut Lcg) -> Placement {
@@ -626,7 +686,19 @@ fn blind_placement(devices: usize, data_nodes: usize, middle: usize, rng: &mut L
     }
 }
 
-fn placement(cluster: &Cluster, data_nodes: usize, middle: usize, bytes: u64) -> Placement {
+/// Network-aware placements to start the search from. Data nodes are either the devices with
+/// the fastest links to the rest, or (on clusters of up to [`RING_CANDIDATES_UP_TO`] devices)
+/// groups whose all-reduce ring of `ring_bytes` is fast: the data nodes all-reduce the
+/// embedding stage and the head at the end of every iteration, and on SkipPipe's geo network
+/// the most central devices have a ring 2.4x slower than the fastest group's. Each pool then
+/// takes, in turn, the free devices reached fastest from the previous stage's hosts.
+fn placements(
+    cluster: &Cluster,
+    data_nodes: usize,
+    middle: usize,
+    bytes: u64,
+    ring_bytes: u64,
+) -> Vec<Placement> {
     let n = cluster.len();
     let reach = |a: usize, set: &[usize]| -> f64 {
         set.iter()
@@ -638,14 +710,81 @@ fn placement(cluster: &Cluster, data_nodes: usize, middle: usize, bytes: u64) ->
     let to_all: Vec<f64> = all.iter().map(|&a| reach(a, &all)).collect();
     let mut order = all.clone();
     order.sort_by(|&a, &b| to_all[a].total_cmp(&to_all[b]).then(a.cmp(&b)));
-    let data: Vec<usize> = order[..data_nodes].to_vec();
-    let mut free: Vec<usize> = order[data_nodes..].to_vec();
+    let mut groups = vec![order[..data_nodes].to_vec()];
+    if n <= RING_CANDIDATES_UP_TO {
+        groups.extend(fast_rings(cluster, data_nodes, ring_bytes));
+    }
+    groups
+        .into_iter()
+        .map(|data| {
+            let free: Vec<usize> = order
+                .iter()
+                .copied()
+                .filter(|d| !data.contains(d))
+                .collect();
+            let pools = pools_from(&data, free, middle, &reach);
+            Placement { data, pools }
+        })
+        .collect()
+}
+
+/// Clusters up to this size also try data nodes chosen for a fast all-reduce ring (the search
+/// grows a group from every device: about n^2 x data nodes^2 link lookups).
+const RING_CANDIDATES_UP_TO: usize = 512;
+
+/// Groups chosen for a fast ring: from each device, add the device whose slowest link to the
+/// group is fastest, until there are `size`; the distinct groups with the fastest rings, best
+/// first (at most [`RING_GROUPS`]).
+fn fast_rings(cluster: &Cluster, size: usize, ring_bytes: u64) -> Vec<Vec<usize>> {
+    let n = cluster.len();
+    let chunk = ring_bytes.div_ceil(size.max(1) as u64);
+    let t = |a: usize, b: usize| cluster.transfer_time(a, b, chunk);
+    let mut groups: Vec<(f64, Vec<usize>)> = Vec::new();
+    for seed in 0..n {
+        let mut group = vec![seed];
+        // Each outside device's slowest link to the group so far.
+        let mut worst: Vec<f64> = (0..n).map(|d| t(seed, d)).collect();
+        while group.len() < size {
+            let Some(next) = (0..n)
+                .filter(|d| !group.contains(d))
+                .min_by(|&a, &b| worst[a].total_cmp(&worst[b]))
+            else {
+                break;
+            };
+            group.push(next);
+            for d in 0..n {
+                worst[d] = worst[d].max(t(next, d));
+            }
+        }
+        group.sort_unstable();
+        if group.len() == size && groups.iter().all(|(_, g)| *g != group) {
+            groups.push((ring_allreduce_time(cluster, &group, ring_bytes), group));
+        }
+    }
+    groups.sort_by(|a, b| a.0.total_cmp(&b.0));
+    groups
+        .into_iter()
+        .take(RING_GROUPS)
+        .map(|(_, g)| g)
+        .collect()
+}
+
+/// Data-node groups chosen for their rings that the search considers as starts.
+const RING_GROUPS: usize = 4;
+
+/// A pool per middle stage from the `free` devices (in preference order): each takes the free
+/// devices reached fastest (`reach`) from the previous stage's hosts, ties in their order.
+fn pools_from(
+    data: &[usize],
+    mut free: Vec<usize>,
+    middle: usize,
+    reach: &impl Fn(usize, &[usize]) -> f64,
+) -> Vec<Vec<usize>> {
     let per = free.len() / middle.max(1);
     let mut pools = Vec::with_capacity(middle);
-    let mut prev = data.clone();
+    let mut prev = data.to_vec();
     for _ in 0..middle {
-        // The free devices reached fastest from the previous hosts, ties in their order: the
-        // same as taking the fastest one at a time, as the hosts stay fixed within a pool.
+        // The same as taking the fastest one at a time, as the hosts stay fixed within a pool.
         let key: Vec<f64> = free.iter().map(|&a| reach(a, &prev)).collect();
         let mut idx: Vec<usize> = (0..free.len()).collect();
         idx.sort_by(|&i, &j| key[i].total_cmp(&key[j]));
@@ -666,7 +805,7 @@ fn placement(cluster: &Cluster, data_nodes: usize, middle: usize, bytes: u64) ->
         prev = pool.clone();
         pools.push(pool);
     }
-    Placement { data, pools }
+    pools
 }
 
 /// Devices the placement takes at most: it compares every pair (n^2 link lookups).
@@ -745,14 +884,22 @@ pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Res
         cap,
     };
     let bytes = pr.stage_costs[0].activation_out;
-    let pl = placement(cluster, setup.data_nodes, middle, bytes);
+    let starts = placements(
+        cluster,
+        setup.data_nodes,
+        middle,
+        bytes,
+        pr.stage_costs[0].params,
+    );
     // Each search has its own generator, so a seed gives the same answer whatever the others
     // did; the same move budget for the full pipeline and the skip routes; the time limit
     // only stops a search early.
     let deadline = t0 + setup.time_limit;
+    // Each search starts from the placement where its greedy routes are fastest.
+    let full_start = pr.best_start(&starts, 0);
+    let skip_start = pr.best_start(&starts, setup.skip);
+    let pl = skip_start.0.clone();
     // The two searches run side by side, one per core.
-    let full_start = (pl.clone(), pr.greedy_routes(&pl, 0));
-    let skip_start = (pl.clone(), pr.greedy_routes(&pl, setup.skip));
     let (((full_pl, full), _, m1), ((best_pl, best), _, m2)) = std::thread::scope(|sc| {
         let full = sc.spawn(|| {
             pr.improve(
@@ -935,7 +1082,7 @@ mod tests {
             layers_per_stage,
             cap: vec![3; cluster.len()],
         };
-        let pl = placement(&cluster, 5, 5, pr.stage_costs[0].activation_out);
+        let pl = placements(&cluster, 5, 5, pr.stage_costs[0].activation_out, 1 << 20)[1].clone();
         let mut cand = (pl.clone(), pr.random_routes(&pl, &mut rng));
         for i in 0..60 {
             cand = pr.neighbour(&cand.0, &cand.1, &mut rng);
@@ -956,6 +1103,66 @@ mod tests {
                 sim.iteration_time
             );
         }
+    }
+
+    /// Trading skipped stages keeps every stage's visits and SkipPipe's swap rule, and reaches
+    /// skip sets the balanced start does not have.
+    #[test]
+    fn trading_skipped_stages_keeps_the_rules_and_reaches_new_skip_sets() {
+        let cluster = Cluster::uniform(12);
+        let setup = SkipSetup {
+            stages: 6,
+            skip: 2,
+            data_nodes: 2,
+            microbatches: 5,
+            max_swaps: 1,
+            moves: 0,
+            time_limit: Duration::from_secs(1),
+            seed: 0,
+        };
+        let pr = Problem {
+            cluster: &cluster,
+            setup: &setup,
+            layers_per_stage: vec![1; 7],
+            stage_costs: vec![crate::profile::StageCost::default(); 7],
+            cap: vec![3; 12],
+        };
+        let pl = Placement {
+            data: vec![0, 1],
+            pools: (0..5).map(|k| vec![2 + 2 * k, 3 + 2 * k]).collect(),
+        };
+        let start = pr.greedy_routes(&pl, 2);
+        let skip_set = |mid: &[(usize, usize)]| -> Vec<usize> {
+            (1..=5).filter(|st| mid.iter().all(|h| h.0 != *st)).collect()
+        };
+        let initial: Vec<Vec<usize>> = start.mid.iter().map(|m| skip_set(m)).collect();
+        let visits = |r: &Routes| {
+            let mut v = [0usize; 6];
+            r.mid.iter().flatten().for_each(|h| v[h.0] += 1);
+            v
+        };
+        let (mut r, mut rng, mut new_sets) = (start.clone(), Lcg(5), 0);
+        for _ in 0..500 {
+            let (a, b) = (rng.below(10), rng.below(10));
+            pr.trade_skipped(&mut r.mid, a, b, &mut rng);
+            if rng.below(2) == 0 {
+                // A swap toggled, as the search does.
+                let h = rng.below(2);
+                r.mid[a].swap(h, h + 1);
+                let order: Vec<usize> = r.mid[a].iter().map(|h| h.0).collect();
+                if neighbour_swaps(&order).is_none_or(|n| n > 1) {
+                    r.mid[a].swap(h, h + 1);
+                }
+            }
+            assert_eq!(visits(&r), visits(&start));
+            for (mb, mid) in r.mid.iter().enumerate() {
+                let order: Vec<usize> = mid.iter().map(|h| h.0).collect();
+                assert!(neighbour_swaps(&order).is_some_and(|n| n <= 1), "mb {mb}: {order:?}");
+                assert!(mid.iter().all(|&(st, w)| pl.pools[st - 1].contains(&w)));
+                new_sets += usize::from(!initial.contains(&skip_set(mid)));
+            }
+        }
+        assert!(new_sets > 0);
     }
 
     #[test]
