@@ -752,8 +752,8 @@ fn fast_rings(cluster: &Cluster, size: usize, ring_bytes: u64) -> Vec<Vec<usize>
                 break;
             };
             group.push(next);
-            for d in 0..n {
-                worst[d] = worst[d].max(t(next, d));
+            for (d, w) in worst.iter_mut().enumerate() {
+                *w = w.max(t(next, d));
             }
         }
         group.sort_unstable();
