@@ -1,7 +1,7 @@
 //! `schedule` and `simulate`: generate plans and predict their time, bubbles and memory.
 
 use crate::files::{cluster_for_plan, load_valid_plan};
-use crate::output::Outputs;
+use crate::output::{Mechanics, Outputs};
 use crate::BadInput;
 use anyhow::Result;
 use clap::Args;
@@ -107,6 +107,8 @@ pub struct SimulateArgs {
     /// Without it each worker has its own device, as with `--transport mpi`.
     #[arg(long)]
     shared_compute: bool,
+    #[command(flatten)]
+    mechanics: Mechanics,
     #[command(flatten)]
     out: Outputs,
 }
@@ -215,6 +217,7 @@ fn simulate_and_print(
         },
         SimOptions {
             shared_compute: a.shared_compute,
+            ..a.mechanics.options()?
         },
     )?;
     if let Some(f) = &a.cluster {
@@ -239,7 +242,7 @@ fn simulate_and_print(
             String::new()
         },
         100.0 * r.bubble_fraction
-    );
+    ) + &a.mechanics.note();
     a.out.write_timeline(&r.timeline, &title)?;
     if a.out.json {
         let mut j = serde_json::to_value(&r)?;

@@ -1,7 +1,7 @@
 //! `skip-plan`: SkipPipe routes for a model on a (geo-distributed) cluster, with baselines.
 
 use crate::files::write_file;
-use crate::output::Outputs;
+use crate::output::{Mechanics, Outputs};
 use crate::BadInput;
 use anyhow::Result;
 use clap::Args;
@@ -10,7 +10,7 @@ use pipewright_core::job::{build_skip, JobSpec, LayerCut, PipelineShape, Routes,
 use pipewright_core::plan::ScheduleKind;
 use pipewright_core::profile::Profile;
 use pipewright_core::search::skipplan::SkipResult;
-use pipewright_core::sim::{simulate, SimSetup};
+use pipewright_core::sim::{simulate_with, Dispatch, SimOptions, SimSetup};
 use serde_json::json;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -51,6 +51,10 @@ pub struct SkipPlanArgs {
     /// Write the scheduled whole-job plan (for `simulate --plan` and `train --plan`).
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Price candidates with SkipPipe's simulator mechanics (its `com_sym.py`: `--dispatch
+    /// arrival --idle-gap 0.13 --no-link-queue`); the plan's orders are then arrival order's.
+    #[command(flatten)]
+    mechanics: Mechanics,
     #[command(flatten)]
     output: Outputs,
 }
@@ -82,6 +86,7 @@ pub fn cmd_skip_plan(a: SkipPlanArgs) -> Result<()> {
         ))
         .into());
     }
+    let mechanics = a.mechanics.options()?;
     let shape = PipelineShape {
         depth: a.stages,
         chunks: 1,
@@ -96,6 +101,7 @@ pub fn cmd_skip_plan(a: SkipPlanArgs) -> Result<()> {
             moves: a.moves,
             time_limit: Duration::from_secs_f64(a.time_limit),
             seed: a.seed,
+            mechanics,
         }),
         ..JobSpec::new(ScheduleKind::Custom, shape).with_layers(LayerCut::Profile(&profile))
     };
@@ -106,13 +112,23 @@ pub fn cmd_skip_plan(a: SkipPlanArgs) -> Result<()> {
     // The plan simulated once more: its timeline, and its time without the gradient all-reduce
     // (SkipPipe's own objective).
     let stages = r.plan.stage_costs().expect("skip plans carry stage costs");
-    let mut sim = simulate(&SimSetup {
+    // Its orders are already the dispatch's.
+    let options = SimOptions {
+        dispatch: Dispatch::Plan,
+        ..mechanics
+    };
+    let setup = SimSetup {
         plan: &r.plan,
         stages: &stages,
         cluster: &cluster,
-    })?;
+    };
+    let mut sim = simulate_with(&setup, options)?;
     crate::output::mark_idle(&mut sim.timeline, &cluster);
-    let title = format!("SkipPipe routes, skip {skip} of {}", a.stages);
+    let title = format!(
+        "SkipPipe routes, skip {skip} of {}{}",
+        a.stages,
+        a.mechanics.note()
+    );
     a.output.write_timeline(&sim.timeline, &title)?;
     print_result(&a, &r, skip, sim.makespan);
     Ok(())
@@ -141,8 +157,14 @@ fn print_result(a: &SkipPlanArgs, r: &SkipResult, skip: usize, no_allreduce: f64
         return;
     }
     println!(
-        "{} micro-batches ({} data nodes x {}), skip {skip} of {} stages, {} search moves in {:.2} s",
-        r.plan.num_microbatches, a.data_nodes, a.microbatches, a.stages, r.moves, r.scheduler_seconds
+        "{} micro-batches ({} data nodes x {}), skip {skip} of {} stages, {} search moves in {:.2} s{}",
+        r.plan.num_microbatches,
+        a.data_nodes,
+        a.microbatches,
+        a.stages,
+        r.moves,
+        r.scheduler_seconds,
+        a.mechanics.note()
     );
     println!(
         "  full pipeline (best placement): {:10.2} s per iteration",

@@ -1052,6 +1052,7 @@ fn skip_train_plan(cfg: &TrainConfig, skip: f64, cluster: Option<&Path>) -> Resu
             moves: 2000,
             time_limit: Duration::from_secs(30),
             seed: cfg.seed,
+            mechanics: Default::default(),
         }),
         ..cfg.job_spec(&profile)
     };

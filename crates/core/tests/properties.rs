@@ -186,8 +186,10 @@ proptest! {
         links in proptest::collection::vec((0.0f64..0.5, 1e6f64..1e10), 1..4),
         costs in proptest::collection::vec((0.1f64..3.0, 0.1f64..3.0), 9..10),
         seed in 0u64..1000,
+        mechanics in (0usize..2, 0.0f64..0.5, proptest::bool::ANY),
     ) {
         use pipewright_core::profile::Profile;
+        use pipewright_core::sim::{Dispatch, SimOptions};
         use pipewright_core::search::skip::{check_skip_rules, SkipRules};
         use pipewright_core::search::skipplan::{skip_plan, SkipSetup};
         let middle = stages - 1;
@@ -208,6 +210,13 @@ proptest! {
             moves: 60,
             time_limit: std::time::Duration::from_secs(60),
             seed,
+            // pipewright's simulator as it is, or with some of SkipPipe's mechanics.
+            mechanics: SimOptions {
+                dispatch: [Dispatch::Plan, Dispatch::Arrival][mechanics.0],
+                idle_gap: mechanics.1,
+                no_link_queue: mechanics.2,
+                ..SimOptions::default()
+            },
         };
         match skip_plan(&profile, &cluster, &setup) {
             Ok(r) => {

@@ -370,6 +370,7 @@ fn skip_scheduler_routes_give_exact_gradients() {
             moves: 300,
             time_limit: std::time::Duration::from_secs(120),
             seed,
+            mechanics: Default::default(),
         };
         let plan = skip_plan(&cfg.model.cost_profile(cfg.rows), &cluster, &setup)
             .unwrap()

@@ -68,6 +68,8 @@ pub struct SkipRoutes {
     /// Wall-clock cap on the search.
     pub time_limit: Duration,
     pub seed: u64,
+    /// How the search prices candidates (see [`SkipSetup::mechanics`]).
+    pub mechanics: crate::sim::SimOptions,
 }
 
 /// Which way micro-batches travel.
@@ -163,6 +165,7 @@ pub fn build_skip(spec: &JobSpec) -> Result<SkipResult> {
         moves: r.moves,
         time_limit: r.time_limit,
         seed: r.seed,
+        mechanics: r.mechanics,
     };
     skip_plan(profile, cluster, &setup)
 }

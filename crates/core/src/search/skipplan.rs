@@ -11,15 +11,18 @@
 
 use crate::cluster::Cluster;
 use crate::error::{Error, Field, Result};
-use crate::plan::deps::{need_count, unblocks, Pending, Waiter};
 use crate::plan::ir::Topology;
-use crate::plan::ir::{Action, Hop, Op, Plan, StagePlan};
+use crate::plan::ir::{Hop, Op, Plan, StagePlan};
 use crate::profile::Profile;
 use crate::rng::Lcg;
-use crate::schedule::{ScheduleKind, Time};
+use crate::schedule::ScheduleKind;
 use crate::search::partition::{min_max_split, prefix};
 use crate::search::skip::{check_skip_rules, neighbour_swaps, SkipRules};
-use crate::sim::{iteration_end, optimizer_steps, ring_allreduce_time, simulate, SimSetup};
+use crate::sim::dispatch::{route_schedule, Order, RouteSchedule};
+use crate::sim::{
+    iteration_end, optimizer_steps, ring_allreduce_time, simulate_with, Dispatch, SimOptions,
+    SimSetup,
+};
 use std::time::{Duration, Instant};
 
 /// What to schedule.
@@ -38,6 +41,9 @@ pub struct SkipSetup {
     /// Wall-clock cap on the searches (they stop early when it is reached).
     pub time_limit: Duration,
     pub seed: u64,
+    /// How candidates are priced: pipewright's simulator as it is, or with SkipPipe's
+    /// mechanics (arrival dispatch, an idle gap after each action, links that do not queue).
+    pub mechanics: SimOptions,
 }
 
 /// The scheduler's answer and its baselines (iteration times in seconds).
@@ -62,269 +68,6 @@ pub struct SkipResult {
 struct Placement {
     data: Vec<usize>,
     pools: Vec<Vec<usize>>,
-}
-
-/// How an idle worker picks among the actions whose inputs are there.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Order {
-    /// A ready backward first (it frees memory), else the lowest-numbered ready forward.
-    BackwardFirst,
-    /// What became ready first, forward or backward (SkipPipe's simulator runs what arrived
-    /// first); ties to the backward, then the lower micro-batch.
-    Arrival,
-}
-
-/// Worker orders from [`route_schedule`], and the times the simulator will give them.
-#[derive(Debug, Clone)]
-pub struct RouteSchedule {
-    pub workers: Vec<Vec<Action>>,
-    /// When the last action ends.
-    pub makespan: f64,
-    /// Per stage: when its last backward ends (its all-reduce may start then).
-    pub stage_done: Vec<f64>,
-}
-
-/// One worker ordering for arbitrary routes by list scheduling in simulated time: each worker,
-/// when idle, runs the ready action `order` picks that its in-flight cap admits.
-/// `duration(worker, op, stage)` and `transfer(from, to, stage)` give the times (`stage`: the
-/// one whose activation, or its gradient, travels); messages queue on each directed link as
-/// the simulator queues them, so simulating the orders gives back these times (unit costs and
-/// free links reproduce plain list scheduling). `None` if the caps stall it.
-pub fn route_schedule(
-    num_workers: usize,
-    routes: &[Vec<Hop>],
-    cap: &[usize],
-    order: Order,
-    duration: impl Fn(usize, Op, usize) -> f64,
-    transfer: impl Fn(usize, usize, usize) -> f64,
-) -> Option<RouteSchedule> {
-    use std::cmp::Reverse;
-    use std::collections::BinaryHeap;
-    let m = routes.len();
-    let mut in_flight = vec![0usize; num_workers];
-    let mut held = vec![0usize; num_workers * m];
-    let mut ready_f: Vec<Ready> = vec![Vec::new(); num_workers];
-    let mut ready_b: Vec<Ready> = vec![Vec::new(); num_workers];
-    let mut events: BinaryHeap<Reverse<(Time, u64)>> = BinaryHeap::new();
-    let longest = routes.iter().map(Vec::len).max().unwrap_or(0);
-    let event = Event { longest };
-    let slot = |mb: usize, at: usize, fwd: bool| (mb * longest + at) * 2 + usize::from(fwd);
-    let mut pending = Pending::new(2 * m * longest);
-    // When each (mb, position, direction) became ready (for `Order::Arrival`).
-    let mut ready_at = vec![0.0f64; 2 * m * longest];
-    for (mb, r) in routes.iter().enumerate() {
-        events.push(Reverse((
-            Time(0.0),
-            event.pack(1, r.first()?.worker, true, mb, 0),
-        )));
-    }
-    let mut workers = vec![Vec::new(); num_workers];
-    let total: usize = routes.iter().map(|r| 2 * r.len()).sum();
-    let mut done = 0;
-    let mut running: Vec<Option<(bool, usize, usize)>> = vec![None; num_workers];
-    let stages = routes
-        .iter()
-        .flatten()
-        .map(|h| h.stage + 1)
-        .max()
-        .unwrap_or(0);
-    let mut stage_done = vec![0.0f64; stages];
-    let mut makespan = 0.0f64;
-    // When each directed link is next free: messages on it queue, first sent first.
-    // Per sender, a short list: (receiver, free at).
-    let mut link_free: Vec<Vec<(usize, f64)>> = vec![Vec::new(); num_workers];
-    // Only a worker with an event at this instant can start something: its ready sets and
-    // in-flight count change through its own events alone.
-    let mut touched: Vec<usize> = Vec::with_capacity(num_workers);
-    while let Some(Reverse((Time(now), _))) = events.peek() {
-        let now = *now;
-        touched.clear();
-        while let Some(&Reverse((Time(t), key))) = events.peek() {
-            if t > now {
-                break;
-            }
-            let (kind, w, fwd, mb, at) = event.unpack(key);
-            events.pop();
-            if !touched.contains(&w) {
-                touched.push(w);
-            }
-            let r = &routes[mb];
-            if kind == 1 {
-                // An input arrived: one need met (an action with none arrives at time 0).
-                let (prev, next) = neighbours(r, at);
-                let (waiter, set) = if fwd {
-                    (Waiter::Forward(r[at].stage), &mut ready_f[w])
-                } else {
-                    (Waiter::Backward(r[at].stage), &mut ready_b[w])
-                };
-                if pending.meet(slot(mb, at, fwd), need_count(waiter, prev, next)) {
-                    set.push((mb, at));
-                    ready_at[slot(mb, at, fwd)] = now;
-                }
-                continue;
-            }
-            running[w] = None;
-            done += 1;
-            makespan = makespan.max(now);
-            if !fwd {
-                let st = &mut stage_done[r[at].stage];
-                *st = st.max(now);
-                held[w * m + mb] -= 1;
-                if held[w * m + mb] == 0 {
-                    in_flight[w] -= 1;
-                }
-            }
-            // What this completion counts towards, by the IR's dependency rule: a need met on
-            // this worker now, or on a neighbour's once the result has travelled there.
-            let op = if fwd { Op::F } else { Op::BW };
-            let (prev, next) = neighbours(r, at);
-            for waiter in unblocks(op, r[at].stage, prev, next).into_iter().flatten() {
-                let (to_at, to_fwd) = match waiter {
-                    Waiter::Forward(_) => (at + 1, true),
-                    Waiter::Backward(st) if st == r[at].stage => (at, false),
-                    Waiter::Backward(_) => (at - 1, false),
-                    Waiter::Weight(_) => unreachable!("route schedules run fused backwards"),
-                };
-                if to_at == at {
-                    // Its own backward, on this worker: no message to wait for.
-                    if pending.meet(slot(mb, at, false), need_count(waiter, prev, next)) {
-                        ready_b[w].push((mb, at));
-                        ready_at[slot(mb, at, false)] = now;
-                    }
-                    continue;
-                }
-                let to = r[to_at].worker;
-                // A gradient carries the activation of the stage it goes back to.
-                let payload = r[if to_fwd { at } else { to_at }].stage;
-                let arrive = if to == w {
-                    now
-                } else {
-                    let links = &mut link_free[w];
-                    let i = match links.iter().position(|&(b, _)| b == to) {
-                        Some(i) => i,
-                        None => {
-                            links.push((to, 0.0));
-                            links.len() - 1
-                        }
-                    };
-                    let free = &mut links[i].1;
-                    *free = free.max(now) + transfer(w, to, payload);
-                    *free
-                };
-                events.push(Reverse((
-                    Time(arrive),
-                    event.pack(1, to, to_fwd, mb, to_at),
-                )));
-            }
-        }
-        touched.sort_unstable();
-        for &w in &touched {
-            if running[w].is_some() {
-                continue;
-            }
-            let since = |mb: usize, at: usize, fwd: bool| ready_at[slot(mb, at, fwd)];
-            let pick = pick_next(
-                w,
-                (&mut ready_f[w], &mut ready_b[w]),
-                &mut held,
-                &mut in_flight,
-                cap[w],
-                (order == Order::Arrival).then_some(&since),
-            );
-            if let Some((fwd, mb, at)) = pick {
-                let (op, stage) = (if fwd { Op::F } else { Op::BW }, routes[mb][at].stage);
-                workers[w].push(Action::new(op, stage, mb));
-                running[w] = Some((fwd, mb, at));
-                let end = now + duration(w, op, stage);
-                events.push(Reverse((Time(end), event.pack(0, w, fwd, mb, at))));
-            }
-        }
-    }
-    (done == total).then_some(RouteSchedule {
-        workers,
-        makespan,
-        stage_done,
-    })
-}
-
-/// The stages before and after position `at` of a route.
-fn neighbours(r: &[Hop], at: usize) -> (Option<usize>, Option<usize>) {
-    (
-        (at > 0).then(|| r[at - 1].stage),
-        r.get(at + 1).map(|h| h.stage),
-    )
-}
-
-/// An event of [`route_schedule`] packed in one integer that sorts as (0 = an action ends on
-/// the worker / 1 = an input arrives, worker, forward?, micro-batch, position on the route).
-struct Event {
-    longest: usize,
-}
-
-impl Event {
-    fn pack(&self, kind: u8, w: usize, fwd: bool, mb: usize, at: usize) -> u64 {
-        // Workers and (micro-batch, position) slots stay below 2^31: at most
-        // `MAX_DEVICES` devices and `limits::MAX_ACTIONS` actions.
-        let slot = (mb * self.longest + at) as u64;
-        (u64::from(kind) << 63) | ((w as u64) << 32) | (u64::from(fwd) << 31) | slot
-    }
-
-    fn unpack(&self, key: u64) -> (u8, usize, bool, usize, usize) {
-        let slot = (key & 0x7fff_ffff) as usize;
-        (
-            (key >> 63) as u8,
-            ((key >> 32) & 0x7fff_ffff) as usize,
-            (key >> 31) & 1 == 1,
-            slot / self.longest,
-            slot % self.longest,
-        )
-    }
-}
-
-/// A worker's ready actions as (micro-batch, position on the route): a few at a time.
-type Ready = Vec<(usize, usize)>;
-
-/// Worker `w`'s next action when idle: a ready backward first, else the earliest ready forward
-/// its in-flight cap admits (a micro-batch it already holds always continues); with `since`
-/// (when each became ready), whichever of those became ready first. Counts what it admits;
-/// `(forward?, mb, position on the route)`. Ties go to the lower micro-batch and position.
-fn pick_next(
-    w: usize,
-    (ready_f, ready_b): (&mut Ready, &mut Ready),
-    held: &mut [usize],
-    in_flight: &mut [usize],
-    cap: usize,
-    since: Option<&dyn Fn(usize, usize, bool) -> f64>,
-) -> Option<(bool, usize, usize)> {
-    let m = held.len() / in_flight.len().max(1);
-    let admits = |mb: usize| held[w * m + mb] > 0 || in_flight[w] < cap;
-    let time = |x: &(usize, usize), fwd: bool| since.map_or(0.0, |t| t(x.0, x.1, fwd));
-    // The first by (time ready, micro-batch, position); without `since`, by the latter two.
-    let first = |set: &Ready, fwd: bool, ok: &dyn Fn(usize) -> bool| {
-        set.iter()
-            .enumerate()
-            .filter(|(_, x)| ok(x.0))
-            .min_by(|(_, a), (_, b)| time(a, fwd).total_cmp(&time(b, fwd)).then(a.cmp(b)))
-            .map(|(i, &x)| (i, x))
-    };
-    let b = first(ready_b, false, &|_| true);
-    let f = first(ready_f, true, &admits);
-    let backward = match (b, f) {
-        (Some(b), Some(f)) => since.is_none() || time(&f.1, true) >= time(&b.1, false),
-        (b, _) => b.is_some(),
-    };
-    if backward {
-        let (i, (mb, at)) = b?;
-        ready_b.swap_remove(i);
-        return Some((false, mb, at));
-    }
-    let (i, (mb, at)) = f?;
-    ready_f.swap_remove(i);
-    if held[w * m + mb] == 0 {
-        in_flight[w] += 1;
-    }
-    held[w * m + mb] += 1;
-    Some((true, mb, at))
 }
 
 /// The annealing's start temperature, as a fraction of the best iteration time so far.
@@ -394,6 +137,7 @@ impl Problem<'_> {
             routes,
             &self.cap,
             order,
+            &self.setup.mechanics,
             |w, op, st| {
                 let c = &costs[st];
                 let t = if op == Op::F {
@@ -432,11 +176,20 @@ impl Problem<'_> {
         })
     }
 
+    /// The worker orders a plan may take: arrival order under arrival dispatch, else
+    /// backward-first (which the search scores with) or arrival order, whichever is faster.
+    fn orders(&self) -> &'static [Order] {
+        match self.setup.mechanics.dispatch {
+            Dispatch::Arrival => &[Order::Arrival],
+            Dispatch::Plan => &[Order::BackwardFirst, Order::Arrival],
+        }
+    }
+
     /// Iteration time (all-reduce included) as `simulate` gives it for the plan of these routes
-    /// in backward-first order, infinity if it cannot run: taken from the list schedule's own
+    /// in the first of [`Self::orders`], infinity if it cannot run: taken from the list schedule's own
     /// times, which the simulator reproduces (tested), at a fraction of the cost.
     fn score(&self, pl: &Placement, r: &Routes) -> f64 {
-        let Some(rs) = self.schedule(&self.hops(pl, r), Order::BackwardFirst) else {
+        let Some(rs) = self.schedule(&self.hops(pl, r), self.orders()[0]) else {
             return f64::INFINITY;
         };
         let topo = Topology::of_hosts(&self.hosts(pl), self.cluster.len());
@@ -930,16 +683,26 @@ pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Res
             let plan = pr.plan(p, r, order)?;
             // A simulation that cannot finish (a link that never delivers) is infinitely slow:
             // the check below names it.
-            let t = simulate(&SimSetup {
-                plan: &plan,
-                stages: &pr.stage_costs,
-                cluster,
-            })
+            // The plan already holds the orders its dispatch gives.
+            let options = SimOptions {
+                dispatch: Dispatch::Plan,
+                ..setup.mechanics
+            };
+            let t = simulate_with(
+                &SimSetup {
+                    plan: &plan,
+                    stages: &pr.stage_costs,
+                    cluster,
+                },
+                options,
+            )
             .map_or(f64::INFINITY, |x| x.iteration_time);
             Some((t, plan))
         };
-        let (t, mut plan) = [Order::BackwardFirst, Order::Arrival]
-            .into_iter()
+        let (t, mut plan) = pr
+            .orders()
+            .iter()
+            .copied()
             .filter_map(timed)
             .min_by(|a, b| a.0.total_cmp(&b.0))
             .ok_or_else(|| {
@@ -997,6 +760,7 @@ pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Res
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sim::simulate;
 
     #[test]
     fn scheduled_routes_follow_every_rule_and_beat_the_baselines_here() {
@@ -1018,6 +782,7 @@ mod tests {
                 moves: 200,
                 time_limit: Duration::from_secs(60),
                 seed,
+                mechanics: SimOptions::default(),
             };
             let r = skip_plan(&profile, &cluster, &setup).unwrap();
             let rules = SkipRules {
@@ -1064,44 +829,58 @@ mod tests {
         for d in cluster.devices.iter_mut().step_by(3) {
             d.speed = 0.5 + rng.below(100) as f64 / 100.0;
         }
-        let setup = SkipSetup {
-            stages: 6,
-            skip: 2,
-            data_nodes: 5,
-            microbatches: 6,
-            max_swaps: 1,
-            moves: 0,
-            time_limit: Duration::from_secs(1),
-            seed: 0,
+        // pipewright's mechanics, then SkipPipe's (arrival dispatch, idle gap, no link queue).
+        let skippipe = SimOptions {
+            dispatch: Dispatch::Arrival,
+            idle_gap: 0.13,
+            no_link_queue: true,
+            ..SimOptions::default()
         };
-        let layers_per_stage = vec![5, 4, 4, 4, 4, 4, 1];
-        let pr = Problem {
-            cluster: &cluster,
-            setup: &setup,
-            stage_costs: profile.stage_costs(&layers_per_stage),
-            layers_per_stage,
-            cap: vec![3; cluster.len()],
-        };
-        let pl = placements(&cluster, 5, 5, pr.stage_costs[0].activation_out, 1 << 20)[1].clone();
-        let mut cand = (pl.clone(), pr.random_routes(&pl, &mut rng));
-        for i in 0..60 {
-            cand = pr.neighbour(&cand.0, &cand.1, &mut rng);
-            if i % 20 == 0 {
-                cand.1 = pr.random_routes(&cand.0, &mut rng);
-            }
-            let plan = pr.plan(&cand.0, &cand.1, Order::BackwardFirst).unwrap();
-            let sim = simulate(&SimSetup {
-                plan: &plan,
-                stages: &pr.stage_costs,
+        for mechanics in [SimOptions::default(), skippipe] {
+            let setup = SkipSetup {
+                stages: 6,
+                skip: 2,
+                data_nodes: 5,
+                microbatches: 6,
+                max_swaps: 1,
+                moves: 0,
+                time_limit: Duration::from_secs(1),
+                seed: 0,
+                mechanics,
+            };
+            let layers_per_stage = vec![5, 4, 4, 4, 4, 4, 1];
+            let pr = Problem {
                 cluster: &cluster,
-            })
-            .unwrap();
-            let score = pr.score(&cand.0, &cand.1);
-            assert!(
-                (score - sim.iteration_time).abs() < 1e-9 * sim.iteration_time,
-                "move {i}: scored {score}, simulated {}",
-                sim.iteration_time
-            );
+                setup: &setup,
+                stage_costs: profile.stage_costs(&layers_per_stage),
+                layers_per_stage,
+                cap: vec![3; cluster.len()],
+            };
+            let pl = placements(&cluster, 5, 5, 1 << 25, 1 << 20)[1].clone();
+            let mut cand = (pl.clone(), pr.random_routes(&pl, &mut rng));
+            for i in 0..60 {
+                cand = pr.neighbour(&cand.0, &cand.1, &mut rng);
+                if i % 20 == 0 {
+                    cand.1 = pr.random_routes(&cand.0, &mut rng);
+                }
+                // Simulated from the plan's routes alone, dispatching as `mechanics` says.
+                let plan = pr.plan(&cand.0, &cand.1, pr.orders()[0]).unwrap();
+                let setup = SimSetup {
+                    plan: &plan,
+                    stages: &pr.stage_costs,
+                    cluster: &cluster,
+                };
+                let sim = simulate_with(&setup, mechanics).unwrap();
+                let score = pr.score(&cand.0, &cand.1);
+                assert!(
+                    (score - sim.iteration_time).abs() < 1e-9 * sim.iteration_time,
+                    "{mechanics:?} move {i}: scored {score}, simulated {}",
+                    sim.iteration_time
+                );
+                if mechanics.dispatch == Dispatch::Plan {
+                    assert_eq!(simulate(&setup).unwrap().iteration_time, sim.iteration_time);
+                }
+            }
         }
     }
 
@@ -1119,6 +898,7 @@ mod tests {
             moves: 0,
             time_limit: Duration::from_secs(1),
             seed: 0,
+            mechanics: SimOptions::default(),
         };
         let pr = Problem {
             cluster: &cluster,
@@ -1133,7 +913,9 @@ mod tests {
         };
         let start = pr.greedy_routes(&pl, 2);
         let skip_set = |mid: &[(usize, usize)]| -> Vec<usize> {
-            (1..=5).filter(|st| mid.iter().all(|h| h.0 != *st)).collect()
+            (1..=5)
+                .filter(|st| mid.iter().all(|h| h.0 != *st))
+                .collect()
         };
         let initial: Vec<Vec<usize>> = start.mid.iter().map(|m| skip_set(m)).collect();
         let visits = |r: &Routes| {
@@ -1157,73 +939,14 @@ mod tests {
             assert_eq!(visits(&r), visits(&start));
             for (mb, mid) in r.mid.iter().enumerate() {
                 let order: Vec<usize> = mid.iter().map(|h| h.0).collect();
-                assert!(neighbour_swaps(&order).is_some_and(|n| n <= 1), "mb {mb}: {order:?}");
+                assert!(
+                    neighbour_swaps(&order).is_some_and(|n| n <= 1),
+                    "mb {mb}: {order:?}"
+                );
                 assert!(mid.iter().all(|&(st, w)| pl.pools[st - 1].contains(&w)));
                 new_sets += usize::from(!initial.contains(&skip_set(mid)));
             }
         }
         assert!(new_sets > 0);
-    }
-
-    #[test]
-    fn route_schedule_respects_caps_and_dependencies() {
-        // Two data-node micro-batches through a shared middle worker 2, cap 1 there.
-        let r = |home: usize| {
-            vec![
-                Hop {
-                    stage: 0,
-                    worker: home,
-                },
-                Hop {
-                    stage: 1,
-                    worker: 2,
-                },
-                Hop {
-                    stage: 2,
-                    worker: home,
-                },
-            ]
-        };
-        let routes = vec![r(0), r(1), r(0)];
-        let w = route_schedule(
-            3,
-            &routes,
-            &[9, 9, 1],
-            Order::BackwardFirst,
-            |_, _, _| 1.0,
-            |_, _, _| 0.0,
-        )
-        .unwrap()
-        .workers;
-        // Worker 2 finishes one micro-batch before it admits the next.
-        let ops: Vec<String> = w[2].iter().map(|a| format!("{a}")).collect();
-        assert_eq!(ops.len(), 6);
-        for pair in w[2].chunks(2) {
-            assert_eq!(pair[0].mb, pair[1].mb, "{ops:?}");
-            assert_eq!((pair[0].op, pair[1].op), (Op::F, Op::BW));
-        }
-    }
-
-    #[test]
-    fn arrival_order_runs_what_became_ready_first() {
-        // Two micro-batches from worker 0 through worker 1 and back to the head on worker 0,
-        // whose forward takes 3: micro-batch 1's head forward is ready at 3, micro-batch 0's
-        // head backward only at 5.
-        let hop = |stage, worker| Hop { stage, worker };
-        let routes = vec![vec![hop(0, 0), hop(1, 1), hop(2, 0)]; 2];
-        let run = |order| {
-            let slow_head =
-                |_: usize, op: Op, st: usize| if op == Op::F && st == 2 { 3.0 } else { 1.0 };
-            route_schedule(2, &routes, &[9, 9], order, slow_head, |_, _, _| 0.0)
-                .unwrap()
-                .workers
-        };
-        let fourth = |w: &[Vec<Action>]| (w[0][3].op, w[0][3].mb, w[0][3].stage);
-        assert_eq!(fourth(&run(Order::BackwardFirst)), (Op::BW, 0, 2));
-        assert_eq!(fourth(&run(Order::Arrival)), (Op::F, 1, 2));
-        // Either order runs every action once.
-        for order in [Order::BackwardFirst, Order::Arrival] {
-            assert_eq!(run(order).iter().map(Vec::len).sum::<usize>(), 12);
-        }
     }
 }

@@ -174,6 +174,7 @@ struct State<'a> {
     waiting: Vec<Vec<usize>>,
     /// With shared compute: its busy intervals, sorted by start.
     shared: Option<Vec<(f64, f64)>>,
+    options: SimOptions,
 }
 
 /// The earliest start at or after `ready` of an interval of length `d` that overlaps none of
@@ -241,6 +242,7 @@ impl<'a> State<'a> {
             events: BinaryHeap::new(),
             waiting: vec![Vec::new(); s * m],
             shared: None,
+            options: SimOptions::default(),
         }
     }
 
@@ -285,7 +287,7 @@ impl<'a> State<'a> {
         };
         let end = start + d;
         self.busy[w] += end - start;
-        self.free_at[w] = end;
+        self.free_at[w] = end + self.options.idle_gap;
         self.timeline.actions.push(TimedAction {
             worker: w,
             action: a,
@@ -312,7 +314,11 @@ impl<'a> State<'a> {
             t
         } else {
             let (free, carried, busy) = self.link_use.entry((w, to)).or_insert((0.0, 0, 0.0));
-            let start = t.max(*free);
+            let start = if self.options.no_link_queue {
+                t
+            } else {
+                t.max(*free)
+            };
             let end = start + self.cluster.transfer_time(w, to, bytes);
             *free = end;
             *carried += bytes;
@@ -401,13 +407,32 @@ fn check_link_times(plan: &Plan, stages: &[StageCost], cluster: &Cluster) -> Res
 
 /// Simulate; the plan should have been validated (a stuck plan is still reported, not hung).
 /// How the workers' compute is arranged beyond the cluster's devices.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct SimOptions {
     /// All workers share one compute resource that runs one action (and one optimizer step) at
     /// a time: what in-process worker threads are while burn's autodiff is serialised
     /// (crates/runtime/src/backend.rs). Each action takes the earliest free slot at or after
     /// the time it could start; messages and waits stay concurrent.
     pub shared_compute: bool,
+    /// Seconds a worker rests after each action before it starts its next (SkipPipe's
+    /// simulator waits 0.13 s). The pipeline's makespan still ends with the last action.
+    pub idle_gap: f64,
+    /// Messages on a link do not queue behind each other: each travels from the moment it is
+    /// sent (SkipPipe's simulator).
+    pub no_link_queue: bool,
+    /// Whether workers run the plan's order or whatever became ready first.
+    pub dispatch: Dispatch,
+}
+
+/// How a worker picks its next action.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Dispatch {
+    /// In the plan's order.
+    #[default]
+    Plan,
+    /// Whatever became ready first, forward or backward, within the devices' in-flight caps
+    /// (SkipPipe's simulator); the plan's routes stay, its orders are replaced.
+    Arrival,
 }
 
 pub fn simulate(setup: &SimSetup) -> Result<SimResult> {
@@ -416,6 +441,20 @@ pub fn simulate(setup: &SimSetup) -> Result<SimResult> {
 
 /// [`simulate`] under `options`.
 pub fn simulate_with(setup: &SimSetup, options: SimOptions) -> Result<SimResult> {
+    if options.dispatch == Dispatch::Arrival {
+        let plan = super::dispatch::arrival_orders(setup, &options)?;
+        let options = SimOptions {
+            dispatch: Dispatch::Plan,
+            ..options
+        };
+        return simulate_with(
+            &SimSetup {
+                plan: &plan,
+                ..*setup
+            },
+            options,
+        );
+    }
     let SimSetup {
         plan,
         stages,
@@ -458,6 +497,7 @@ pub fn simulate_with(setup: &SimSetup, options: SimOptions) -> Result<SimResult>
     if options.shared_compute {
         st.shared = Some(Vec::new());
     }
+    st.options = options;
     for w in 0..p {
         st.try_start(w);
     }
@@ -824,6 +864,7 @@ mod tests {
                         &setup,
                         SimOptions {
                             shared_compute: true,
+                            ..SimOptions::default()
                         },
                     )
                     .unwrap();
@@ -859,6 +900,7 @@ mod tests {
             &setup,
             SimOptions {
                 shared_compute: true,
+                ..SimOptions::default()
             },
         )
         .unwrap();

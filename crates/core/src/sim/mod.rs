@@ -1,6 +1,8 @@
 //! The discrete-event simulator (`engine`) and the timelines it and the runtime draw
-//! (`timeline`: Chrome trace, SVG, text).
+//! (`timeline`: Chrome trace, SVG, text), and list scheduling of routes in simulated time
+//! (`dispatch`).
 
+pub mod dispatch;
 mod engine;
 pub mod timeline;
 

@@ -640,6 +640,7 @@ impl TrainingRun {
             &setup,
             SimOptions {
                 shared_compute: shared,
+                ..SimOptions::default()
             },
         )?;
         let own = if shared {
