@@ -117,6 +117,9 @@ enum Cmd {
         /// With --skip: micro-batches a worker may hold in flight.
         #[arg(long, requires = "skip")]
         max_in_flight: Option<usize>,
+        /// With --skip: micro-batches a middle stage's worker may serve per iteration.
+        #[arg(long, requires = "skip")]
+        max_node_load: Option<usize>,
     },
 }
 
@@ -327,6 +330,7 @@ fn run(cli: Cli) -> Result<()> {
             skip,
             max_swaps,
             max_in_flight,
+            max_node_load,
         } => {
             let plan = load_plan(&file)?;
             validate(&plan).map_err(|e| BadInput(format!("{}: {e}", file.display())))?;
@@ -335,6 +339,7 @@ fn run(cli: Cli) -> Result<()> {
                     skip,
                     max_swaps,
                     max_in_flight,
+                    max_node_load,
                 };
                 pipewright_core::search::skip::check_skip_rules(&plan, &rules)
                     .map_err(|e| BadInput(format!("{}: {e}", file.display())))?;

@@ -38,6 +38,12 @@ pub struct SkipPlanArgs {
     /// Swaps of neighbouring stages allowed per route.
     #[arg(long, default_value_t = 1)]
     max_swaps: usize,
+    /// Micro-batches a middle stage's device serves per iteration at most (SkipPipe's TC1:
+    /// `memory` agents per node, each carrying micro-batches / memory; default: --microbatches,
+    /// its published setting). The full-pipeline baseline cannot keep it and is searched
+    /// without it.
+    #[arg(long)]
+    max_node_load: Option<usize>,
     /// Annealing moves per search, the full pipeline's and the skip routes' (they run side by
     /// side; deterministic for a seed unless the time limit stops them).
     #[arg(long, default_value_t = 100000)]
@@ -102,6 +108,7 @@ pub fn cmd_skip_plan(a: SkipPlanArgs) -> Result<()> {
             time_limit: Duration::from_secs_f64(a.time_limit),
             seed: a.seed,
             mechanics,
+            max_node_load: Some(a.max_node_load.unwrap_or(a.microbatches)),
         }),
         ..JobSpec::new(ScheduleKind::Custom, shape).with_layers(LayerCut::Profile(&profile))
     };

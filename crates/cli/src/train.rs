@@ -1053,6 +1053,7 @@ fn skip_train_plan(cfg: &TrainConfig, skip: f64, cluster: Option<&Path>) -> Resu
             time_limit: Duration::from_secs(30),
             seed: cfg.seed,
             mechanics: Default::default(),
+            max_node_load: None,
         }),
         ..cfg.job_spec(&profile)
     };

@@ -233,6 +233,32 @@ fn bad_input_is_one_line_and_exit_2() {
         &String::from_utf8(pw(&["schedule", "--kind", "1f1b", "--format", "json"]).stdout).unwrap(),
     );
     bad(&["validate", &plain, "--skip", "1"], "(rule skip-ends)");
+    // A valid plan whose route visits stages [4, 1, 5]: 4 and 1 are no neighbours, so that is
+    // no SkipPipe swap.
+    let hop = |s: usize, w: usize| format!("[{s},{w}]");
+    let act = |op: &str, s: usize| format!("{{\"op\":\"{op}\",\"stage\":{s},\"mb\":0}}");
+    let work = |s: usize| format!("[{},{}]", act("F", s), act("BW", s));
+    let swap415 = format!(
+        "{{\"kind\":\"custom\",\"num_microbatches\":1,\"stages\":[{}],\"routes\":[[{}]],\"workers\":[[{},{},{},{}],{},[],[],{},{}]}}",
+        (0..7)
+            .map(|s| format!("{{\"layers\":1,\"hosts\":[{}]}}", if s % 6 == 0 { 0 } else { s }))
+            .collect::<Vec<_>>()
+            .join(","),
+        [hop(0, 0), hop(4, 4), hop(1, 1), hop(5, 5), hop(6, 0)].join(","),
+        act("F", 0),
+        act("F", 6),
+        act("BW", 6),
+        act("BW", 0),
+        work(1),
+        work(4),
+        work(5)
+    );
+    let swap415 = tmp("swap415.json", &swap415);
+    assert!(pw(&["validate", &swap415]).status.success());
+    bad(
+        &["validate", &swap415, "--skip", "2"],
+        "visits stages [4, 1, 5]: only swaps of two neighbours may reorder them (rule skip-swaps)",
+    );
     // skip-plan's own limits.
     let llama = shared("examples/llama500m_skippipe.toml");
     let geo = shared("examples/geo20_skippipe.toml");
@@ -274,6 +300,16 @@ fn bad_input_is_one_line_and_exit_2() {
     bad_sp(
         sp(&["--stages", "6", "--skip", "1", "--data-nodes", "19"]),
         "cannot hold 19 data nodes",
+    );
+    // SkipPipe's per-node load cap must leave room: 30 micro-batches x 3 of 5 middle stages
+    // over pools of 3 devices need 6 each.
+    bad_sp(
+        sp(&["--stages", "6", "--skip", "2", "--max-node-load", "5"]),
+        "a middle stage gets 18 micro-batch visits per iteration but its 3 workers may serve 5 each",
+    );
+    bad_sp(
+        sp(&["--stages", "6", "--skip", "2", "--idle-gap=-1"]),
+        "--idle-gap -1.0",
     );
     // Outputs replace only regular files: not a directory, not a symlink.
     let d = std::env::temp_dir().join(format!("pw-outdir-{}", std::process::id()));

@@ -171,8 +171,8 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 40, ..ProptestConfig::default() })]
 
     /// Whatever the setting, the skip scheduler's plans (and its two baselines) are valid
-    /// and keep every SkipPipe rule, the in-flight cap included; it fails only by saying the
-    /// caps admit no order.
+    /// and keep every SkipPipe rule, the in-flight cap and the per-node load cap included; it
+    /// fails only by saying the caps admit no order or leave no room for the visits.
     #[test]
     fn skip_scheduler_plans_keep_every_rule(
         stages in 3usize..6,
@@ -187,6 +187,7 @@ proptest! {
         costs in proptest::collection::vec((0.1f64..3.0, 0.1f64..3.0), 9..10),
         seed in 0u64..1000,
         mechanics in (0usize..2, 0.0f64..0.5, proptest::bool::ANY),
+        node_load in proptest::option::of(1usize..8),
     ) {
         use pipewright_core::profile::Profile;
         use pipewright_core::sim::{Dispatch, SimOptions};
@@ -217,20 +218,30 @@ proptest! {
                 no_link_queue: mechanics.2,
                 ..SimOptions::default()
             },
+            max_node_load: node_load,
         };
         match skip_plan(&profile, &cluster, &setup) {
             Ok(r) => {
-                let rules = SkipRules { skip, max_swaps, max_in_flight: Some(cap) };
+                let rules = SkipRules {
+                    skip,
+                    max_swaps,
+                    max_in_flight: Some(cap),
+                    max_node_load: node_load,
+                };
                 for p in [&r.plan, &r.random_plan] {
                     validate(p).unwrap();
                     check_skip_rules(p, &rules).unwrap();
                 }
                 validate(&r.full_plan).unwrap();
-                check_skip_rules(&r.full_plan, &SkipRules { skip: 0, ..rules }).unwrap();
+                let full = SkipRules { skip: 0, max_node_load: None, ..rules };
+                check_skip_rules(&r.full_plan, &full).unwrap();
                 prop_assert_eq!(r.plan.num_microbatches, data * mbs);
                 prop_assert!(r.skip_time.is_finite() && r.skip_time > 0.0);
             }
-            Err(e) => prop_assert!(e.to_string().contains("in-flight caps"), "{}", e),
+            Err(e) => {
+                let e = e.to_string();
+                prop_assert!(e.contains("in-flight caps") || e.contains("load cap"), "{}", e)
+            }
         }
     }
 }

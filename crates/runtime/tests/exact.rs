@@ -371,6 +371,7 @@ fn skip_scheduler_routes_give_exact_gradients() {
             time_limit: std::time::Duration::from_secs(120),
             seed,
             mechanics: Default::default(),
+            max_node_load: None,
         };
         let plan = skip_plan(&cfg.model.cost_profile(cfg.rows), &cluster, &setup)
             .unwrap()

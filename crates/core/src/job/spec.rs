@@ -70,6 +70,8 @@ pub struct SkipRoutes {
     pub seed: u64,
     /// How the search prices candidates (see [`SkipSetup::mechanics`]).
     pub mechanics: crate::sim::SimOptions,
+    /// Micro-batches a middle stage's worker serves per iteration at most.
+    pub max_node_load: Option<usize>,
 }
 
 /// Which way micro-batches travel.
@@ -166,6 +168,7 @@ pub fn build_skip(spec: &JobSpec) -> Result<SkipResult> {
         time_limit: r.time_limit,
         seed: r.seed,
         mechanics: r.mechanics,
+        max_node_load: r.max_node_load,
     };
     skip_plan(profile, cluster, &setup)
 }

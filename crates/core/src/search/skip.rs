@@ -13,6 +13,9 @@
 //!   convergence results rest on.
 //! - `skip-balance`: over an iteration, visits per middle stage differ by at most 1.
 //! - `skip-in-flight`: no worker holds activations of more than `max_in_flight` micro-batches.
+//! - `skip-node-load`: no worker of a middle stage serves more than `max_node_load`
+//!   micro-batches per iteration (SkipPipe's TC1: at most `memory` agents per node, each
+//!   carrying the same number of micro-batches).
 
 use crate::error::{Error, Result};
 use crate::plan::ir::Plan;
@@ -27,6 +30,8 @@ pub struct SkipRules {
     pub max_swaps: usize,
     /// Micro-batches in flight per worker at most.
     pub max_in_flight: Option<usize>,
+    /// Micro-batches a middle stage's worker serves per iteration at most.
+    pub max_node_load: Option<usize>,
 }
 
 fn broken(rule: &str, msg: String) -> Error {
@@ -133,6 +138,20 @@ pub fn check_skip_rules(plan: &Plan, rules: &SkipRules) -> Result<()> {
             ));
         }
     }
+    if let Some(cap) = rules.max_node_load {
+        let mut load = vec![0usize; plan.num_workers()];
+        for r in &plan.routes {
+            for h in &r[1..r.len() - 1] {
+                load[h.worker] += 1;
+            }
+        }
+        if let Some((w, &n)) = load.iter().enumerate().find(|(_, &n)| n > cap) {
+            return Err(broken(
+                "skip-node-load",
+                format!("worker {w} serves {n} micro-batches of the middle stages per iteration; the cap is {cap}"),
+            ));
+        }
+    }
     if let Some(cap) = rules.max_in_flight {
         let no_costs = vec![crate::profile::StageCost::default(); s];
         for (w, p) in memory_peaks(plan, &no_costs).iter().enumerate() {
@@ -198,6 +217,7 @@ mod tests {
         skip: 1,
         max_swaps: 1,
         max_in_flight: None,
+        max_node_load: None,
     };
 
     #[test]
@@ -254,6 +274,7 @@ mod tests {
             skip: 0,
             max_swaps: 0,
             max_in_flight: None,
+            max_node_load: None,
         };
         assert_eq!(
             e(&p, &none),
@@ -278,11 +299,22 @@ mod tests {
         let p = skip_plan(&[&[1, 2], &[2, 3], &[1, 3], &[1, 2], &[2, 3], &[1, 3]]);
         let capped = SkipRules {
             max_in_flight: Some(2),
+            max_node_load: None,
             ..RULES
         };
         assert_eq!(
             e(&p, &capped),
             "worker 0 holds activations of 3 micro-batches at once; the cap is 2 (rule skip-in-flight)"
+        );
+        // Per-node load: each middle stage's only worker serves 4 of the 6 micro-batches.
+        let load = |cap| SkipRules {
+            max_node_load: Some(cap),
+            ..RULES
+        };
+        check_skip_rules(&p, &load(4)).unwrap();
+        assert_eq!(
+            e(&p, &load(3)),
+            "worker 2 serves 4 micro-batches of the middle stages per iteration; the cap is 3 (rule skip-node-load)"
         );
     }
 }

@@ -44,6 +44,8 @@ pub struct SkipSetup {
     /// How candidates are priced: pipewright's simulator as it is, or with SkipPipe's
     /// mechanics (arrival dispatch, an idle gap after each action, links that do not queue).
     pub mechanics: SimOptions,
+    /// Micro-batches a middle stage's worker serves per iteration at most (SkipPipe's TC1).
+    pub max_node_load: Option<usize>,
 }
 
 /// The scheduler's answer and its baselines (iteration times in seconds).
@@ -87,6 +89,9 @@ struct Problem<'a> {
 struct Routes {
     /// Per micro-batch: (middle stage, worker) in visiting order.
     mid: Vec<Vec<(usize, usize)>>,
+    /// Micro-batches a middle worker may serve: the setup's cap for skip routes, none for the
+    /// full-pipeline baseline (where every micro-batch visits every stage, it cannot hold).
+    cap: usize,
 }
 
 impl Problem<'_> {
@@ -226,19 +231,36 @@ impl Problem<'_> {
         for i in (1..m).rev() {
             order.swap(i, rng.below(i + 1));
         }
+        let cap = self.setup.max_node_load.unwrap_or(usize::MAX);
+        let mut load = vec![0usize; self.cluster.len()];
         Routes {
+            cap,
             mid: (0..m)
                 .map(|mb| {
                     self.visits(self.setup.skip, order[mb])
                         .into_iter()
                         .map(|st| {
-                            let pool = &pl.pools[st - 1];
-                            (st, pool[rng.below(pool.len())])
+                            // A random worker of the pool that has room under the load cap.
+                            let open: Vec<usize> = pl.pools[st - 1]
+                                .iter()
+                                .copied()
+                                .filter(|&w| load[w] < cap)
+                                .collect();
+                            let w = open[rng.below(open.len())];
+                            load[w] += 1;
+                            (st, w)
                         })
                         .collect()
                 })
                 .collect(),
         }
+    }
+
+    /// Micro-batches each worker serves on the middle stages.
+    fn loads(&self, r: &Routes) -> Vec<usize> {
+        let mut load = vec![0usize; self.cluster.len()];
+        r.mid.iter().flatten().for_each(|&(_, w)| load[w] += 1);
+        load
     }
 
     /// Each hop to the least-used worker of the stage's pool, ties to the fastest link.
@@ -269,7 +291,10 @@ impl Problem<'_> {
                     .collect()
             })
             .collect();
-        Routes { mid }
+        Routes {
+            mid,
+            cap: usize::MAX,
+        }
     }
 
     /// The placement of `starts` on which greedy routes skipping `skip` stages are fastest,
@@ -306,10 +331,15 @@ impl Problem<'_> {
                 self.trade_skipped(&mut out.mid, mb, other, rng);
             }
             0 if !out.mid[mb].is_empty() => {
+                // Another worker of the pool, if that keeps it under the load cap (the only
+                // move that changes a worker's load).
                 let h = rng.below(out.mid[mb].len());
                 let st = out.mid[mb][h].0;
                 let pool = &pl.pools[st - 1];
-                out.mid[mb][h].1 = pool[rng.below(pool.len())];
+                let w = pool[rng.below(pool.len())];
+                if w == out.mid[mb][h].1 || self.loads(&out)[w] < out.cap {
+                    out.mid[mb][h].1 = w;
+                }
             }
             1 => {
                 let other = rng.below(m);
@@ -564,6 +594,23 @@ fn pools_from(
 /// Devices the placement takes at most: it compares every pair (n^2 link lookups).
 const MAX_DEVICES: usize = 20_000;
 
+/// The load cap must leave room for every visit: a middle stage gets up to
+/// ceil(micro-batches x visited / middle) visits over the `per_pool` workers of its pool.
+fn check_load_cap(setup: &SkipSetup, per_pool: usize) -> Result<()> {
+    let Some(cap) = setup.max_node_load else {
+        return Ok(());
+    };
+    let middle = setup.stages - 1;
+    let m = setup.data_nodes * setup.microbatches;
+    let visits = (m * (middle - setup.skip)).div_ceil(middle);
+    if per_pool.saturating_mul(cap) < visits {
+        return Err(Error::Infeasible(format!(
+            "a middle stage gets {visits} micro-batch visits per iteration but its {per_pool} workers may serve {cap} each (the per-node load cap): raise the cap or add devices"
+        )));
+    }
+    Ok(())
+}
+
 /// Schedule SkipPipe routes for `profile` on `cluster` (see the module docs).
 pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Result<SkipResult> {
     let t0 = Instant::now();
@@ -614,6 +661,7 @@ pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Res
             setup.data_nodes
         )));
     }
+    check_load_cap(setup, pool_devices / middle)?;
     // All layers but the head into `s` stages by compute, the head a stage of its own.
     let work = prefix(
         profile.layers[..n - 1]
@@ -650,7 +698,9 @@ pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Res
     let deadline = t0 + setup.time_limit;
     // Each search starts from the placement where its greedy routes are fastest.
     let full_start = pr.best_start(&starts, 0);
-    let skip_start = pr.best_start(&starts, setup.skip);
+    let mut skip_start = pr.best_start(&starts, setup.skip);
+    // Greedy routes spread each pool's visits evenly, within any cap that leaves room.
+    skip_start.1.cap = setup.max_node_load.unwrap_or(usize::MAX);
     let pl = skip_start.0.clone();
     // The two searches run side by side, one per core.
     let (((full_pl, full), _, m1), ((best_pl, best), _, m2)) = std::thread::scope(|sc| {
@@ -721,6 +771,7 @@ pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Res
         skip: setup.skip,
         max_swaps: setup.max_swaps,
         max_in_flight: None,
+        max_node_load: setup.max_node_load,
     };
     check_skip_rules(&plan, &rules)?;
     crate::plan::validate::validate(&plan)?;
@@ -783,19 +834,27 @@ mod tests {
                 time_limit: Duration::from_secs(60),
                 seed,
                 mechanics: SimOptions::default(),
+                // As tight as it can be: each pool's 2 workers share its visits evenly.
+                max_node_load: Some(3 - skip),
             };
             let r = skip_plan(&profile, &cluster, &setup).unwrap();
             let rules = SkipRules {
                 skip,
                 max_swaps: 1,
                 max_in_flight: None,
+                max_node_load: Some(3 - skip),
             };
             for p in [&r.plan, &r.full_plan, &r.random_plan] {
                 crate::plan::validate::validate(p).unwrap();
             }
             check_skip_rules(&r.plan, &rules).unwrap();
             check_skip_rules(&r.random_plan, &rules).unwrap();
-            check_skip_rules(&r.full_plan, &SkipRules { skip: 0, ..rules }).unwrap();
+            let full = SkipRules {
+                skip: 0,
+                max_node_load: None,
+                ..rules
+            };
+            check_skip_rules(&r.full_plan, &full).unwrap();
             assert!(
                 r.skip_time <= r.full_pipeline_time + 1e-9 || skip == 0,
                 "{r:?}"
@@ -847,6 +906,7 @@ mod tests {
                 time_limit: Duration::from_secs(1),
                 seed: 0,
                 mechanics,
+                max_node_load: None,
             };
             let layers_per_stage = vec![5, 4, 4, 4, 4, 4, 1];
             let pr = Problem {
@@ -899,6 +959,7 @@ mod tests {
             time_limit: Duration::from_secs(1),
             seed: 0,
             mechanics: SimOptions::default(),
+            max_node_load: None,
         };
         let pr = Problem {
             cluster: &cluster,
