@@ -82,6 +82,54 @@ struct Problem<'a> {
     layers_per_stage: Vec<usize>,
     stage_costs: Vec<crate::profile::StageCost>,
     cap: Vec<usize>,
+    /// Seconds of each (worker, stage, forward / whole backward), looked up rather than
+    /// divided out for every action of every candidate.
+    times: Vec<f64>,
+    /// Seconds of each (from, to, stage)'s activation on the link, on clusters small enough
+    /// for the table (`LINK_TABLE` entries).
+    links: Option<Vec<f64>>,
+}
+
+/// The largest link table the search keeps (8 bytes each).
+const LINK_TABLE: usize = 1 << 22;
+
+impl<'a> Problem<'a> {
+    fn new(
+        cluster: &'a Cluster,
+        setup: &'a SkipSetup,
+        layers_per_stage: Vec<usize>,
+        stage_costs: Vec<crate::profile::StageCost>,
+        cap: Vec<usize>,
+    ) -> Self {
+        let (n, s) = (cluster.len(), stage_costs.len());
+        let times = (0..n)
+            .flat_map(|w| {
+                let speed = cluster.devices[w].speed;
+                stage_costs
+                    .iter()
+                    .flat_map(move |c| [c.forward / speed, c.full_backward() / speed])
+            })
+            .collect();
+        let links = (n.saturating_mul(n).saturating_mul(s) <= LINK_TABLE).then(|| {
+            (0..n * n)
+                .flat_map(|ab| {
+                    let (a, b) = (ab / n, ab % n);
+                    stage_costs
+                        .iter()
+                        .map(move |c| cluster.transfer_time(a, b, c.activation_out))
+                })
+                .collect()
+        });
+        Problem {
+            cluster,
+            setup,
+            layers_per_stage,
+            stage_costs,
+            cap,
+            times,
+            links,
+        }
+    }
 }
 
 /// Routes as chosen middle stages (in visiting order) and a worker per hop.
@@ -137,22 +185,18 @@ impl Problem<'_> {
     /// Worker orders for `routes` by list scheduling, with the simulator's costs.
     fn schedule(&self, routes: &[Vec<Hop>], order: Order) -> Option<RouteSchedule> {
         let (cl, costs) = (self.cluster, &self.stage_costs);
+        let (n, s) = (cl.len(), costs.len());
         route_schedule(
-            cl.len(),
+            n,
             routes,
             &self.cap,
             order,
             &self.setup.mechanics,
-            |w, op, st| {
-                let c = &costs[st];
-                let t = if op == Op::F {
-                    c.forward
-                } else {
-                    c.full_backward()
-                };
-                t / cl.devices[w].speed
+            |w, op, st| self.times[(w * s + st) * 2 + usize::from(op != Op::F)],
+            |a, b, st| match &self.links {
+                Some(t) => t[(a * n + b) * s + st],
+                None => cl.transfer_time(a, b, costs[st].activation_out),
             },
-            |a, b, st| cl.transfer_time(a, b, costs[st].activation_out),
         )
     }
 
@@ -677,13 +721,7 @@ pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Res
         .iter()
         .map(|d| d.memory_microbatches.map_or(usize::MAX, |c| c as usize))
         .collect();
-    let pr = Problem {
-        cluster,
-        setup,
-        layers_per_stage,
-        stage_costs,
-        cap,
-    };
+    let pr = Problem::new(cluster, setup, layers_per_stage, stage_costs, cap);
     let bytes = pr.stage_costs[0].activation_out;
     let starts = placements(
         cluster,
@@ -909,13 +947,14 @@ mod tests {
                 max_node_load: None,
             };
             let layers_per_stage = vec![5, 4, 4, 4, 4, 4, 1];
-            let pr = Problem {
-                cluster: &cluster,
-                setup: &setup,
-                stage_costs: profile.stage_costs(&layers_per_stage),
+            let costs = profile.stage_costs(&layers_per_stage);
+            let pr = Problem::new(
+                &cluster,
+                &setup,
                 layers_per_stage,
-                cap: vec![3; cluster.len()],
-            };
+                costs,
+                vec![3; cluster.len()],
+            );
             let pl = placements(&cluster, 5, 5, 1 << 25, 1 << 20)[1].clone();
             let mut cand = (pl.clone(), pr.random_routes(&pl, &mut rng));
             for i in 0..60 {
@@ -961,13 +1000,8 @@ mod tests {
             mechanics: SimOptions::default(),
             max_node_load: None,
         };
-        let pr = Problem {
-            cluster: &cluster,
-            setup: &setup,
-            layers_per_stage: vec![1; 7],
-            stage_costs: vec![crate::profile::StageCost::default(); 7],
-            cap: vec![3; 12],
-        };
+        let costs = vec![crate::profile::StageCost::default(); 7];
+        let pr = Problem::new(&cluster, &setup, vec![1; 7], costs, vec![3; 12]);
         let pl = Placement {
             data: vec![0, 1],
             pools: (0..5).map(|k| vec![2 + 2 * k, 3 + 2 * k]).collect(),
