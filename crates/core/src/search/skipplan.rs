@@ -375,15 +375,22 @@ impl Problem<'_> {
                 self.trade_skipped(&mut out.mid, mb, other, rng);
             }
             0 if !out.mid[mb].is_empty() => {
-                // Another worker of the pool, if that keeps it under the load cap (the only
-                // move that changes a worker's load).
+                // Another worker of the pool for a hop. When that worker is at the load cap
+                // (the only move that changes a worker's load), the two exchange: one of its
+                // hops at this stage moves to the hop's old worker.
                 let h = rng.below(out.mid[mb].len());
-                let st = out.mid[mb][h].0;
+                let (st, old) = out.mid[mb][h];
                 let pool = &pl.pools[st - 1];
                 let w = pool[rng.below(pool.len())];
-                if w == out.mid[mb][h].1 || self.loads(&out)[w] < out.cap {
-                    out.mid[mb][h].1 = w;
+                if w != old && self.loads(&out)[w] >= out.cap {
+                    let theirs: Vec<(usize, usize)> = (0..m)
+                        .flat_map(|o| (0..out.mid[o].len()).map(move |k| (o, k)))
+                        .filter(|&(o, k)| out.mid[o][k] == (st, w))
+                        .collect();
+                    let (o, k) = theirs[rng.below(theirs.len())];
+                    out.mid[o][k].1 = old;
                 }
+                out.mid[mb][h].1 = w;
             }
             1 => {
                 let other = rng.below(m);
