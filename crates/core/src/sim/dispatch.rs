@@ -7,7 +7,6 @@
 use crate::error::{Error, Result};
 use crate::plan::deps::{need_count, unblocks, Pending, Waiter};
 use crate::plan::ir::{Action, Hop, Op, Plan};
-use crate::schedule::Time;
 use crate::sim::{SimOptions, SimSetup};
 
 /// How an idle worker picks among the actions whose inputs are there.
@@ -53,7 +52,9 @@ pub fn route_schedule(
     let mut held = vec![0usize; num_workers * m];
     let mut ready_f: Vec<Ready> = vec![Vec::new(); num_workers];
     let mut ready_b: Vec<Ready> = vec![Vec::new(); num_workers];
-    let mut events: BinaryHeap<Reverse<(Time, u64)>> = BinaryHeap::new();
+    // Keyed by the time's bits: times are never negative or NaN, and for those the bits order
+    // as the numbers do (cheaper to compare than floats).
+    let mut events: BinaryHeap<Reverse<(u64, u64)>> = BinaryHeap::new();
     let longest = routes.iter().map(Vec::len).max().unwrap_or(0);
     let event = Event { longest };
     let slot = |mb: usize, at: usize, fwd: bool| (mb * longest + at) * 2 + usize::from(fwd);
@@ -62,7 +63,7 @@ pub fn route_schedule(
     let mut ready_at = vec![0.0f64; 2 * m * longest];
     for (mb, r) in routes.iter().enumerate() {
         events.push(Reverse((
-            Time(0.0),
+            0.0f64.to_bits(),
             event.pack(1, r.first()?.worker, true, mb, 0),
         )));
     }
@@ -84,11 +85,11 @@ pub fn route_schedule(
     // Only a worker with an event at this instant can start something: its ready sets and
     // in-flight count change through its own events alone.
     let mut touched: Vec<usize> = Vec::with_capacity(num_workers);
-    while let Some(Reverse((Time(now), _))) = events.peek() {
-        let now = *now;
+    while let Some(&Reverse((at_bits, _))) = events.peek() {
+        let now = f64::from_bits(at_bits);
         touched.clear();
-        while let Some(&Reverse((Time(t), key))) = events.peek() {
-            if t > now {
+        while let Some(&Reverse((t, key))) = events.peek() {
+            if t > at_bits {
                 break;
             }
             let (kind, w, fwd, mb, at) = event.unpack(key);
@@ -118,7 +119,7 @@ pub fn route_schedule(
             }
             if mechanics.idle_gap > 0.0 {
                 let rested = now + mechanics.idle_gap;
-                events.push(Reverse((Time(rested), event.pack(2, w, fwd, mb, at))));
+                events.push(Reverse((rested.to_bits(), event.pack(2, w, fwd, mb, at))));
             } else {
                 running[w] = None;
             }
@@ -172,7 +173,7 @@ pub fn route_schedule(
                     *free
                 };
                 events.push(Reverse((
-                    Time(arrive),
+                    arrive.to_bits(),
                     event.pack(1, to, to_fwd, mb, to_at),
                 )));
             }
@@ -196,7 +197,7 @@ pub fn route_schedule(
                 workers[w].push(Action::new(op, stage, mb));
                 running[w] = Some((fwd, mb, at));
                 let end = now + duration(w, op, stage);
-                events.push(Reverse((Time(end), event.pack(0, w, fwd, mb, at))));
+                events.push(Reverse((end.to_bits(), event.pack(0, w, fwd, mb, at))));
             }
         }
     }
