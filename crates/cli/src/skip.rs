@@ -39,9 +39,9 @@ pub struct SkipPlanArgs {
     #[arg(long, default_value_t = 1)]
     max_swaps: usize,
     /// Micro-batches a middle stage's device serves per iteration at most (SkipPipe's TC1:
-    /// `memory` agents per node, each carrying micro-batches / memory; default: --microbatches,
-    /// its published setting). The full-pipeline baseline cannot keep it and is searched
-    /// without it.
+    /// `memory` agents per node). Default: an even share of its stage's visits among the
+    /// stage's devices, 6 in SkipPipe's published setting. The full-pipeline baseline cannot
+    /// keep it and is searched without it.
     #[arg(long)]
     max_node_load: Option<usize>,
     /// Annealing moves per search, the full pipeline's and the skip routes' (they run side by
@@ -108,7 +108,7 @@ pub fn cmd_skip_plan(a: SkipPlanArgs) -> Result<()> {
             time_limit: Duration::from_secs_f64(a.time_limit),
             seed: a.seed,
             mechanics,
-            max_node_load: Some(a.max_node_load.unwrap_or(a.microbatches)),
+            max_node_load: Some(a.max_node_load.unwrap_or_else(|| even_load(&a, &cluster, skip))),
         }),
         ..JobSpec::new(ScheduleKind::Custom, shape).with_layers(LayerCut::Profile(&profile))
     };
@@ -139,6 +139,16 @@ pub fn cmd_skip_plan(a: SkipPlanArgs) -> Result<()> {
     a.output.write_timeline(&sim.timeline, &title)?;
     print_result(&a, &r, skip, sim.makespan);
     Ok(())
+}
+
+/// The most micro-batches per middle device when each stage's visits (balanced over the
+/// stages) are shared evenly among the devices of its pool.
+fn even_load(a: &SkipPlanArgs, cluster: &Cluster, skip: usize) -> usize {
+    let middle = a.stages.saturating_sub(1).max(1);
+    let per_pool = (cluster.len().saturating_sub(a.data_nodes) / middle).max(1);
+    let m = a.data_nodes.saturating_mul(a.microbatches);
+    let visits = m.saturating_mul(middle.saturating_sub(skip)).div_ceil(middle);
+    visits.div_ceil(per_pool).max(1)
 }
 
 /// The search's answer beside its baselines, as JSON or text.
