@@ -108,7 +108,10 @@ pub fn cmd_skip_plan(a: SkipPlanArgs) -> Result<()> {
             time_limit: Duration::from_secs_f64(a.time_limit),
             seed: a.seed,
             mechanics,
-            max_node_load: Some(a.max_node_load.unwrap_or_else(|| even_load(&a, &cluster, skip))),
+            max_node_load: Some(
+                a.max_node_load
+                    .unwrap_or_else(|| even_load(&a, &cluster, skip)),
+            ),
         }),
         ..JobSpec::new(ScheduleKind::Custom, shape).with_layers(LayerCut::Profile(&profile))
     };
@@ -147,7 +150,9 @@ fn even_load(a: &SkipPlanArgs, cluster: &Cluster, skip: usize) -> usize {
     let middle = a.stages.saturating_sub(1).max(1);
     let per_pool = (cluster.len().saturating_sub(a.data_nodes) / middle).max(1);
     let m = a.data_nodes.saturating_mul(a.microbatches);
-    let visits = m.saturating_mul(middle.saturating_sub(skip)).div_ceil(middle);
+    let visits = m
+        .saturating_mul(middle.saturating_sub(skip))
+        .div_ceil(middle);
     visits.div_ceil(per_pool).max(1)
 }
 

@@ -371,7 +371,9 @@ fn skip_scheduler_routes_give_exact_gradients() {
             time_limit: std::time::Duration::from_secs(120),
             seed,
             mechanics: Default::default(),
-            max_node_load: None,
+            // SkipPipe's per-node load cap, as tight as it can be: each stage's visits shared
+            // evenly by its 2 devices.
+            max_node_load: Some(3 - skip),
         };
         let plan = skip_plan(&cfg.model.cost_profile(cfg.rows), &cluster, &setup)
             .unwrap()
