@@ -347,6 +347,46 @@ impl Problem<'_> {
         }
     }
 
+    /// The plan of these routes in whichever of [`Self::orders`] simulates faster, its devices
+    /// named, with its iteration time.
+    fn finish(&self, p: &Placement, r: &Routes) -> Result<(f64, Plan)> {
+        // The plan already holds the orders its dispatch gives.
+        let options = SimOptions {
+            dispatch: Dispatch::Plan,
+            ..self.setup.mechanics
+        };
+        let timed = |order| {
+            let plan = self.plan(p, r, order)?;
+            let setup = SimSetup {
+                plan: &plan,
+                stages: &self.stage_costs,
+                cluster: self.cluster,
+            };
+            // A simulation that cannot finish (a link that never delivers) is infinitely
+            // slow: `skip_plan` names it.
+            let t = simulate_with(&setup, options).map_or(f64::INFINITY, |x| x.iteration_time);
+            Some((t, plan))
+        };
+        let (t, mut plan) = self
+            .orders()
+            .iter()
+            .copied()
+            .filter_map(timed)
+            .min_by(|a, b| a.0.total_cmp(&b.0))
+            .ok_or_else(|| {
+                Error::Infeasible(
+                    "no ordering of these routes fits the devices' in-flight caps".into(),
+                )
+            })?;
+        plan.devices = self
+            .cluster
+            .devices
+            .iter()
+            .map(|d| d.name.clone())
+            .collect();
+        Ok((t, plan))
+    }
+
     /// The placement of `starts` on which greedy routes skipping `skip` stages are fastest,
     /// with those routes.
     fn best_start(&self, starts: &[Placement], skip: usize) -> (Placement, Routes) {
@@ -668,9 +708,8 @@ fn check_load_cap(setup: &SkipSetup, per_pool: usize) -> Result<()> {
     Ok(())
 }
 
-/// Schedule SkipPipe routes for `profile` on `cluster` (see the module docs).
-pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Result<SkipResult> {
-    let t0 = Instant::now();
+/// Refuse what cannot be scheduled, naming why, before any search.
+fn check_setup(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Result<()> {
     let s = setup.stages;
     let n = profile.layers.len();
     let middle = s.saturating_sub(1);
@@ -718,7 +757,33 @@ pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Res
             setup.data_nodes
         )));
     }
-    check_load_cap(setup, pool_devices / middle)?;
+    check_load_cap(setup, pool_devices / middle)
+}
+
+/// The emitted plan keeps every rule, is valid, and fits device memory in bytes (as
+/// `simulate` and `plan` check it: a plan that does not fit is not written).
+fn check_result(plan: &Plan, cluster: &Cluster, setup: &SkipSetup) -> Result<()> {
+    let rules = SkipRules {
+        skip: setup.skip,
+        max_swaps: setup.max_swaps,
+        max_in_flight: None,
+        max_node_load: setup.max_node_load,
+    };
+    check_skip_rules(plan, &rules)?;
+    crate::plan::validate::validate(plan)?;
+    let costs = plan.stage_costs().expect("skip plans carry stage costs");
+    let devices = crate::sim::devices_for_plan(plan, cluster)?;
+    crate::sim::check_memory(plan, &costs, &devices)
+        .map_err(|e| Error::Infeasible(format!("the skip plan does not fit device memory: {e}")))
+}
+
+/// Schedule SkipPipe routes for `profile` on `cluster` (see the module docs).
+pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Result<SkipResult> {
+    let t0 = Instant::now();
+    check_setup(profile, cluster, setup)?;
+    let s = setup.stages;
+    let n = profile.layers.len();
+    let middle = s - 1;
     // All layers but the head into `s` stages by compute, the head a stage of its own.
     let work = prefix(
         profile.layers[..n - 1]
@@ -778,60 +843,11 @@ pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Res
     let blind = blind_placement(cluster.len(), setup.data_nodes, middle, &mut rng);
     let random = pr.random_routes(&blind, &mut rng);
     let aware_random = pr.random_routes(&pl, &mut rng);
-    // Each plan keeps whichever worker order simulates faster: the search's, or arrival order.
-    let make = |p: &Placement, r: &Routes| {
-        let timed = |order| {
-            let plan = pr.plan(p, r, order)?;
-            // A simulation that cannot finish (a link that never delivers) is infinitely slow:
-            // the check below names it.
-            // The plan already holds the orders its dispatch gives.
-            let options = SimOptions {
-                dispatch: Dispatch::Plan,
-                ..setup.mechanics
-            };
-            let t = simulate_with(
-                &SimSetup {
-                    plan: &plan,
-                    stages: &pr.stage_costs,
-                    cluster,
-                },
-                options,
-            )
-            .map_or(f64::INFINITY, |x| x.iteration_time);
-            Some((t, plan))
-        };
-        let (t, mut plan) = pr
-            .orders()
-            .iter()
-            .copied()
-            .filter_map(timed)
-            .min_by(|a, b| a.0.total_cmp(&b.0))
-            .ok_or_else(|| {
-                Error::Infeasible(
-                    "no ordering of these routes fits the devices' in-flight caps".into(),
-                )
-            })?;
-        plan.devices = cluster.devices.iter().map(|d| d.name.clone()).collect();
-        Ok::<(f64, Plan), Error>((t, plan))
-    };
-    let (best_t, plan) = make(&best_pl, &best)?;
-    let (full_t, full_plan) = make(&full_pl, &full)?;
-    let (random_t, random_plan) = make(&blind, &random)?;
-    let (aware_random_t, _) = make(&pl, &aware_random)?;
-    let rules = SkipRules {
-        skip: setup.skip,
-        max_swaps: setup.max_swaps,
-        max_in_flight: None,
-        max_node_load: setup.max_node_load,
-    };
-    check_skip_rules(&plan, &rules)?;
-    crate::plan::validate::validate(&plan)?;
-    // Device memory in bytes, as `simulate` and `plan` check it: a plan that does not fit is
-    // not written.
-    let costs = plan.stage_costs().expect("skip plans carry stage costs");
-    let devices = crate::sim::devices_for_plan(&plan, cluster)?;
-    crate::sim::check_memory(&plan, &costs, &devices)
-        .map_err(|e| Error::Infeasible(format!("the skip plan does not fit device memory: {e}")))?;
+    let (best_t, plan) = pr.finish(&best_pl, &best)?;
+    let (full_t, full_plan) = pr.finish(&full_pl, &full)?;
+    let (random_t, random_plan) = pr.finish(&blind, &random)?;
+    let (aware_random_t, _) = pr.finish(&pl, &aware_random)?;
+    check_result(&plan, cluster, setup)?;
     // A link or a device that never finishes (bandwidth or speed near 0, huge latency) makes
     // every candidate infinite: say so rather than print `inf s` and `NaN%`.
     if let Some((what, t)) = [
