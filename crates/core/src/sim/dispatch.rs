@@ -50,17 +50,12 @@ pub fn route_schedule(
     let m = routes.len();
     let mut in_flight = vec![0usize; num_workers];
     let mut held = vec![0usize; num_workers * m];
-    let mut ready_f: Vec<Ready> = vec![Vec::new(); num_workers];
-    let mut ready_b: Vec<Ready> = vec![Vec::new(); num_workers];
     // Keyed by the time's bits: times are never negative or NaN, and for those the bits order
     // as the numbers do (cheaper to compare than floats).
     let mut events: BinaryHeap<Reverse<(u64, u64)>> = BinaryHeap::new();
     let longest = routes.iter().map(Vec::len).max().unwrap_or(0);
     let event = Event { longest };
-    let slot = |mb: usize, at: usize, fwd: bool| (mb * longest + at) * 2 + usize::from(fwd);
-    let mut pending = Pending::new(2 * m * longest);
-    // When each (mb, position, direction) became ready (for `Order::Arrival`).
-    let mut ready_at = vec![0.0f64; 2 * m * longest];
+    let mut ready = Readiness::new(num_workers, m, longest);
     for (mb, r) in routes.iter().enumerate() {
         events.push(Reverse((
             0.0f64.to_bits(),
@@ -79,9 +74,10 @@ pub fn route_schedule(
         .unwrap_or(0);
     let mut stage_done = vec![0.0f64; stages];
     let mut makespan = 0.0f64;
-    // When each directed link is next free: messages on it queue, first sent first.
-    // Per sender, a short list: (receiver, free at).
-    let mut link_free: Vec<Vec<(usize, f64)>> = vec![Vec::new(); num_workers];
+    let mut links = Links {
+        free: vec![Vec::new(); num_workers],
+        queue: !mechanics.no_link_queue,
+    };
     // Only a worker with an event at this instant can start something: its ready sets and
     // in-flight count change through its own events alone.
     let mut touched: Vec<usize> = Vec::with_capacity(num_workers);
@@ -105,16 +101,7 @@ pub fn route_schedule(
             }
             if kind == 1 {
                 // An input arrived: one need met (an action with none arrives at time 0).
-                let (prev, next) = neighbours(r, at);
-                let (waiter, set) = if fwd {
-                    (Waiter::Forward(r[at].stage), &mut ready_f[w])
-                } else {
-                    (Waiter::Backward(r[at].stage), &mut ready_b[w])
-                };
-                if pending.meet(slot(mb, at, fwd), need_count(waiter, prev, next)) {
-                    set.push((mb, at));
-                    ready_at[slot(mb, at, fwd)] = now;
-                }
+                ready.meet(r, w, (mb, at, fwd), now);
                 continue;
             }
             if mechanics.idle_gap > 0.0 {
@@ -146,10 +133,7 @@ pub fn route_schedule(
                 };
                 if to_at == at {
                     // Its own backward, on this worker: no message to wait for.
-                    if pending.meet(slot(mb, at, false), need_count(waiter, prev, next)) {
-                        ready_b[w].push((mb, at));
-                        ready_at[slot(mb, at, false)] = now;
-                    }
+                    ready.meet(r, w, (mb, at, false), now);
                     continue;
                 }
                 let to = r[to_at].worker;
@@ -157,20 +141,8 @@ pub fn route_schedule(
                 let payload = r[if to_fwd { at } else { to_at }].stage;
                 let arrive = if to == w {
                     now
-                } else if mechanics.no_link_queue {
-                    now + transfer(w, to, payload)
                 } else {
-                    let links = &mut link_free[w];
-                    let i = match links.iter().position(|&(b, _)| b == to) {
-                        Some(i) => i,
-                        None => {
-                            links.push((to, 0.0));
-                            links.len() - 1
-                        }
-                    };
-                    let free = &mut links[i].1;
-                    *free = free.max(now) + transfer(w, to, payload);
-                    *free
+                    links.send(w, to, now, transfer(w, to, payload))
                 };
                 events.push(Reverse((
                     arrive.to_bits(),
@@ -183,10 +155,11 @@ pub fn route_schedule(
             if running[w].is_some() {
                 continue;
             }
-            let since = |mb: usize, at: usize, fwd: bool| ready_at[slot(mb, at, fwd)];
+            let (times, longest) = (&ready.at, ready.longest);
+            let since = |mb: usize, at: usize, fwd: bool| times[slot(longest, mb, at, fwd)];
             let pick = pick_next(
                 w,
-                (&mut ready_f[w], &mut ready_b[w]),
+                (&mut ready.forwards[w], &mut ready.backwards[w]),
                 &mut held,
                 &mut in_flight,
                 cap[w],
@@ -206,6 +179,84 @@ pub fn route_schedule(
         makespan,
         stage_done,
     })
+}
+
+/// The index of (micro-batch, position on the route, forward?) when routes are at most
+/// `longest` hops.
+fn slot(longest: usize, mb: usize, at: usize, fwd: bool) -> usize {
+    (mb * longest + at) * 2 + usize::from(fwd)
+}
+
+/// The directed links' queues: when each is next free (per sender, a short list of
+/// (receiver, free at)); messages on a link travel one after another, first sent first,
+/// unless `queue` is off.
+struct Links {
+    free: Vec<Vec<(usize, f64)>>,
+    queue: bool,
+}
+
+impl Links {
+    /// When a message of `secs` sent from `a` to `b` at `now` arrives.
+    fn send(&mut self, a: usize, b: usize, now: f64, secs: f64) -> f64 {
+        if !self.queue {
+            return now + secs;
+        }
+        let links = &mut self.free[a];
+        let i = links
+            .iter()
+            .position(|&(to, _)| to == b)
+            .unwrap_or_else(|| {
+                links.push((b, 0.0));
+                links.len() - 1
+            });
+        let free = &mut links[i].1;
+        *free = free.max(now) + secs;
+        *free
+    }
+}
+
+/// Which actions are ready on each worker, and since when: an action is ready once the
+/// completions and messages it needs (the IR's dependency rule) have all come.
+struct Readiness {
+    pending: Pending,
+    forwards: Vec<Ready>,
+    backwards: Vec<Ready>,
+    /// When each (micro-batch, position, direction) became ready (for `Order::Arrival`).
+    at: Vec<f64>,
+    longest: usize,
+}
+
+impl Readiness {
+    fn new(workers: usize, microbatches: usize, longest: usize) -> Self {
+        Readiness {
+            pending: Pending::new(2 * microbatches * longest),
+            forwards: vec![Vec::new(); workers],
+            backwards: vec![Vec::new(); workers],
+            at: vec![0.0; 2 * microbatches * longest],
+            longest,
+        }
+    }
+
+    /// One need of the action at position `at` of route `r` (micro-batch `mb`, forward or
+    /// backward) on worker `w` is met at `now`; it joins the worker's ready list on its last.
+    fn meet(&mut self, r: &[Hop], w: usize, (mb, at, fwd): (usize, usize, bool), now: f64) {
+        let (prev, next) = neighbours(r, at);
+        let waiter = if fwd {
+            Waiter::Forward(r[at].stage)
+        } else {
+            Waiter::Backward(r[at].stage)
+        };
+        let slot = slot(self.longest, mb, at, fwd);
+        if self.pending.meet(slot, need_count(waiter, prev, next)) {
+            let list = if fwd {
+                &mut self.forwards[w]
+            } else {
+                &mut self.backwards[w]
+            };
+            list.push((mb, at));
+            self.at[slot] = now;
+        }
+    }
 }
 
 /// The plan's routes with the worker orders that arrival dispatch gives them under
