@@ -120,35 +120,11 @@ pub fn route_schedule(
                     in_flight[w] -= 1;
                 }
             }
-            // What this completion counts towards, by the IR's dependency rule: a need met on
-            // this worker now, or on a neighbour's once the result has travelled there.
-            let op = if fwd { Op::F } else { Op::BW };
-            let (prev, next) = neighbours(r, at);
-            for waiter in unblocks(op, r[at].stage, prev, next).into_iter().flatten() {
-                let (to_at, to_fwd) = match waiter {
-                    Waiter::Forward(_) => (at + 1, true),
-                    Waiter::Backward(st) if st == r[at].stage => (at, false),
-                    Waiter::Backward(_) => (at - 1, false),
-                    Waiter::Weight(_) => unreachable!("route schedules run fused backwards"),
-                };
-                if to_at == at {
-                    // Its own backward, on this worker: no message to wait for.
-                    ready.meet(r, w, (mb, at, false), now);
-                    continue;
-                }
-                let to = r[to_at].worker;
-                // A gradient carries the activation of the stage it goes back to.
-                let payload = r[if to_fwd { at } else { to_at }].stage;
-                let arrive = if to == w {
-                    now
-                } else {
-                    links.send(w, to, now, transfer(w, to, payload))
-                };
-                events.push(Reverse((
-                    arrive.to_bits(),
-                    event.pack(1, to, to_fwd, mb, to_at),
-                )));
-            }
+            let mut arrives = |t: f64, to: usize, to_fwd: bool, to_at: usize| {
+                events.push(Reverse((t.to_bits(), event.pack(1, to, to_fwd, mb, to_at))));
+            };
+            let sent = (&mut ready, &mut links, &transfer);
+            deliver(r, w, (mb, at, fwd), now, sent, &mut arrives);
         }
         touched.sort_unstable();
         for &w in &touched {
@@ -179,6 +155,48 @@ pub fn route_schedule(
         makespan,
         stage_done,
     })
+}
+
+/// What the action at position `at` of route `r` (micro-batch `mb`, forward or whole
+/// backward) on worker `w`, done at `now`, counts towards by the IR's dependency rule: a need
+/// met on this worker now, or on a neighbour's once the result has travelled there
+/// (`arrives(time, worker, forward?, position)`).
+fn deliver(
+    r: &[Hop],
+    w: usize,
+    (mb, at, fwd): (usize, usize, bool),
+    now: f64,
+    (ready, links, transfer): (
+        &mut Readiness,
+        &mut Links,
+        &impl Fn(usize, usize, usize) -> f64,
+    ),
+    arrives: &mut impl FnMut(f64, usize, bool, usize),
+) {
+    let op = if fwd { Op::F } else { Op::BW };
+    let (prev, next) = neighbours(r, at);
+    for waiter in unblocks(op, r[at].stage, prev, next).into_iter().flatten() {
+        let (to_at, to_fwd) = match waiter {
+            Waiter::Forward(_) => (at + 1, true),
+            Waiter::Backward(st) if st == r[at].stage => (at, false),
+            Waiter::Backward(_) => (at - 1, false),
+            Waiter::Weight(_) => unreachable!("route schedules run fused backwards"),
+        };
+        if to_at == at {
+            // Its own backward, on this worker: no message to wait for.
+            ready.meet(r, w, (mb, at, false), now);
+            continue;
+        }
+        let to = r[to_at].worker;
+        // A gradient carries the activation of the stage it goes back to.
+        let payload = r[if to_fwd { at } else { to_at }].stage;
+        let t = if to == w {
+            now
+        } else {
+            links.send(w, to, now, transfer(w, to, payload))
+        };
+        arrives(t, to, to_fwd, to_at);
+    }
 }
 
 /// The index of (micro-batch, position on the route, forward?) when routes are at most
