@@ -230,8 +230,8 @@ impl Problem<'_> {
 
     /// The worker orders a plan may take, the first being the one the search scores with:
     /// arrival order under arrival dispatch, else arrival order or backward-first, whichever
-    /// is faster. (On the geo example, scoring in arrival order ends 1.0 s faster on average
-    /// over six seeds than scoring backward-first: 74.8 s against 75.8 s without the
+    /// is faster. (On the geo example, scoring in arrival order ends 1.3 s faster on average
+    /// over six seeds than scoring backward-first: 74.8 s against 76.0 s without the
     /// all-reduce.)
     fn orders(&self) -> &'static [Order] {
         match self.setup.mechanics.dispatch {
