@@ -346,14 +346,16 @@ fn batch_jobs_get_a_timestamped_line_every_few_steps() {
         .filter_map(|l| l[20..].split_whitespace().nth(1))
         .collect();
     assert_eq!(steps, vec!["3/7", "6/7", "7/7"], "{err}");
-    // Each line has the model FLOPs utilisation, a percentage.
+    // Each line has the model FLOPs utilisation, a percentage. This model is tiny, and to
+    // one decimal a slow step (the first, on a busy machine) can read 0.0%.
     let mfu: Vec<f64> = err
         .lines()
         .filter_map(|l| l.split(" MFU ").nth(1))
         .filter_map(|rest| rest.split('%').next()?.parse().ok())
         .collect();
     assert_eq!(mfu.len(), 3, "{err}");
-    assert!(mfu.iter().all(|m| *m > 0.0 && *m < 150.0), "{mfu:?}");
+    assert!(mfu.iter().all(|m| (0.0..150.0).contains(m)), "{mfu:?}");
+    assert!(mfu.iter().any(|m| *m > 0.0), "{mfu:?}");
 }
 
 /// `--print-config` writes the resolved settings as TOML; `--config` on it trains the same run,
