@@ -439,22 +439,28 @@ pub fn simulate(setup: &SimSetup) -> Result<SimResult> {
     simulate_with(setup, SimOptions::default())
 }
 
-/// [`simulate`] under `options`.
+/// [`simulate`] under `options`: under arrival dispatch, the plan's routes in the orders that
+/// dispatch gives them.
 pub fn simulate_with(setup: &SimSetup, options: SimOptions) -> Result<SimResult> {
-    if options.dispatch == Dispatch::Arrival {
-        let plan = super::dispatch::arrival_orders(setup, &options)?;
-        let options = SimOptions {
-            dispatch: Dispatch::Plan,
-            ..options
-        };
-        return simulate_with(
-            &SimSetup {
-                plan: &plan,
-                ..*setup
-            },
-            options,
-        );
+    if options.dispatch == Dispatch::Plan {
+        return simulate_orders(setup, options);
     }
+    let plan = super::dispatch::arrival_orders(setup, &options)?;
+    let options = SimOptions {
+        dispatch: Dispatch::Plan,
+        ..options
+    };
+    simulate_orders(
+        &SimSetup {
+            plan: &plan,
+            ..*setup
+        },
+        options,
+    )
+}
+
+/// Simulate the plan's own worker orders under `options` (its dispatch aside).
+fn simulate_orders(setup: &SimSetup, options: SimOptions) -> Result<SimResult> {
     let SimSetup {
         plan,
         stages,
