@@ -40,13 +40,7 @@ pub fn lock(dir: &Path) -> Result<DirLock> {
         .open(&path)
         .map_err(|e| io(&path, e))?;
     if let Err(e) = file.try_lock() {
-        let holder = std::fs::read_to_string(&path).unwrap_or_default();
-        let holder = holder.trim();
-        let who = if holder.is_empty() {
-            "another run"
-        } else {
-            holder
-        };
+        let who = lock_holder(&path).unwrap_or_else(|| "another run".into());
         return Err(Error::checkpoint(
             dir,
             format!("in use by {who} ({e}); wait for it to end, or give this run another checkpoint directory"),
@@ -63,6 +57,19 @@ pub fn lock(dir: &Path) -> Result<DirLock> {
         .and_then(|_| file.flush())
         .map_err(|e| io(&path, e))?;
     Ok(DirLock { _file: file })
+}
+
+/// Who holds the lock file at `path`. A run that has just taken the lock writes its name a
+/// moment later, so an empty file is read again for up to a second before giving up.
+fn lock_holder(path: &Path) -> Option<String> {
+    for _ in 0..100 {
+        let holder = std::fs::read_to_string(path).unwrap_or_default();
+        if !holder.trim().is_empty() {
+            return Some(holder.trim().to_string());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    None
 }
 
 #[derive(Debug, Serialize, Deserialize)]
