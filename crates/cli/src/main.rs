@@ -6,6 +6,7 @@ mod error;
 mod eval;
 mod files;
 mod freeze;
+mod launch;
 mod log;
 mod model;
 mod output;
@@ -258,6 +259,7 @@ fn main() {
         match RANK.get() {
             // Every rank sees the same bad input; one message is enough.
             Some(&r) if code == 2 && r > 0 => {}
+            Some(_) if code == 2 => say_error(&text),
             Some(&r) if text.contains(&format!("rank {r}:")) => say_error(&text),
             Some(&r) => say_error(&format!("rank {r}: {text}")),
             None => say_error(&text),
@@ -295,7 +297,10 @@ fn run(cli: Cli) -> Result<()> {
         // A PIPEWRIGHT_BLAS that cannot be used stops the commands that multiply matrices
         // before any work, rather than quietly running on another library.
         pipewright_runtime::kernels::blas_lib::blas().map_err(|e| BadInput(e.to_string()))?;
-        if ranks::RANK.get().is_none_or(|&r| r == 0) {
+        // Once per run: not in the ranks pipewright started (it said so itself), and of a
+        // launcher's tasks only in task 0.
+        let first = ranks::launcher_tasks().is_none_or(|(_, _, me)| me == 0);
+        if first && !launch::launched() && ranks::RANK.get().is_none_or(|&r| r == 0) {
             warn_slow_kernels();
         }
     }

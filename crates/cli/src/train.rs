@@ -27,7 +27,10 @@ use std::time::Duration;
 )]
 #[serde(rename_all = "lowercase")]
 pub enum TransportKind {
-    /// One process, a thread per worker.
+    /// Processes when the plan has several workers and MPI can start them (pipewright runs
+    /// itself under `mpirun`, or joins the job a launcher started); threads otherwise.
+    Auto,
+    /// One process, a thread per worker (and `--cluster`'s emulated links).
     Threads,
     /// One process per worker, started by `mpirun -np WORKERS` or `srun`: rank r runs worker r.
     Mpi,
@@ -171,8 +174,10 @@ pub struct TrainArgs {
     /// last measured step on one time scale, as an SVG.
     #[arg(long, value_name = "SVG")]
     pub(crate) compare_svg: Option<PathBuf>,
-    /// Threads in this process, or MPI processes (launch with `mpirun -np WORKERS`).
-    #[arg(long, value_enum, default_value = "threads")]
+    /// How the workers run: `auto` starts one process per worker under `mpirun` (faster:
+    /// threads share one autodiff lock), `threads` keeps them in this process, `mpi` joins a job
+    /// launched with `mpirun -np WORKERS` or `srun`.
+    #[arg(long, value_enum, default_value = "auto")]
     pub(crate) transport: TransportKind,
     /// Seconds a worker waits for a peer's message before it gives up and names the peer.
     #[arg(long, default_value_t = 60.0)]
@@ -521,6 +526,10 @@ fn start_transport(a: &TrainArgs) -> Result<Procs> {
         ))
         .into());
     }
+    let launched = crate::ranks::launcher_tasks().is_some();
+    if a.transport == TransportKind::Auto && !launched {
+        return Ok(None);
+    }
     if a.transport == TransportKind::Threads {
         // Started as one of several tasks, each would train the whole plan alone, on the same
         // files: refused (by task 0 only, so the message comes once).
@@ -553,6 +562,24 @@ fn start_transport(a: &TrainArgs) -> Result<Procs> {
     .into())
 }
 
+/// Under `--transport auto`, a plan of several workers starts again as one process per worker
+/// (this returns only if it stays in this process). `--cluster` emulates links between threads,
+/// and `--switch-plan` may change the worker count: both stay threads.
+fn as_processes(a: &TrainArgs, cfg: &TrainConfig) -> Result<()> {
+    if a.cluster.is_some() || !a.switch_plan.is_empty() {
+        return Ok(());
+    }
+    let workers = train_plan(a, cfg)?.num_workers();
+    if workers < 2 {
+        return Ok(());
+    }
+    let why = crate::launch::why_threads().unwrap_or_else(|| crate::launch::relaunch(workers));
+    eprintln!(
+        "note: the {workers} workers run as threads in this process, which is slower than processes: {why}"
+    );
+    Ok(())
+}
+
 /// `train`, and when it fails (a worker or peer failed, a write failed: not bad input, which
 /// writes nothing) its last error also in `last-error.txt` beside the checkpoints: a batch job's
 /// log may be gone, the checkpoints are not.
@@ -561,15 +588,27 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
     let dir = (!a.no_checkpoint).then(|| a.checkpoint_dir());
     let r = train(a);
     if let (Err(e), Some(dir)) = (&r, dir) {
+        // The root says why the run failed; another rank whose own step failed says so too
+        // (under mpirun the root, waiting for it, is then stopped before it could).
         let root = crate::ranks::RANK.get().is_none_or(|&r| r == 0);
+        let own = !e.chain().any(|c| {
+            matches!(
+                c.downcast_ref::<pipewright_runtime::exec::ExecError>(),
+                Some(pipewright_runtime::exec::ExecError::Transport(_))
+            ) || c.is::<pipewright_runtime::transport::TransportError>()
+        });
         let failure = crate::error::exit_code(e) == 1;
-        if root && failure && dir.is_dir() {
+        if (root || own) && failure && dir.is_dir() {
             let line = format!(
                 "{} {}\n",
                 crate::log::now(),
                 crate::error::message(e, crate::error::Flags::Pipeline)
             );
-            let _ = std::fs::write(dir.join("last-error.txt"), line);
+            // Whole or not at all: written aside, then renamed over the last one.
+            let tmp = dir.join(format!(".last-error.{}", std::process::id()));
+            if std::fs::write(&tmp, line).is_ok() {
+                let _ = std::fs::rename(&tmp, dir.join("last-error.txt"));
+            }
         }
     }
     r
@@ -591,9 +630,13 @@ fn train(a: TrainArgs) -> Result<()> {
         );
         return Ok(());
     }
-    let procs = start_transport(&a)?;
+    // Before MPI starts: a stop request mpirun passes on must find the handler.
     crate::ranks::stop_on_signals();
+    let procs = start_transport(&a)?;
     let mut cfg = config(&a)?;
+    if procs.is_none() && a.transport == TransportKind::Auto {
+        as_processes(&a, &cfg)?;
+    }
     let data = a.data.resolve(cfg.data.as_ref())?;
     let corpus = crate::data::corpus(&data, &mut cfg)?;
     check_flags(&a, &cfg, procs.is_some())?;
@@ -604,6 +647,10 @@ fn train(a: TrainArgs) -> Result<()> {
     trainer.run_settings = Some(serde_json::to_value(crate::runtable::RunTable::of(&a))?);
     let mut run = TrainingRun::new(trainer, corpus, run_cfg)?;
     let mut sink = Progress::new(&a, run.trainer.is_root());
+    #[cfg(feature = "mpi")]
+    if let Some(m) = procs.as_ref().filter(|_| run.trainer.is_root()) {
+        sink.placement = Some(crate::launch::placement_note(m.world().size));
+    }
     let summary = run.run(&mut sink)?;
     // The root reports before MPI finishes: the run is done and checkpointed, and a peer that
     // never finishes must not hold its summary back.
@@ -818,6 +865,8 @@ struct Progress {
     tensorboard: Option<crate::tensorboard::EventFile>,
     /// Log lines every this many steps, when stderr is no terminal (the root only).
     log_every: Option<u64>,
+    /// How the worker processes were placed (the root of an MPI job).
+    placement: Option<String>,
 }
 
 impl Progress {
@@ -839,6 +888,7 @@ impl Progress {
             tensorboard_dir: a.tensorboard.clone().filter(|_| root),
             tensorboard: None,
             log_every: (root && !std::io::stderr().is_terminal()).then_some(a.log_every),
+            placement: None,
         }
     }
 
@@ -875,6 +925,9 @@ fn tb_error(path: &Path, err: std::io::Error) -> pipewright_runtime::error::Erro
 impl RunSink for Progress {
     fn start(&mut self, s: &RunStart) -> pipewright_runtime::error::Result<()> {
         eprintln!("{}", s.header);
+        if let Some(p) = &self.placement {
+            eprintln!("{p}");
+        }
         if let Some(f) = self.metrics_path.clone() {
             if let Some(step) = s.resumed {
                 // A resumed run continues the same metrics file from its step.

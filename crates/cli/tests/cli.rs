@@ -1310,6 +1310,8 @@ fn compare_sim_models_serialised_threads() {
                 "4",
                 "--no-checkpoint",
                 "--compare-sim",
+                "--transport",
+                "threads",
             ][..],
             &TINY,
         ]

@@ -608,7 +608,14 @@ fn measured_mpi_traces_carry_communication_and_optimizer_spans() {
 fn several_tasks_with_threads_are_refused() {
     let _one = one_at_a_time();
     let o = mpirun(2)
-        .args(["train", "--steps", "1", "--no-checkpoint"])
+        .args([
+            "train",
+            "--steps",
+            "1",
+            "--no-checkpoint",
+            "--transport",
+            "threads",
+        ])
         .args(TINY)
         .output()
         .unwrap();
@@ -616,4 +623,35 @@ fn several_tasks_with_threads_are_refused() {
     assert!(!o.status.success(), "{err}");
     assert_eq!(err.matches("add --transport mpi").count(), 1, "{err}");
     assert!(err.contains("mpirun (OMPI_COMM_WORLD_SIZE=2)"), "{err}");
+}
+
+/// `train` with several workers and no launcher starts them as processes under mpirun, each
+/// bound to its own core, and trains exactly as the same plan in threads does.
+#[test]
+fn a_pipeline_runs_as_worker_processes_by_default() {
+    let _one = one_at_a_time();
+    let run = |transport: &str| {
+        Command::new(env!("CARGO_BIN_EXE_pipewright"))
+            .args(["train", "--stages", "2", "--transport", transport])
+            .args(SHORT)
+            .args(TINY)
+            .arg("--no-checkpoint")
+            .output()
+            .unwrap()
+    };
+    let (auto, threads) = (run("auto"), run("threads"));
+    let err = String::from_utf8_lossy(&auto.stderr);
+    assert!(auto.status.success(), "{err}");
+    assert!(
+        err.contains("workers: 2 processes (started by pipewright under mpirun)"),
+        "{err}"
+    );
+    let last = |o: &Output| {
+        let out = String::from_utf8_lossy(&o.stdout).to_string();
+        out.lines()
+            .find(|l| l.starts_with("val loss"))
+            .map(String::from)
+    };
+    assert!(last(&auto).is_some(), "{}", text(&auto));
+    assert_eq!(last(&auto), last(&threads), "{}", text(&threads));
 }

@@ -289,11 +289,25 @@ fn eval_defaults_fit_the_checkpoints_plan() {
 /// boundary, writes that step's checkpoint and exits 0; `--resume` continues from it.
 #[test]
 fn sigterm_stops_a_threads_run_at_a_step_with_its_checkpoint() {
-    let d = scratch("sigterm");
+    sigterm_stops_at_a_step("threads", 2);
+}
+
+/// The same for the worker processes pipewright starts under mpirun by default: the signal
+/// to the command the user ran reaches every rank as a stop request.
+#[cfg(feature = "mpi")]
+#[test]
+fn sigterm_stops_a_run_of_worker_processes_at_a_step_with_its_checkpoint() {
+    sigterm_stops_at_a_step("auto", 5);
+}
+
+fn sigterm_stops_at_a_step(transport: &str, after_s: u64) {
+    let d = scratch(&format!("sigterm-{transport}"));
     let ck = d.join("ck");
     let job = train(&[
         "--steps",
         "100000",
+        "--transport",
+        transport,
         "--checkpoint-dir",
         ck.to_str().unwrap(),
     ])
@@ -301,7 +315,7 @@ fn sigterm_stops_a_threads_run_at_a_step_with_its_checkpoint() {
     .stderr(Stdio::piped())
     .spawn()
     .unwrap();
-    std::thread::sleep(std::time::Duration::from_secs(2));
+    std::thread::sleep(std::time::Duration::from_secs(after_s));
     // SAFETY: signals the child this test started.
     unsafe { libc::kill(job.id() as i32, libc::SIGTERM) };
     let o = job.wait_with_output().unwrap();

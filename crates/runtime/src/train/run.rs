@@ -44,6 +44,37 @@ fn fresh_dir(dir: &std::path::Path) -> Result<()> {
     }
 }
 
+/// The root takes the checkpoint directory for this run (lock, then overwrite or check it is
+/// fresh). Over MPI every rank learns whether that worked: a refused root exits with its
+/// message, and the others exit with it instead of waiting for it in the first collective.
+fn take_checkpoint_dir(
+    trainer: &mut Trainer,
+    cfg: &RunConfig,
+) -> Result<Option<super::store::DirLock>> {
+    let Some(c) = &cfg.checkpoints else {
+        return Ok(None);
+    };
+    trainer.keep_checkpoints = c.keep;
+    let taken = match trainer.is_root() {
+        true => super::store::lock(&c.dir).and_then(|lock| {
+            if c.overwrite {
+                super::store::remove_all(&c.dir)?;
+            } else if cfg.resume_from.is_none() {
+                fresh_dir(&c.dir)?;
+            }
+            Ok(Some(lock))
+        }),
+        false => Ok(None),
+    };
+    if trainer.is_distributed() && trainer.any(taken.is_err())? && taken.is_ok() {
+        return Err(Error::checkpoint(
+            &c.dir,
+            "rank 0 refused this checkpoint directory (its message says why)",
+        ));
+    }
+    taken
+}
+
 /// What a run does besides training steps.
 #[derive(Clone)]
 pub struct RunConfig {
@@ -285,18 +316,7 @@ impl TrainingRun {
             }
             None => None,
         };
-        let mut lock = None;
-        if let Some(c) = &cfg.checkpoints {
-            trainer.keep_checkpoints = c.keep;
-            if trainer.is_root() {
-                lock = Some(super::store::lock(&c.dir)?);
-                if c.overwrite {
-                    super::store::remove_all(&c.dir)?;
-                } else if cfg.resume_from.is_none() {
-                    fresh_dir(&c.dir)?;
-                }
-            }
-        }
+        let lock = take_checkpoint_dir(&mut trainer, &cfg)?;
         trainer.set_cache(cfg.cache.clone())?;
         let profiler = cfg
             .compare_sim

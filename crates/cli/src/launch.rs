@@ -1,0 +1,216 @@
+//! `train --transport auto` (the default): a plan of several workers on one machine runs as
+//! one process per worker. In-process workers serialise on burn's one autodiff lock, so
+//! threads give a pipeline no speed-up; processes do (1.4x on 2 cores for the default run).
+//! pipewright starts itself again under `mpirun`, each rank bound to its own cores, and the
+//! ranks meet over the same MPI transport as a job a user launches.
+
+use std::path::PathBuf;
+
+/// Set in the ranks pipewright started itself, so the run header can say who placed them.
+const LAUNCHED: &str = "PIPEWRIGHT_LAUNCHED";
+
+/// Where `mpirun` places `workers` ranks on a machine with `cores` physical cores: each rank
+/// bound to its own `cores / workers` of them (its BLAS then runs that many threads), or, with
+/// more ranks than cores, left unbound (binding would stack them on the first cores).
+pub fn placement(workers: usize, cores: usize) -> Vec<String> {
+    let pe = format!("slot:PE={}", cores / workers.max(1));
+    let flags: &[&str] = match workers <= cores {
+        true => &["--map-by", &pe, "--bind-to", "core"],
+        false => &["--oversubscribe", "--bind-to", "none", "--map-by", "slot"],
+    };
+    flags.iter().map(|f| f.to_string()).collect()
+}
+
+/// Physical cores this process may run on: its CPU affinity with hardware threads of one core
+/// counted once (what `mpirun` counts as slots).
+pub fn physical_cores() -> usize {
+    let logical = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut cores = std::collections::BTreeSet::new();
+    for cpu in allowed_cpus() {
+        let siblings = format!("/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list");
+        match std::fs::read_to_string(siblings) {
+            Ok(s) => cores.insert(s.trim().to_string()),
+            Err(_) => return logical,
+        };
+    }
+    if cores.is_empty() {
+        logical
+    } else {
+        cores.len()
+    }
+}
+
+/// The CPUs this process may run on (its affinity mask).
+fn allowed_cpus() -> Vec<usize> {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity fills it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return Vec::new();
+        }
+        (0..libc::CPU_SETSIZE as usize)
+            .filter(|&c| libc::CPU_ISSET(c, &set))
+            .collect()
+    }
+}
+
+/// `mpirun` on the PATH, if any.
+fn find_mpirun() -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join("mpirun"))
+        .find(|p| p.is_file())
+}
+
+/// Why this run's workers stay threads, when they could not be processes; None when they can.
+pub fn why_threads() -> Option<String> {
+    if !cfg!(feature = "mpi") {
+        return Some("this pipewright was built without MPI (cargo feature `mpi`)".into());
+    }
+    if find_mpirun().is_none() {
+        return Some("mpirun is not on the PATH (scripts/install-deps installs Open MPI)".into());
+    }
+    None
+}
+
+/// `mpirun`'s process id while this process waits for it (0 before).
+static MPIRUN: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+/// Stop requests seen (SIGTERM, SIGUSR1).
+static STOPS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// A stop request for the job. `mpirun` ends the whole job on SIGTERM, but passes SIGUSR1 on
+/// to every rank, which stops there at the next step boundary with a checkpoint: the first
+/// request goes on as SIGUSR1, a second as SIGTERM (end now), as in a run of threads.
+extern "C" fn forward_stop(_sig: libc::c_int) {
+    let pid = MPIRUN.load(std::sync::atomic::Ordering::SeqCst);
+    let first = STOPS.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0;
+    if pid > 0 {
+        let sig = if first { libc::SIGUSR1 } else { libc::SIGTERM };
+        // SAFETY: kill is async-signal-safe.
+        unsafe { libc::kill(pid, sig) };
+    }
+}
+
+/// Run this same command again as `workers` MPI ranks under `mpirun`, wait for the job, and
+/// end this process with its exit status. Returns only if the job could not be started, with
+/// the reason.
+pub fn relaunch(workers: usize) -> String {
+    let Some(mpirun) = find_mpirun() else {
+        return "mpirun is not on the PATH".into();
+    };
+    let exe = match std::env::current_exe() {
+        Ok(exe) => exe,
+        Err(e) => return format!("cannot find this program's file: {e}"),
+    };
+    let mut cmd = std::process::Command::new(&mpirun);
+    // SAFETY: geteuid only reads this process's user id.
+    if unsafe { libc::geteuid() } == 0 {
+        // Open MPI refuses root without this; a container's user is often root.
+        cmd.arg("--allow-run-as-root");
+    }
+    let cores = physical_cores();
+    if workers > cores {
+        // Unbound ranks would each run a BLAS thread per core: one each, unless the user says.
+        for var in [
+            "OPENBLAS_NUM_THREADS",
+            "MKL_NUM_THREADS",
+            "RAYON_NUM_THREADS",
+        ] {
+            if std::env::var_os(var).is_none() {
+                cmd.env(var, "1");
+            }
+        }
+    }
+    cmd.arg("-q")
+        .args(["-np", &workers.to_string()])
+        .args(placement(workers, cores))
+        .arg(exe)
+        .args(std::env::args_os().skip(1))
+        .env(LAUNCHED, "1");
+    // SAFETY: the handler only reads and writes atomics and calls kill. A Ctrl-C reaches
+    // mpirun and the ranks from the terminal itself: this process waits for them.
+    unsafe {
+        let handler = forward_stop as *const () as libc::sighandler_t;
+        libc::signal(libc::SIGTERM, handler);
+        libc::signal(libc::SIGUSR1, handler);
+        libc::signal(libc::SIGINT, libc::SIG_IGN);
+    }
+    let mut job = match cmd.spawn() {
+        Ok(job) => job,
+        Err(e) => return format!("{}: {e}", mpirun.display()),
+    };
+    MPIRUN.store(job.id() as i32, std::sync::atomic::Ordering::SeqCst);
+    if STOPS.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+        // Asked to stop while mpirun was starting: passed on now.
+        // SAFETY: kill only sends a signal.
+        unsafe { libc::kill(job.id() as i32, libc::SIGUSR1) };
+    }
+    let code = match job.wait() {
+        Ok(status) => {
+            use std::os::unix::process::ExitStatusExt;
+            status
+                .code()
+                .unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
+        }
+        Err(e) => {
+            eprintln!("error: waiting for {}: {e}", mpirun.display());
+            1
+        }
+    };
+    std::process::exit(code)
+}
+
+/// Whether pipewright started this process as one of its ranks.
+pub fn launched() -> bool {
+    std::env::var_os(LAUNCHED).is_some()
+}
+
+/// How this rank was placed, for the run header (rank 0 of an MPI job).
+pub fn placement_note(ranks: usize) -> String {
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    // SAFETY: sysconf only reads a system setting.
+    let online = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }.max(1) as usize;
+    let who = match launched() {
+        true => "started by pipewright under mpirun",
+        false => "MPI ranks",
+    };
+    let bound = match cores < online {
+        true => format!("rank 0 bound to {cores} of {online} cores"),
+        false => format!("rank 0 not bound (may use all {online} cores)"),
+    };
+    let threads = pipewright_runtime::kernels::blas_lib::blas_threads()
+        .map_or("?".to_string(), |t| t.to_string());
+    format!("workers: {ranks} processes ({who}), {bound}, BLAS {threads} threads")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranks_get_disjoint_cores_or_none_when_oversubscribed() {
+        assert_eq!(
+            placement(2, 2),
+            ["--map-by", "slot:PE=1", "--bind-to", "core"]
+        );
+        assert_eq!(
+            placement(2, 16),
+            ["--map-by", "slot:PE=8", "--bind-to", "core"]
+        );
+        assert_eq!(
+            placement(3, 8),
+            ["--map-by", "slot:PE=2", "--bind-to", "core"]
+        );
+        assert_eq!(
+            placement(4, 2),
+            ["--oversubscribe", "--bind-to", "none", "--map-by", "slot"]
+        );
+    }
+
+    #[test]
+    fn this_machine_has_at_least_one_core_and_no_more_than_its_cpus() {
+        let cores = physical_cores();
+        let cpus = std::thread::available_parallelism().unwrap().get();
+        assert!((1..=cpus).contains(&cores), "{cores} of {cpus}");
+    }
+}
