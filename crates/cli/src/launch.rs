@@ -121,6 +121,15 @@ pub fn relaunch(workers: usize) -> String {
             }
         }
     }
+    use std::io::IsTerminal;
+    if std::io::stderr().is_terminal() {
+        cmd.env(TERMINAL, "1");
+        if std::io::stdout().is_terminal() {
+            // One stream to one terminal: the bar (stderr) and the summary (stdout) then
+            // arrive in the order they were written.
+            cmd.arg("--merge-stderr-to-stdout");
+        }
+    }
     cmd.arg("-q")
         .args(["-np", &workers.to_string()])
         .args(placement(workers, cores))
@@ -158,6 +167,15 @@ pub fn relaunch(workers: usize) -> String {
         }
     };
     std::process::exit(code)
+}
+
+/// Set in the ranks pipewright started from a terminal (see [`on_terminal`]).
+const TERMINAL: &str = "PIPEWRIGHT_LAUNCHED_ON_TERMINAL";
+
+/// Whether this rank was started by pipewright from a command whose stderr is a terminal:
+/// its own stderr is mpirun's pipe, but what it writes ends up there.
+pub fn on_terminal() -> bool {
+    launched() && std::env::var_os(TERMINAL).is_some()
 }
 
 /// Whether pipewright started this process as one of its ranks.

@@ -871,23 +871,31 @@ struct Progress {
 
 impl Progress {
     fn new(a: &TrainArgs, root: bool) -> Self {
-        let bar = if root {
-            indicatif::ProgressBar::new(0)
-        } else {
-            indicatif::ProgressBar::hidden()
+        use std::io::IsTerminal;
+        // A rank pipewright started writes to mpirun, which passes its bytes on to the
+        // terminal the command was run from: it draws the bar there as that command would.
+        let terminal = std::io::stderr().is_terminal() || crate::launch::on_terminal();
+        let bar = match (root, terminal) {
+            (false, _) => indicatif::ProgressBar::hidden(),
+            (true, true) if !std::io::stderr().is_terminal() => {
+                indicatif::ProgressBar::with_draw_target(
+                    Some(0),
+                    indicatif::ProgressDrawTarget::term_like(Box::new(console::Term::stderr())),
+                )
+            }
+            (true, _) => indicatif::ProgressBar::new(0),
         };
         bar.set_style(
             indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} ETA {eta}")
                 .expect("template"),
         );
-        use std::io::IsTerminal;
         Progress {
             bar,
             metrics_path: a.metrics.clone().filter(|_| root),
             metrics: None,
             tensorboard_dir: a.tensorboard.clone().filter(|_| root),
             tensorboard: None,
-            log_every: (root && !std::io::stderr().is_terminal()).then_some(a.log_every),
+            log_every: (root && !terminal).then_some(a.log_every),
             placement: None,
         }
     }
@@ -956,7 +964,11 @@ impl RunSink for Progress {
     }
 
     fn note(&mut self, text: &str) {
-        self.bar.suspend(|| eprintln!("{text}"));
+        // A finished bar stays as it is: suspending it would draw it again below the note.
+        match self.bar.is_finished() {
+            true => eprintln!("{text}"),
+            false => self.bar.suspend(|| eprintln!("{text}")),
+        }
     }
 
     fn step(&mut self, row: &StepRow) -> pipewright_runtime::error::Result<()> {
