@@ -67,10 +67,28 @@ pub fn why_threads() -> Option<String> {
     if !cfg!(feature = "mpi") {
         return Some("this pipewright was built without MPI (cargo feature `mpi`)".into());
     }
-    if find_mpirun().is_none() {
+    let Some(mpirun) = find_mpirun() else {
         return Some("mpirun is not on the PATH (scripts/install-deps installs Open MPI)".into());
+    };
+    // pipewright links Open MPI; another MPI's mpirun (MPICH's) cannot start its ranks.
+    let version = std::process::Command::new(&mpirun)
+        .arg("--version")
+        .output();
+    match version {
+        Ok(o) if String::from_utf8_lossy(&o.stdout).contains("Open MPI") => None,
+        _ => Some(format!("{} is not Open MPI's mpirun", mpirun.display())),
     }
-    None
+}
+
+/// A file each rank pipewright starts creates as it begins: a job that failed without it
+/// failed to start, and the run goes on in threads.
+const MARK: &str = "PIPEWRIGHT_LAUNCH_MARK";
+
+/// Say (by the file the launching process named) that a rank started.
+pub fn mark_started() {
+    if let Some(path) = std::env::var_os(MARK).filter(|_| launched()) {
+        let _ = std::fs::write(path, b"");
+    }
 }
 
 /// `mpirun`'s process id while this process waits for it (0 before).
@@ -136,6 +154,9 @@ pub fn relaunch(workers: usize) -> String {
         .arg(exe)
         .args(std::env::args_os().skip(1))
         .env(LAUNCHED, "1");
+    let mark = std::env::temp_dir().join(format!("pipewright-launch-{}", std::process::id()));
+    let _ = std::fs::remove_file(&mark);
+    cmd.env(MARK, &mark);
     // SAFETY: the handler only reads and writes atomics and calls kill. A Ctrl-C reaches
     // mpirun and the ranks from the terminal itself: this process waits for them.
     unsafe {
@@ -166,6 +187,18 @@ pub fn relaunch(workers: usize) -> String {
             1
         }
     };
+    let started = std::fs::remove_file(&mark).is_ok();
+    if code != 0 && !started && STOPS.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+        // SAFETY: back to the default handlers for the run in threads.
+        unsafe {
+            libc::signal(libc::SIGINT, libc::SIG_DFL);
+        }
+        crate::ranks::stop_on_signals();
+        return format!(
+            "{} exited with {code} before any worker started",
+            mpirun.display()
+        );
+    }
     std::process::exit(code)
 }
 

@@ -632,6 +632,7 @@ fn train(a: TrainArgs) -> Result<()> {
     }
     // Before MPI starts: a stop request mpirun passes on must find the handler.
     crate::ranks::stop_on_signals();
+    crate::launch::mark_started();
     let procs = start_transport(&a)?;
     let mut cfg = config(&a)?;
     if procs.is_none() && a.transport == TransportKind::Auto {

@@ -655,3 +655,42 @@ fn a_pipeline_runs_as_worker_processes_by_default() {
     assert!(last(&auto).is_some(), "{}", text(&auto));
     assert_eq!(last(&auto), last(&threads), "{}", text(&threads));
 }
+
+/// An mpirun that cannot start the workers (here a script that fails as a broken launcher
+/// would, and one of another MPI) leaves the run to threads, said once with the reason.
+#[test]
+fn a_launcher_that_cannot_start_the_workers_leaves_them_threads() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = dir("fake-mpirun");
+    for (name, script, why) in [
+        (
+            "broken",
+            "if [ \"$1\" = --version ]; then echo 'mpirun (Open MPI) 4.1.4'; exit 0; fi\nexit 3",
+            "exited with 3 before any worker started",
+        ),
+        (
+            "mpich",
+            "echo 'HYDRA build details'",
+            "is not Open MPI's mpirun",
+        ),
+    ] {
+        let bin = d.join(name);
+        std::fs::create_dir_all(&bin).unwrap();
+        let f = bin.join("mpirun");
+        std::fs::write(&f, format!("#!/bin/sh\n{script}\n")).unwrap();
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap());
+        let o = Command::new(env!("CARGO_BIN_EXE_pipewright"))
+            .args(["train", "--stages", "2", "--no-checkpoint"])
+            .args(SHORT)
+            .args(TINY)
+            .env("PATH", path)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "{name}: {err}");
+        assert_eq!(err.matches("workers run as threads").count(), 1, "{err}");
+        assert!(err.contains(why), "{name}: {err}");
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
