@@ -40,10 +40,20 @@ pub struct PartitionArgs {
 }
 
 #[derive(Args)]
+#[command(group(clap::ArgGroup::new("measured").args(["model", "model_config"])))]
 pub struct PlanArgs {
-    /// Model profile TOML.
-    #[arg(long)]
-    profile: PathBuf,
+    /// Model profile TOML (or --model / --model-config: measured here first).
+    #[arg(long, required_unless_present_any = ["model", "model_config"], conflicts_with_all = ["model", "model_config"])]
+    profile: Option<PathBuf>,
+    /// Without --profile: the model to measure on this machine (as `profile` does).
+    #[command(flatten)]
+    model: crate::model::ModelArgs,
+    /// With --model: sequence length (default: the model's).
+    #[arg(long, requires = "measured")]
+    seq_len: Option<usize>,
+    /// With --model: sequences per micro-batch.
+    #[arg(long, default_value_t = 4, requires = "measured")]
+    rows: usize,
     /// Cluster TOML.
     #[arg(long)]
     cluster: PathBuf,
@@ -65,8 +75,27 @@ pub struct PlanArgs {
     output: Outputs,
 }
 
+/// The profile to plan with: a file, or the model measured here (5 repeats, as `profile`).
+fn plan_profile(a: &PlanArgs) -> Result<Profile> {
+    if let Some(f) = &a.profile {
+        return Ok(Profile::load(f)?);
+    }
+    let model = crate::train::model_to_measure(&a.model, a.seq_len, a.rows, 5)?;
+    let p = pipewright_runtime::profile::profile_model(&model, a.rows, 5, 42);
+    let (f, b) = p
+        .layers
+        .iter()
+        .fold((0.0, 0.0), |(f, b), l| (f + l.forward, b + l.backward()));
+    eprintln!(
+        "measured {} layer blocks on this machine: forward {f:.4} s, backward {b:.4} s per micro-batch of {} sequences",
+        p.layers.len(),
+        a.rows
+    );
+    Ok(p)
+}
+
 pub fn cmd_plan(a: PlanArgs) -> Result<()> {
-    let profile = Profile::load(&a.profile)?;
+    let profile = plan_profile(&a)?;
     let cluster = Cluster::load(&a.cluster)?;
     let t0 = std::time::Instant::now();
     let cands = search(&profile, &cluster, a.global_batch)?;

@@ -227,30 +227,37 @@ pub struct ProfileArgs {
     ops: bool,
 }
 
-pub fn cmd_profile(a: ProfileArgs) -> Result<()> {
-    let mut model = a
-        .model
-        .resolve()?
-        .map_or_else(ModelConfig::default, |c| c.config);
-    if let Some(t) = a.seq_len {
+/// The model `profile` (and `plan --model`) measures: the flags' model at `seq_len`, checked
+/// with the same limits as training it in micro-batches of `rows`.
+pub fn model_to_measure(
+    m: &crate::model::ModelArgs,
+    seq_len: Option<usize>,
+    rows: usize,
+    repeats: usize,
+) -> Result<ModelConfig> {
+    let mut model = m.resolve()?.map_or_else(ModelConfig::default, |c| c.config);
+    if let Some(t) = seq_len {
         model.seq_len = t;
     }
     model.check().map_err(BadInput)?;
-    if a.rows == 0 || a.repeats == 0 || a.repeats > 1000 {
+    if rows == 0 || repeats == 0 || repeats > 1000 {
         return Err(BadInput(format!(
-            "--rows must be at least 1 and --repeats between 1 and 1000 (got {} and {})",
-            a.rows, a.repeats
+            "--rows must be at least 1 and --repeats between 1 and 1000 (got {rows} and {repeats})"
         ))
         .into());
     }
-    // The same size limits as training the model.
     TrainConfig {
         model: model.clone(),
-        rows: a.rows,
+        rows,
         ..TrainConfig::default()
     }
     .check()
-    .map_err(|e| BadInput(format!("--rows {}: {e}", a.rows)))?;
+    .map_err(|e| BadInput(format!("--rows {rows}: {e}")))?;
+    Ok(model)
+}
+
+pub fn cmd_profile(a: ProfileArgs) -> Result<()> {
+    let model = model_to_measure(&a.model, a.seq_len, a.rows, a.repeats)?;
     if a.ops {
         if model.family != pipewright_runtime::model::Family::Gpt {
             return Err(BadInput(format!(

@@ -893,3 +893,66 @@ fn vit_trains_on_cifar_binary_files() {
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("data_batch_2.bin: 3000 bytes"), "{err}");
 }
+
+/// `plan --model DIR` measures the model here, then plans it as `plan --profile` does; a
+/// profile and a model at once, or `--rows` without a model, are refused.
+#[test]
+fn plan_measures_a_hugging_face_model_directory() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let cluster = root.join("examples/local4.toml");
+    let cluster = cluster.to_str().unwrap();
+    let model = fixture();
+    let model = model.to_str().unwrap();
+    let o = pw(&[
+        "plan",
+        "--model",
+        model,
+        "--cluster",
+        cluster,
+        "--global-batch",
+        "4",
+        "--rows",
+        "1",
+        "--json",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("measured") && err.contains("on this machine"),
+        "{err}"
+    );
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let best = &j["candidates"][0];
+    assert!(best["iteration_time"].as_f64().unwrap() > 0.0, "{j}");
+    for (args, want) in [
+        (
+            vec![
+                "plan",
+                "--model",
+                model,
+                "--profile",
+                "p.toml",
+                "--cluster",
+                cluster,
+            ],
+            "cannot be used with",
+        ),
+        (
+            vec![
+                "plan",
+                "--profile",
+                "p.toml",
+                "--rows",
+                "2",
+                "--cluster",
+                cluster,
+            ],
+            "--model",
+        ),
+    ] {
+        let o = pw(&args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}
