@@ -120,43 +120,13 @@ pub fn relaunch(workers: usize) -> String {
         Ok(exe) => exe,
         Err(e) => return format!("cannot find this program's file: {e}"),
     };
-    let mut cmd = std::process::Command::new(&mpirun);
-    // SAFETY: geteuid only reads this process's user id.
-    if unsafe { libc::geteuid() } == 0 {
-        // Open MPI refuses root without this; a container's user is often root.
-        cmd.arg("--allow-run-as-root");
-    }
-    let cores = physical_cores();
-    if workers > cores {
-        // Unbound ranks would each run a BLAS thread per core: one each, unless the user says.
-        for var in [
-            "OPENBLAS_NUM_THREADS",
-            "MKL_NUM_THREADS",
-            "RAYON_NUM_THREADS",
-        ] {
-            if std::env::var_os(var).is_none() {
-                cmd.env(var, "1");
-            }
-        }
-    }
-    use std::io::IsTerminal;
-    if std::io::stderr().is_terminal() {
-        cmd.env(TERMINAL, "1");
-        if std::io::stdout().is_terminal() {
-            // One stream to one terminal: the bar (stderr) and the summary (stdout) then
-            // arrive in the order they were written.
-            cmd.arg("--merge-stderr-to-stdout");
-        }
-    }
-    cmd.arg("-q")
-        .args(["-np", &workers.to_string()])
-        .args(placement(workers, cores))
-        .arg(exe)
-        .args(std::env::args_os().skip(1))
-        .env(LAUNCHED, "1");
     let mark = std::env::temp_dir().join(format!("pipewright-launch-{}", std::process::id()));
     let _ = std::fs::remove_file(&mark);
-    cmd.env(MARK, &mark);
+    let mut cmd = mpirun_command(&mpirun, workers);
+    cmd.arg(exe)
+        .args(std::env::args_os().skip(1))
+        .env(LAUNCHED, "1")
+        .env(MARK, &mark);
     // SAFETY: the handler only reads and writes atomics and calls kill. A Ctrl-C reaches
     // mpirun and the ranks from the terminal itself: this process waits for them.
     unsafe {
@@ -200,6 +170,42 @@ pub fn relaunch(workers: usize) -> String {
         );
     }
     std::process::exit(code)
+}
+
+/// `mpirun` with its options for `workers` ranks on this machine (the program follows).
+fn mpirun_command(mpirun: &std::path::Path, workers: usize) -> std::process::Command {
+    let mut cmd = std::process::Command::new(mpirun);
+    // SAFETY: geteuid only reads this process's user id.
+    if unsafe { libc::geteuid() } == 0 {
+        // Open MPI refuses root without this; a container's user is often root.
+        cmd.arg("--allow-run-as-root");
+    }
+    let cores = physical_cores();
+    if workers > cores {
+        // Unbound ranks would each run a BLAS thread per core: one each, unless the user says.
+        for var in [
+            "OPENBLAS_NUM_THREADS",
+            "MKL_NUM_THREADS",
+            "RAYON_NUM_THREADS",
+        ] {
+            if std::env::var_os(var).is_none() {
+                cmd.env(var, "1");
+            }
+        }
+    }
+    use std::io::IsTerminal;
+    if std::io::stderr().is_terminal() {
+        cmd.env(TERMINAL, "1");
+        if std::io::stdout().is_terminal() {
+            // One stream to one terminal: the bar (stderr) and the summary (stdout) then
+            // arrive in the order they were written.
+            cmd.arg("--merge-stderr-to-stdout");
+        }
+    }
+    cmd.arg("-q")
+        .args(["-np", &workers.to_string()])
+        .args(placement(workers, cores));
+    cmd
 }
 
 /// Set in the ranks pipewright started from a terminal (see [`on_terminal`]).
