@@ -259,9 +259,10 @@ pub fn model_to_measure(
 pub fn cmd_profile(a: ProfileArgs) -> Result<()> {
     let model = model_to_measure(&a.model, a.seq_len, a.rows, a.repeats)?;
     if a.ops {
-        if model.family != pipewright_runtime::model::Family::Gpt {
+        use pipewright_runtime::model::Family;
+        if !matches!(model.family, Family::Gpt | Family::Llama) {
             return Err(BadInput(format!(
-                "--ops breaks down the gpt family's block; a {} block is measured whole by profile without --ops",
+                "--ops breaks down the gpt and llama families' blocks; a {} block is measured whole by profile without --ops",
                 model.family.name()
             ))
             .into());
@@ -288,7 +289,13 @@ pub fn cmd_profile(a: ProfileArgs) -> Result<()> {
 /// `profile --ops`: where a transformer block's time goes, op by op, beside the whole block
 /// and the alternatives measured but not used.
 fn print_ops(model: &ModelConfig, rows: usize, repeats: usize) {
-    let ops = pipewright_runtime::profile::op_breakdown(model, rows, repeats);
+    use pipewright_runtime::profile;
+    let ops = match model.family {
+        pipewright_runtime::model::Family::Llama => {
+            profile::llama::op_breakdown(model, rows, repeats)
+        }
+        _ => profile::op_breakdown(model, rows, repeats),
+    };
     let parts = &ops.ops;
     let sum = parts.iter().fold((0.0, 0.0), |(f, b), o| {
         (f + o.forward, b + o.forward_backward)
@@ -339,7 +346,7 @@ fn print_ops(model: &ModelConfig, rows: usize, repeats: usize) {
             .iter()
             .map(|(name, part)| {
                 if *part < 1.0 {
-                    format!("{part} of {name}")
+                    format!("{:.2} of {name}", part)
                 } else {
                     name.to_string()
                 }

@@ -956,3 +956,37 @@ fn plan_measures_a_hugging_face_model_directory() {
         assert!(err.contains(want), "{args:?}: {err}");
     }
 }
+
+/// `profile --ops` breaks a LLaMA block into its ops (the fused RMSNorm, rotary embedding and
+/// SwiGLU beside burn's own ops for the same maths); a family without a breakdown is refused.
+#[test]
+fn profile_ops_breaks_down_a_llama_block() {
+    let model = fixture();
+    let o = pw(&[
+        "profile",
+        "--ops",
+        "--model",
+        model.to_str().unwrap(),
+        "--rows",
+        "1",
+        "--repeats",
+        "1",
+    ]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    for op in [
+        "RMSNorm (fused)",
+        "rotary embedding, q and k (fused)",
+        "k, v heads repeated",
+        "SwiGLU (fused)",
+        "whole block, run as one",
+        "burn ops: silu(g) * u",
+    ] {
+        assert!(out.contains(op), "{out}");
+    }
+    let vit = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/vit_digits.json");
+    let o = pw(&["profile", "--ops", "--model-config", vit.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("gpt and llama"), "{err}");
+}

@@ -9,6 +9,8 @@ use burn::tensor::{Distribution, Int, Tensor, TensorData};
 use pipewright_core::profile::{Layer, ModelInfo, Profile};
 use std::time::Instant;
 
+pub mod llama;
+
 /// The middle value (the upper one of an even count), as every timing here reports.
 pub fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(f64::total_cmp);
@@ -243,6 +245,7 @@ pub struct Alternative {
 /// the shapes of `cfg` with micro-batches of `rows` sequences, timed alone forward and
 /// forward + backward, then the whole block the same way (the difference is what the ops
 /// cost together beyond alone: graph bookkeeping, allocation, cache effects).
+/// For the gpt family; [`llama::op_breakdown`] breaks down a LLaMA block.
 pub fn op_breakdown(cfg: &ModelConfig, rows: usize, repeats: usize) -> OpBreakdown {
     use crate::kernels as k;
     use burn::nn::{LayerNormConfig, LinearConfig};
@@ -258,23 +261,6 @@ pub fn op_breakdown(cfg: &ModelConfig, rows: usize, repeats: usize) -> OpBreakdo
     let x3 = |w: usize| {
         Tensor::<3>::random([b, t, w], Distribution::Normal(0.0, 1.0), &dev).require_grad()
     };
-    // Time `f` (building its input with `input`) forward, then forward + backward.
-    fn time<I>(repeats: usize, input: impl Fn() -> I, f: impl Fn(I) -> Tensor<3>) -> (f64, f64) {
-        let (mut fw, mut fb) = (Vec::new(), Vec::new());
-        for _ in 0..repeats.max(1) + 1 {
-            let x = input();
-            let t0 = Instant::now();
-            let _ = f(x).to_data();
-            fw.push(t0.elapsed().as_secs_f64());
-            let x = input();
-            let t0 = Instant::now();
-            let _ = f(x).sum().backward();
-            fb.push(t0.elapsed().as_secs_f64());
-        }
-        fw.remove(0);
-        fb.remove(0);
-        (median(fw), median(fb))
-    }
     let ln = LayerNormConfig::new(d)
         .with_epsilon(crate::kernels::LN_EPS as f64)
         .init(&dev);
@@ -297,17 +283,17 @@ pub fn op_breakdown(cfg: &ModelConfig, rows: usize, repeats: usize) -> OpBreakdo
     push(
         "layer norm",
         2,
-        time(repeats, || x3(d), |x| k::layer_norm(&ln, x)),
+        time_op(repeats, || x3(d), |x| k::layer_norm(&ln, x)),
     );
     push(
         "q, k, v, o projections (d x d)",
         4,
-        time(repeats, || x3(d), |x| lin(&qkv, x)),
+        time_op(repeats, || x3(d), |x| lin(&qkv, x)),
     );
     push(
         "head split and merge (reshape, swap)",
         4,
-        time(
+        time_op(
             repeats,
             || x3(d),
             |x| {
@@ -328,32 +314,32 @@ pub fn op_breakdown(cfg: &ModelConfig, rows: usize, repeats: usize) -> OpBreakdo
     push(
         "causal attention (fused)",
         1,
-        time(repeats, qkv_heads, |(q, kk, v)| {
+        time_op(repeats, qkv_heads, |(q, kk, v)| {
             k::causal_attention(q, kk, v, scale).reshape([b, h * t, dh])
         }),
     );
     push(
         "MLP up (d x 4d)",
         1,
-        time(repeats, || x3(d), |x| lin(&up, x)),
+        time_op(repeats, || x3(d), |x| lin(&up, x)),
     );
-    push("GELU", 1, time(repeats, || x3(4 * d), k::gelu));
+    push("GELU", 1, time_op(repeats, || x3(4 * d), k::gelu));
     push(
         "MLP down (4d x d)",
         1,
-        time(repeats, || x3(4 * d), |x| lin(&down, x)),
+        time_op(repeats, || x3(4 * d), |x| lin(&down, x)),
     );
     push(
         "residual adds",
         2,
-        time(repeats, || (x3(d), x3(d)), |(x, y)| x + y),
+        time_op(repeats, || (x3(d), x3(d)), |(x, y)| x + y),
     );
     let layers = Layers::new(cfg, 1, &dev);
     let block = layers.stage(1, 2);
     push(
         "whole block",
         1,
-        time(repeats, || x3(d), |x| block.forward(StageInput::Hidden(x))),
+        time_op(repeats, || x3(d), |x| block.forward(StageInput::Hidden(x))),
     );
     let whole = out.pop().expect("the whole block was pushed last");
     let qkv3 = LinearConfig::new(d, 3 * d).init(&dev);
@@ -370,33 +356,33 @@ pub fn op_breakdown(cfg: &ModelConfig, rows: usize, repeats: usize) -> OpBreakdo
     let alternatives = vec![
         alt(
             "burn LayerNorm",
-            time(repeats, || x3(d), |x| ln.forward(x)),
+            time_op(repeats, || x3(d), |x| ln.forward(x)),
             vec![("layer norm", 0.5)],
         ),
         alt(
             "burn Linear (flex GEMM), d x d",
-            time(repeats, || x3(d), |x| qkv.forward(x)),
+            time_op(repeats, || x3(d), |x| qkv.forward(x)),
             vec![("q, k, v, o projections (d x d)", 0.25)],
         ),
         alt(
             "burn Linear (flex GEMM), d x 4d",
-            time(repeats, || x3(d), |x| up.forward(x)),
+            time_op(repeats, || x3(d), |x| up.forward(x)),
             vec![("MLP up (d x 4d)", 1.0)],
         ),
         alt(
             "burn GELU (exact)",
-            time(repeats, || x3(4 * d), gelu),
+            time_op(repeats, || x3(4 * d), gelu),
             vec![("GELU", 1.0)],
         ),
         alt(
             "burn GELU, tanh approximation",
-            time(repeats, || x3(4 * d), gelu_approximate),
+            time_op(repeats, || x3(4 * d), gelu_approximate),
             vec![("GELU", 1.0)],
         ),
         // One d x 3d product, then q, k, v as slices of it (the adds stand for their three uses).
         alt(
             "q, k, v as one d x 3d projection",
-            time(
+            time_op(
                 repeats,
                 || x3(d),
                 |x| {
@@ -408,7 +394,7 @@ pub fn op_breakdown(cfg: &ModelConfig, rows: usize, repeats: usize) -> OpBreakdo
         ),
         alt(
             "scores, causal softmax, x v as 3 ops",
-            time(repeats, qkv_heads, |(q, kk, v)| {
+            time_op(repeats, qkv_heads, |(q, kk, v)| {
                 let w = k::causal_softmax(k::matmul(q, kk.swap_dims(2, 3)), scale);
                 k::matmul(w, v).reshape([b, h * t, dh])
             }),
@@ -416,7 +402,7 @@ pub fn op_breakdown(cfg: &ModelConfig, rows: usize, repeats: usize) -> OpBreakdo
         ),
         alt(
             "burn's attention op (causal)",
-            time(repeats, qkv_heads, |(q, kk, v)| {
+            time_op(repeats, qkv_heads, |(q, kk, v)| {
                 let options = AttentionModuleOptions {
                     scale: None,
                     softcap: None,
@@ -432,6 +418,25 @@ pub fn op_breakdown(cfg: &ModelConfig, rows: usize, repeats: usize) -> OpBreakdo
         whole,
         alternatives,
     }
+}
+
+/// Time `f` (building its input with `input`) forward, then forward + backward: medians of
+/// `repeats` after one left out.
+fn time_op<I>(repeats: usize, input: impl Fn() -> I, f: impl Fn(I) -> Tensor<3>) -> (f64, f64) {
+    let (mut fw, mut fb) = (Vec::new(), Vec::new());
+    for _ in 0..repeats.max(1) + 1 {
+        let x = input();
+        let t0 = Instant::now();
+        let _ = f(x).to_data();
+        fw.push(t0.elapsed().as_secs_f64());
+        let x = input();
+        let t0 = Instant::now();
+        let _ = f(x).sum().backward();
+        fb.push(t0.elapsed().as_secs_f64());
+    }
+    fw.remove(0);
+    fb.remove(0);
+    (median(fw), median(fb))
 }
 
 #[cfg(test)]
