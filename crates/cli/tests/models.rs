@@ -978,6 +978,7 @@ fn profile_ops_breaks_down_a_llama_block() {
         "RMSNorm (fused)",
         "rotary embedding, q and k (fused)",
         "k, v heads repeated",
+        "head split and merge",
         "SwiGLU (fused)",
         "whole block, run as one",
         "burn ops: silu(g) * u",

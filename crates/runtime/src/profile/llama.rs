@@ -64,6 +64,20 @@ pub fn op_breakdown(cfg: &ModelConfig, rows: usize, repeats: usize) -> OpBreakdo
         time_op(repeats, || x3(d), |x| lin(x, &wkv)),
     );
     push(
+        "head split and merge (reshape, swap)",
+        4,
+        time_op(
+            repeats,
+            || x3(d),
+            |x| {
+                x.reshape([b, t, h, dh])
+                    .swap_dims(1, 2)
+                    .swap_dims(1, 2)
+                    .reshape([b, t, d])
+            },
+        ),
+    );
+    push(
         "rotary embedding, q and k (fused)",
         1,
         time_op(
