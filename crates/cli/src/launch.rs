@@ -222,6 +222,20 @@ pub fn launched() -> bool {
     std::env::var_os(LAUNCHED).is_some()
 }
 
+/// Ranks that share a machine unbound would each run a BLAS thread per core: each gets its
+/// share of the cores instead, unless the user set a thread count.
+pub fn share_cores() {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // SAFETY: sysconf only reads a system setting.
+    let online = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }.max(1) as usize;
+    let set = ["OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS"]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some());
+    if let Some(local) = crate::ranks::local_ranks().filter(|&n| n > 1 && cores >= online && !set) {
+        pipewright_runtime::kernels::blas_lib::set_blas_threads((online / local).max(1) as i32);
+    }
+}
+
 /// How this rank was placed, for the run header (rank 0 of an MPI job).
 pub fn placement_note(ranks: usize) -> String {
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
@@ -235,9 +249,16 @@ pub fn placement_note(ranks: usize) -> String {
         true => format!("rank 0 bound to {cores} of {online} cores"),
         false => format!("rank 0 not bound (may use all {online} cores)"),
     };
+    // Ranks sharing a machine unbound contend for its cores (bound ran 20-25% faster here).
+    let hint = match (cores < online, crate::ranks::local_ranks()) {
+        (false, Some(local)) if (2..=online).contains(&local) => {
+            "; bind ranks to cores for speed (mpirun --bind-to core, srun --cpu-bind=cores)"
+        }
+        _ => "",
+    };
     let threads = pipewright_runtime::kernels::blas_lib::blas_threads()
         .map_or("?".to_string(), |t| t.to_string());
-    format!("workers: {ranks} processes ({who}), {bound}, BLAS {threads} threads")
+    format!("workers: {ranks} processes ({who}), {bound}, BLAS {threads} threads{hint}")
 }
 
 #[cfg(test)]

@@ -108,13 +108,7 @@ pub fn stop_on_signals() {
 /// Say once when this node runs more ranks than it has cores (the launcher's count of local
 /// ranks: Open MPI's or MPICH's), and what that costs.
 pub fn warn_oversubscribed() {
-    let local = [
-        "OMPI_COMM_WORLD_LOCAL_SIZE",
-        "MPI_LOCALNRANKS",
-        "SLURM_NTASKS_PER_NODE",
-    ]
-    .iter()
-    .find_map(|k| std::env::var(k).ok()?.trim().parse::<usize>().ok());
+    let local = local_ranks();
     // SAFETY: sysconf only reads a system setting.
     let cores = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
     if let (Some(ranks), Ok(cores)) = (local, usize::try_from(cores)) {
@@ -125,6 +119,17 @@ pub fn warn_oversubscribed() {
             );
         }
     }
+}
+
+/// The ranks on this node, as the launcher counts them (Open MPI's, MPICH's or Slurm's).
+pub fn local_ranks() -> Option<usize> {
+    [
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+        "MPI_LOCALNRANKS",
+        "SLURM_NTASKS_PER_NODE",
+    ]
+    .iter()
+    .find_map(|k| std::env::var(k).ok()?.trim().parse::<usize>().ok())
 }
 
 /// The launcher that started this process as one of several tasks, if one did: its name with

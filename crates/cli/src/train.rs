@@ -564,6 +564,7 @@ fn start_transport(a: &TrainArgs) -> Result<Procs> {
                 .map_err(|e| anyhow!("{e}"))?;
         crate::ranks::set_rank(m.world().rank);
         crate::ranks::watch_signals(m.world().rank);
+        crate::launch::share_cores();
         if m.world().rank == 0 {
             crate::ranks::warn_oversubscribed();
         }

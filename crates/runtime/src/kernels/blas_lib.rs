@@ -108,6 +108,16 @@ pub fn blas_threads() -> Option<i32> {
     b.threads.map(|t| unsafe { (t.get)() })
 }
 
+/// Set the threads the BLAS in use runs its products on; false if it has no such setting.
+pub fn set_blas_threads(n: i32) -> bool {
+    let Some(t) = blas().ok().and_then(|b| b.threads) else {
+        return false;
+    };
+    // SAFETY: the library's own setter, which takes a plain int.
+    unsafe { (t.set)(n.max(1)) };
+    true
+}
+
 /// Judge the BLAS in use against this CPU (see [`super::coretype`]).
 pub fn kernel_fit() -> KernelFit {
     use super::coretype::{better_coretype, core_in_config, CpuFeatures};
