@@ -24,8 +24,9 @@ pub fn op_breakdown(cfg: &ModelConfig, rows: usize, repeats: usize) -> OpBreakdo
     let normal = Distribution::Normal(0.0, 1.0);
     let x3 = |w: usize| Tensor::<3>::random([b, t, w], normal, &dev).require_grad();
     let heads = |n: usize| Tensor::<4>::random([b, n, t, dh], normal, &dev).require_grad();
-    let weight = |i: usize, o: usize| Tensor::<2>::random([i, o], normal, &dev);
-    let norm_w = Tensor::<1>::ones([d], &dev);
+    // Parameters require their gradient, as in the block: the backward computes it.
+    let weight = |i: usize, o: usize| Tensor::<2>::random([i, o], normal, &dev).require_grad();
+    let norm_w = Tensor::<1>::ones([d], &dev).require_grad();
     let (wq, wkv, wup, wdown) = (
         weight(d, d),
         weight(d, kvh * dh),
@@ -160,7 +161,7 @@ fn burn_alternatives(cfg: &ModelConfig, rows: usize, repeats: usize) -> Vec<Alte
     let eps = cfg.norm_eps();
     let normal = Distribution::Normal(0.0, 1.0);
     let x3 = |w: usize| Tensor::<3>::random([b, t, w], normal, &dev).require_grad();
-    let norm_w = Tensor::<1>::ones([d], &dev);
+    let norm_w = Tensor::<1>::ones([d], &dev).require_grad();
     let angles = Tensor::<2>::random([t, dh / 2], Distribution::Uniform(0.0, 6.3), &dev);
     let (cos, sin) = (
         angles.clone().cos().reshape([1, 1, t, dh / 2]),
