@@ -655,8 +655,8 @@ fn train(a: TrainArgs) -> Result<()> {
     }
     let data = a.data.resolve(cfg.data.as_ref())?;
     let corpus = crate::data::corpus(&data, &mut cfg)?;
-    check_flags(&a, &cfg, procs.is_some())?;
-    let plan = agree(&procs, train_plan(&a, &cfg)?)?;
+    let checked = check_flags(&a, &cfg, procs.is_some());
+    let plan = agree(&procs, checked.and_then(|()| train_plan(&a, &cfg)))?;
     let links = links(&a, &plan)?;
     let run_cfg = run_config(&a, &cfg, links.as_ref())?;
     let mut trainer = trainer(&procs, cfg, plan, links, &run_cfg, a.peer_timeout)?;
@@ -739,22 +739,30 @@ fn train_plan(a: &TrainArgs, cfg: &TrainConfig) -> Result<Plan> {
 /// Over MPI every rank trains rank 0's plan: a plan searched under a time limit (`--skip`'s
 /// routes) can differ between ranks that ran the search at different speeds, and ranks with
 /// different plans would wait on each other's collectives for ever.
-fn agree(procs: &Procs, plan: Plan) -> Result<Plan> {
+/// A rank 0 whose checks failed sends nothing: every rank then ends with it (rank 0 says why)
+/// instead of waiting for it in this collective until the launcher kills them.
+fn agree(procs: &Procs, plan: Result<Plan>) -> Result<Plan> {
     let Some(m) = procs else {
-        return Ok(plan);
+        return plan;
     };
     #[cfg(feature = "mpi")]
     {
         use pipewright_runtime::transport::Transport;
         let rank = m.world().rank;
-        let part = if rank == 0 {
-            plan.to_json().into_bytes()
-        } else {
-            Vec::new()
+        let part = match (rank, &plan) {
+            (0, Ok(p)) => p.to_json().into_bytes(),
+            _ => Vec::new(),
         };
         let parts = m
             .all_gather(rank, part)
             .map_err(|e| anyhow!("agreeing on rank 0's plan: {e}"))?;
+        let plan = plan?;
+        if rank == 0 {
+            return Ok(plan);
+        }
+        if parts[0].is_empty() {
+            return Err(BadInput("rank 0 refused this run (its message says why)".into()).into());
+        }
         let text = String::from_utf8_lossy(&parts[0]);
         Ok(Plan::from_json("rank 0's plan", &text)?)
     }
