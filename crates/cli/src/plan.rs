@@ -82,14 +82,9 @@ fn plan_profile(a: &PlanArgs) -> Result<Profile> {
     }
     let model = crate::train::model_to_measure(&a.model, a.seq_len, a.rows, 5)?;
     let p = pipewright_runtime::profile::profile_model(&model, a.rows, 5, 42);
-    let (f, b) = p
-        .layers
-        .iter()
-        .fold((0.0, 0.0), |(f, b), l| (f + l.forward, b + l.backward()));
     eprintln!(
-        "measured {} layer blocks on this machine: forward {f:.4} s, backward {b:.4} s per micro-batch of {} sequences",
-        p.layers.len(),
-        a.rows
+        "measured on this machine: {}",
+        crate::train::profile_summary(&p, a.rows)
     );
     Ok(p)
 }

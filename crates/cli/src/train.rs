@@ -272,18 +272,20 @@ pub fn cmd_profile(a: ProfileArgs) -> Result<()> {
     }
     let prof = pipewright_runtime::profile::profile_model(&model, a.rows, a.repeats, 42);
     write_file(&a.out, &prof.to_toml())?;
+    println!("{}", profile_summary(&prof, a.rows));
+    Ok(())
+}
+
+/// A measured profile in one line: its layer blocks and their summed times.
+pub fn profile_summary(prof: &pipewright_core::profile::Profile, rows: usize) -> String {
     let (f, b): (f64, f64) = prof
         .layers
         .iter()
         .fold((0.0, 0.0), |(f, b), l| (f + l.forward, b + l.backward()));
-    println!(
-        "{} layer blocks; forward {:.4} s, backward {:.4} s per micro-batch of {} sequences",
-        prof.layers.len(),
-        f,
-        b,
-        a.rows
-    );
-    Ok(())
+    format!(
+        "{} layer blocks; forward {f:.4} s, backward {b:.4} s per micro-batch of {rows} sequences",
+        prof.layers.len()
+    )
 }
 
 /// `profile --ops`: where a transformer block's time goes, op by op, beside the whole block

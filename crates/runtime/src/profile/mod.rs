@@ -224,6 +224,32 @@ pub struct OpTime {
     pub forward_backward: f64,
 }
 
+impl OpTime {
+    /// An op run `count` times per block, from one run's (forward, forward + backward) times.
+    pub(crate) fn timed(name: &'static str, count: usize, (f, fb): (f64, f64)) -> Self {
+        OpTime {
+            name,
+            count,
+            forward: f * count as f64,
+            forward_backward: fb * count as f64,
+        }
+    }
+}
+
+impl Alternative {
+    /// Another way to compute `replaces` (op names with the fraction of each op's row).
+    pub(crate) fn timed(
+        name: &'static str,
+        times: (f64, f64),
+        replaces: Vec<(&'static str, f64)>,
+    ) -> Self {
+        Alternative {
+            op: OpTime::timed(name, 1, times),
+            replaces,
+        }
+    }
+}
+
 /// A transformer block's ops timed alone, the whole block, and alternatives the model could use
 /// instead of some of its ops (measured so that the choice stays a measured one).
 #[derive(Debug, Clone)]
@@ -272,14 +298,7 @@ pub fn op_breakdown(cfg: &ModelConfig, rows: usize, repeats: usize) -> OpBreakdo
     };
     let scale = 1.0 / (dh as f32).sqrt();
     let mut out = Vec::new();
-    let mut push = |name, count, (f, fb): (f64, f64)| {
-        out.push(OpTime {
-            name,
-            count,
-            forward: f * count as f64,
-            forward_backward: fb * count as f64,
-        })
-    };
+    let mut push = |name, count, times| out.push(OpTime::timed(name, count, times));
     push(
         "layer norm",
         2,
@@ -343,15 +362,7 @@ pub fn op_breakdown(cfg: &ModelConfig, rows: usize, repeats: usize) -> OpBreakdo
     );
     let whole = out.pop().expect("the whole block was pushed last");
     let qkv3 = LinearConfig::new(d, 3 * d).init(&dev);
-    let alt = |name, (forward, forward_backward): (f64, f64), replaces| Alternative {
-        op: OpTime {
-            name,
-            count: 1,
-            forward,
-            forward_backward,
-        },
-        replaces,
-    };
+    let alt = Alternative::timed;
     // burn's own ops for the same maths: what the kernels replaced, measured in the same run.
     let alternatives = vec![
         alt(
