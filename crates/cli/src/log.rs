@@ -39,6 +39,14 @@ fn resident_bytes() -> Option<u64> {
     Some(pages * 4096)
 }
 
+/// Print `line` and its newline to stderr in one write: stderr is unbuffered, so `eprintln!`
+/// writes the text and the newline apart, and under mpirun, which forwards a rank's stdout and
+/// stderr separately, a stdout line could land between them ("memory 340 MBval loss ...").
+pub fn eprint_line(line: &str) {
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
+}
+
 /// One step's line: step, loss, validation loss, learning rate, throughput, gradient norm and
 /// memory, after a timestamp.
 pub fn step_line(row: &StepRow) -> String {

@@ -1021,7 +1021,7 @@ impl RunSink for Progress {
             .log_every
             .is_some_and(|n| step.is_multiple_of(n) || step == row.steps)
         {
-            eprintln!("{}", crate::log::step_line(row));
+            crate::log::eprint_line(&crate::log::step_line(row));
         }
         Ok(())
     }
