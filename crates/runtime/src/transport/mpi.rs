@@ -13,7 +13,7 @@ use ::mpi::traits::*;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// MPI tags: a message is a header (u64s: kind, stage, micro-batch, dims...) then its body.
 const HEADER: i32 = 1;
@@ -165,6 +165,10 @@ impl Transport for Mpi {
     fn send(&self, _from: usize, to: usize, tag: Tag, payload: Payload) {
         // A failed post means the MPI thread is gone; the next wait reports it.
         let _ = self.post(Cmd::Send { to, tag, payload });
+        // The MPI thread wakes for the command, but on a rank bound to one core the scheduler
+        // lets this thread compute on until a tick preempts it, and the peer waits meanwhile:
+        // hand the core over now, so that the send is posted at once.
+        std::thread::yield_now();
     }
 
     fn recv(&self, at: usize, from: usize, tag: Tag) -> Result<Payload, TransportError> {
@@ -336,8 +340,15 @@ fn header_of(kind: u64, stage: usize, mb: usize, dims: &[usize]) -> Vec<u64> {
     h
 }
 
-/// How long the MPI thread sleeps between polls while its worker waits on MPI (a receive, a
-/// reduction, a gather): the worker is blocked then, so the latency is on its critical path.
+/// While its worker waits on MPI (a receive, a reduction, a gather), the worker is blocked and
+/// the latency is on its critical path: the MPI thread polls without sleeping, yielding the core
+/// between polls to whatever else is runnable on it, for this long after the last progress; then
+/// it sleeps [`URGENT_POLL`] between polls, so that a long wait (a peer writing a checkpoint)
+/// does not keep a core busy. Sleeping between all polls left each message about 0.3 ms late
+/// (a 50 us sleep often ends a scheduler tick later), which spinning removes: the README's
+/// `train` ran 2.9% faster (6 alternating runs), and 4 ranks on 2 cores 37% faster.
+const URGENT_SPIN: Duration = Duration::from_millis(10);
+/// How long the MPI thread sleeps between polls in a long wait (see [`URGENT_SPIN`]).
 const URGENT_POLL: Duration = Duration::from_micros(50);
 /// How often it polls otherwise (only sends in flight, or nothing): the worker computes on the
 /// same core meanwhile (mpirun binds a rank to one), and each wake-up takes the core from it.
@@ -375,6 +386,7 @@ fn serve(rx: mpsc::Receiver<Cmd>, ready: mpsc::Sender<Result<MpiWorld, Transport
     if ready.send(Ok(me)).is_err() {
         return;
     }
+    let mut last_progress = Instant::now();
     loop {
         // A worker blocks on each receive, reduction and gather it asks for: then poll MPI
         // often. Otherwise (only sends in flight, or nothing) the worker computes on this core,
@@ -391,8 +403,13 @@ fn serve(rx: mpsc::Receiver<Cmd>, ready: mpsc::Sender<Result<MpiWorld, Transport
             None => {}
         }
         let progressed = s.turn();
-        if !progressed && urgent {
-            // Nothing moved: give the core back for a moment (2 ranks may share 2 cores).
+        if progressed || !urgent {
+            last_progress = Instant::now();
+        } else if last_progress.elapsed() < URGENT_SPIN {
+            // Nothing moved yet: let whatever else may run on this core run (2 ranks may share
+            // 2 cores), and look again as soon as it yields or its time slice ends.
+            std::thread::yield_now();
+        } else {
             std::thread::sleep(URGENT_POLL);
         }
     }
