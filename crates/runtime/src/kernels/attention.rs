@@ -15,20 +15,33 @@ use rayon::prelude::*;
 /// Query rows per tile.
 const TILE: usize = 64;
 
-/// `(t, dh)` of `[.., t, dh]` queries, keys and values of one shape, and how many heads.
-fn dims(q: &FlexTensor, k: &FlexTensor, v: &FlexTensor) -> (usize, usize, usize) {
+/// `(t, dh, heads, group)` of `[.., t, dh]` queries and of keys and values that are shaped
+/// alike, or that have fewer heads (`[.., heads / group, t, dh]`, grouped-query attention):
+/// query matrix `i` then reads key and value matrix `i / group`.
+fn dims(q: &FlexTensor, k: &FlexTensor, v: &FlexTensor) -> (usize, usize, usize, usize) {
     let shape = q.layout().shape().to_vec();
     let n = shape.len();
     assert!(n >= 2, "attention: q must be [.., t, dh], got {shape:?}");
-    for (name, x) in [("k", k), ("v", v)] {
-        assert_eq!(
-            x.layout().shape().to_vec(),
-            shape,
-            "attention: {name} has another shape than q"
-        );
-    }
+    let kv = k.layout().shape().to_vec();
+    assert_eq!(
+        v.layout().shape().to_vec(),
+        kv,
+        "attention: v has another shape than k"
+    );
+    let grouped = n >= 3
+        && kv.len() == n
+        && kv[..n - 3] == shape[..n - 3]
+        && kv[n - 2..] == shape[n - 2..]
+        && kv[n - 3] > 0
+        && shape[n - 3] > 0
+        && shape[n - 3] % kv[n - 3] == 0;
+    assert!(
+        kv == shape || grouped,
+        "attention: k and v {kv:?} must be shaped as q {shape:?}, or have a head count that divides q's"
+    );
+    let group = if grouped { shape[n - 3] / kv[n - 3] } else { 1 };
     let (t, dh) = (shape[n - 2], shape[n - 1]);
-    (t, dh, shape[..n - 2].iter().product())
+    (t, dh, shape[..n - 2].iter().product(), group)
 }
 
 /// Some (holding the library single-threaded) when the heads should run over rayon's threads:
@@ -52,7 +65,7 @@ pub fn forward(
     v: FlexTensor,
     scale: f32,
 ) -> (FlexTensor, FlexTensor) {
-    let (t, dh, heads) = dims(&q, &k, &v);
+    let (t, dh, heads, group) = dims(&q, &k, &v);
     let shape = q.layout().shape().to_vec();
     let mut wshape = shape.clone();
     wshape[shape.len() - 1] = t;
@@ -65,7 +78,7 @@ pub fn forward(
     }
     let (q, k, v) = (Operand::new(q), Operand::new(k), Operand::new(v));
     let head = |(i, (o, p)): (usize, (&mut [f32], &mut [f32]))| {
-        let (q, k, v) = (q.view(i), k.view(i), v.view(i));
+        let (q, k, v) = (q.view(i), k.view(i / group), v.view(i / group));
         let mut row = vec![0f32; t];
         for (r0, rows) in tiles(t) {
             let keys = r0 + rows;
@@ -123,11 +136,14 @@ pub fn backward(
     dy: FlexTensor,
     scale: f32,
 ) -> [FlexTensor; 3] {
-    let (t, dh, heads) = dims(&q, &k, &v);
+    let (t, dh, heads, group) = dims(&q, &k, &v);
     let shape = q.layout().shape().to_vec();
+    let kv_shape = k.layout().shape().to_vec();
     let zeros = || vec![0f32; heads * t * dh];
     if heads * t * dh == 0 {
-        return [(); 3].map(|_| FlexTensor::from_data(TensorData::new(zeros(), shape.clone())));
+        let empty =
+            |s: &Vec<usize>| FlexTensor::from_data(TensorData::new(Vec::<f32>::new(), s.clone()));
+        return [empty(&shape), empty(&kv_shape), empty(&kv_shape)];
     }
     let (q, k, v, dy) = (
         Operand::new(q),
@@ -138,7 +154,7 @@ pub fn backward(
     let weights = super::values(weights);
     let [mut dq, mut dk, mut dv] = [(); 3].map(|_| zeros());
     let head = |(i, (dq, (dk, dv))): (usize, Grads)| {
-        let (q, k, v, dy) = (q.view(i), k.view(i), v.view(i), dy.view(i));
+        let (q, k, v, dy) = (q.view(i), k.view(i / group), v.view(i / group), dy.view(i));
         let p = &weights[i * t * t..(i + 1) * t * t];
         let (mut dp, mut ds) = (vec![0f32; t * t], vec![0f32; t * t]);
         for (r0, rows) in tiles(t) {
@@ -206,5 +222,28 @@ pub fn backward(
             .enumerate()
             .for_each(head),
     }
-    [dq, dk, dv].map(|g| FlexTensor::from_data(TensorData::new(g, shape.clone())))
+    // Each key and value head's gradient: the sum over the query heads that read it.
+    let (dk, dv) = (sum_groups(dk, group, n), sum_groups(dv, group, n));
+    let tensor = |g, s: &Vec<usize>| FlexTensor::from_data(TensorData::new(g, s.clone()));
+    [
+        tensor(dq, &shape),
+        tensor(dk, &kv_shape),
+        tensor(dv, &kv_shape),
+    ]
+}
+
+/// Consecutive runs of `group` blocks of `n` values summed into one block each.
+fn sum_groups(g: Vec<f32>, group: usize, n: usize) -> Vec<f32> {
+    if group == 1 {
+        return g;
+    }
+    g.chunks(group * n)
+        .flat_map(|run| {
+            let mut sum = run[..n].to_vec();
+            for block in run[n..].chunks(n) {
+                sum.iter_mut().zip(block).for_each(|(s, x)| *s += x);
+            }
+            sum
+        })
+        .collect()
 }

@@ -53,7 +53,9 @@ pub trait Kernels: Backend {
     /// query (column > row) masked out: causal attention weights.
     fn causal_softmax(x: FloatTensor<Self>, scale: f32) -> FloatTensor<Self>;
     /// Causal attention of `[.., t, dh]` queries, keys and values (any strides): `softmax(scale
-    /// q k^T, keys after the query masked) v`, without the masked scores' products.
+    /// q k^T, keys after the query masked) v`, without the masked scores' products. Keys and
+    /// values may have fewer heads (`[.., heads / g, t, dh]`): each then serves `g` consecutive
+    /// query heads (grouped-query attention), read in place rather than repeated.
     fn causal_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
@@ -731,8 +733,8 @@ pub fn causal_softmax<const D: usize>(scores: Tensor<D>, scale: f32) -> Tensor<D
     ))
 }
 
-/// Causal attention of `[.., t, dh]` queries, keys and values (see
-/// [`Kernels::causal_attention`]).
+/// Causal attention of `[.., t, dh]` queries, keys and values, the keys and values possibly
+/// with fewer heads (see [`Kernels::causal_attention`]).
 pub fn causal_attention<const D: usize>(
     q: Tensor<D>,
     k: Tensor<D>,
@@ -914,6 +916,34 @@ mod tests {
                     w.matmul(heads(v))
                 },
                 &format!("attention, t = {t}"),
+            );
+        }
+    }
+
+    #[test]
+    fn grouped_query_attention_matches_repeated_keys_and_values() {
+        // 6 query heads over 2 and over 3 key/value heads, heads split off a wider row.
+        for (t, kv) in [(5, 2), (70, 3)] {
+            let dh = 4;
+            let heads = |x: &Tensor<4>| x.clone().swap_dims(1, 2);
+            let repeat = |x: Tensor<4>| {
+                let [b, h, t, dh] = x.dims();
+                x.unsqueeze_dim::<5>(2)
+                    .repeat_dim(2, 6 / kv)
+                    .reshape([b, h * (6 / kv), t, dh])
+            };
+            same(
+                [
+                    input([2, t, 6, dh], 1.0),
+                    input([2, t, kv, dh], 1.0),
+                    input([2, t, kv, dh], 1.0),
+                ],
+                |[q, k, v]| causal_attention(heads(q), heads(k), heads(v), 0.5),
+                |[q, k, v]| {
+                    let w = causal_softmax(heads(q).matmul(repeat(heads(k)).swap_dims(2, 3)), 0.5);
+                    w.matmul(repeat(heads(v)))
+                },
+                &format!("grouped attention, t = {t}, {kv} key/value heads"),
             );
         }
     }

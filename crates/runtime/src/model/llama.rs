@@ -195,13 +195,14 @@ impl LlamaBlock {
             }
             *cache = Some((k.clone(), v.clone()));
         }
-        let (k, v) = (repeat_kv(k, h / kvh), repeat_kv(v, h / kvh));
         let scale = 1.0 / (dh as f32).sqrt();
         let att = if start == 0 {
+            // Grouped-query attention: the kernel reads each key/value head for its queries.
             causal_attention(q, k, v, scale)
         } else {
             // New queries see every cached key: no mask among them beyond causality, which
             // a single new position (the generation step) has trivially.
+            let (k, v) = (repeat_kv(k, h / kvh), repeat_kv(v, h / kvh));
             cached_attention(q, k, v, scale)
         };
         let att = att.swap_dims(1, 2).reshape([b, t, d]);
