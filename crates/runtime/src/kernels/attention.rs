@@ -34,7 +34,7 @@ fn dims(q: &FlexTensor, k: &FlexTensor, v: &FlexTensor) -> (usize, usize, usize,
         && kv[n - 2..] == shape[n - 2..]
         && kv[n - 3] > 0
         && shape[n - 3] > 0
-        && shape[n - 3] % kv[n - 3] == 0;
+        && shape[n - 3].is_multiple_of(kv[n - 3]);
     assert!(
         kv == shape || grouped,
         "attention: k and v {kv:?} must be shaped as q {shape:?}, or have a head count that divides q's"
