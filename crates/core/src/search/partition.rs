@@ -491,6 +491,58 @@ fn neighbour_chains(
         .collect()
 }
 
+/// The costs the partition search weighs: the compute time of layers `lo..hi` as stage `st`
+/// on device `d` (infinite if they do not fit its memory), and the activation sent at a cut.
+struct StageCosts<'a> {
+    pr: &'a PartitionProblem<'a>,
+    work: Vec<f64>,
+    params: Vec<f64>,
+    acts: Vec<f64>,
+}
+
+impl<'a> StageCosts<'a> {
+    fn new(pr: &'a PartitionProblem<'a>) -> Self {
+        let layers = &pr.profile.layers;
+        StageCosts {
+            pr,
+            work: prefix(layers.iter().map(|l| l.forward + l.backward())),
+            params: prefix(layers.iter().map(|l| l.params as f64)),
+            acts: prefix(layers.iter().map(|l| l.activation as f64)),
+        }
+    }
+
+    /// Compute time of `lo..hi` as stage `st` on device `d`, or infinity if it does not fit
+    /// (weights, gradients and AdamW state, plus the stage's in-flight activations).
+    fn compute(&self, st: usize, d: usize, lo: usize, hi: usize) -> f64 {
+        let dev = &self.pr.cluster.devices[d];
+        let in_flight = self.pr.in_flight.get(st).copied();
+        if let Some(cap) = dev.memory {
+            let acts = in_flight.unwrap_or(0) as f64 * (self.acts[hi] - self.acts[lo]);
+            if 4.0 * (self.params[hi] - self.params[lo]) + acts > cap as f64 {
+                return f64::INFINITY;
+            }
+        }
+        if let (Some(cap), Some(n)) = (dev.memory_microbatches, in_flight) {
+            if n > cap as usize {
+                return f64::INFINITY;
+            }
+        }
+        (self.work[hi] - self.work[lo]) / dev.speed
+    }
+
+    /// Sending the activation at cut `cut` from device `a` to device `b`.
+    fn send(&self, a: usize, b: usize, cut: usize) -> f64 {
+        let bytes = self.pr.profile.layers[cut - 1].activation;
+        self.pr.cluster.transfer_time(a, b, bytes)
+    }
+
+    /// Stage `st` (`lo..hi`) on `devices[st]`, with its send to the next stage's device.
+    fn stage(&self, devices: &[usize], st: usize, lo: usize, hi: usize) -> f64 {
+        let next = devices.get(st + 1);
+        self.compute(st, devices[st], lo, hi) + next.map_or(0.0, |&b| self.send(devices[st], b, hi))
+    }
+}
+
 /// States the exact search may visit before it gives up and uses a heuristic device order.
 const EXACT_STATE_LIMIT: f64 = 4e6;
 
@@ -500,10 +552,8 @@ const EXACT_STATE_LIMIT: f64 = 4e6;
 /// Exact: a dynamic program over (start and end of the last stage, how many devices of each
 /// interchangeable class are used, class of the last stage's device). With one class it reduces
 /// to the `O(K n^2)` [`min_max_split`].
-#[allow(clippy::needless_range_loop)]
 pub fn partition(pr: &PartitionProblem) -> Result<Assignment> {
-    let layers = &pr.profile.layers;
-    let n = layers.len();
+    let n = pr.profile.layers.len();
     let k = pr.stages;
     let cl = pr.cluster;
     if k == 0 {
@@ -515,7 +565,7 @@ pub fn partition(pr: &PartitionProblem) -> Result<Assignment> {
         )));
     }
     if pr.objective == Objective::Params {
-        let pre = prefix(layers.iter().map(|l| l.params as f64));
+        let pre = prefix(pr.profile.layers.iter().map(|l| l.params as f64));
         let split = min_max_split(n, k, |_, lo, hi| pre[hi] - pre[lo])?;
         return Ok(Assignment {
             split,
@@ -529,110 +579,95 @@ pub fn partition(pr: &PartitionProblem) -> Result<Assignment> {
             cl.len()
         )));
     }
-    let work = prefix(layers.iter().map(|l| l.forward + l.backward()));
-    let params = prefix(layers.iter().map(|l| l.params as f64));
-    let acts = prefix(layers.iter().map(|l| l.activation as f64));
-    // Compute time of lo..hi as stage `st` on device d, or infinity if it does not fit.
-    let compute = |st: usize, d: usize, lo: usize, hi: usize| {
-        let dev = &cl.devices[d];
-        if let Some(cap) = dev.memory {
-            let inflight = pr.in_flight.get(st).copied().unwrap_or(0) as f64;
-            let need = 4.0 * (params[hi] - params[lo]) + inflight * (acts[hi] - acts[lo]);
-            if need > cap as f64 {
-                return f64::INFINITY;
-            }
-        }
-        if let (Some(cap), Some(&inflight)) = (dev.memory_microbatches, pr.in_flight.get(st)) {
-            if inflight > cap as usize {
-                return f64::INFINITY;
-            }
-        }
-        (work[hi] - work[lo]) / dev.speed
-    };
-    let send = |a: usize, b: usize, cut: usize| cl.transfer_time(a, b, layers[cut - 1].activation);
+    let costs = StageCosts::new(pr);
     let classes = device_classes(cl);
-    let c = classes.len();
-    // Mixed-radix encoding of "devices used per class".
     let caps: Vec<usize> = classes.iter().map(|x| x.len().min(k)).collect();
-    let states: f64 =
-        (n * n) as f64 / 2.0 * caps.iter().map(|&x| (x + 1) as f64).product::<f64>() * c as f64;
-    if c == 1 || states > EXACT_STATE_LIMIT {
-        // Fixed device orders: the fastest devices in file order (file order groups regions),
-        // and, when the search is too large, a nearest-neighbour chain from every device (each
-        // next device the one reached fastest); the best of them wins.
-        let eval = |ids: &[usize]| {
-            min_max_split(n, k, |st, lo, hi| {
-                compute(st, ids[st], lo, hi)
-                    + if st + 1 < k {
-                        send(ids[st], ids[st + 1], hi)
-                    } else {
-                        0.0
-                    }
-            })
+    let states: f64 = (n * n) as f64 / 2.0
+        * caps.iter().map(|&x| (x + 1) as f64).product::<f64>()
+        * classes.len() as f64;
+    if classes.len() == 1 || states > EXACT_STATE_LIMIT {
+        fixed_orders(&costs, &classes)
+    } else {
+        class_program(&costs, &classes, &caps)
+    }
+}
+
+/// The partition on fixed device orders: the fastest devices in file order (file order groups
+/// regions) and, with several classes (a search too large to be exact), a nearest-neighbour
+/// chain from every device (each next device the one reached fastest); the best of them wins.
+fn fixed_orders(costs: &StageCosts, classes: &[Vec<usize>]) -> Result<Assignment> {
+    let pr = costs.pr;
+    let (cl, k, n) = (pr.cluster, pr.stages, pr.profile.layers.len());
+    let eval = |ids: &[usize]| {
+        min_max_split(n, k, |st, lo, hi| costs.stage(ids, st, lo, hi))
             .ok()
             .filter(|s| s.bottleneck.is_finite())
-        };
-        let mut orders = Vec::new();
-        let mut fastest: Vec<usize> = (0..cl.len()).collect();
-        fastest.sort_by(|&a, &b| {
-            cl.devices[b]
-                .speed
-                .total_cmp(&cl.devices[a].speed)
-                .then(a.cmp(&b))
-        });
-        fastest.truncate(k);
-        fastest.sort_unstable();
-        orders.push(fastest);
-        if c > 1 {
-            orders.extend(neighbour_chains(cl, &classes, k, layers));
-        }
-        let best = orders
-            .into_iter()
-            .filter_map(|ids| eval(&ids).map(|s| (s, ids)))
-            .min_by(|a, b| a.0.bottleneck.total_cmp(&b.0.bottleneck));
-        let Some((split, ids)) = best else {
-            let ids: Vec<usize> = (0..k).collect();
-            return Err(infeasible(pr, &ids));
-        };
-        return Ok(Assignment {
-            split,
-            devices: ids,
-            exact: c == 1,
-        });
+    };
+    let mut fastest: Vec<usize> = (0..cl.len()).collect();
+    fastest.sort_by(|&a, &b| {
+        cl.devices[b]
+            .speed
+            .total_cmp(&cl.devices[a].speed)
+            .then(a.cmp(&b))
+    });
+    fastest.truncate(k);
+    fastest.sort_unstable();
+    let mut orders = vec![fastest];
+    if classes.len() > 1 {
+        orders.extend(neighbour_chains(cl, classes, k, &pr.profile.layers));
     }
+    let best = orders
+        .into_iter()
+        .filter_map(|ids| eval(&ids).map(|s| (s, ids)))
+        .min_by(|a, b| a.0.bottleneck.total_cmp(&b.0.bottleneck));
+    let Some((split, ids)) = best else {
+        let ids: Vec<usize> = (0..k).collect();
+        return Err(infeasible(pr, &ids));
+    };
+    Ok(Assignment {
+        split,
+        devices: ids,
+        exact: classes.len() == 1,
+    })
+}
+
+/// The exact dynamic program over (start and end of the last stage, devices used per class in
+/// a mixed-radix code, class of the last stage's device); each stage gets the next unused
+/// device of its class.
+fn class_program(costs: &StageCosts, classes: &[Vec<usize>], caps: &[usize]) -> Result<Assignment> {
+    use std::collections::HashMap;
+    type Key = (usize, usize, usize, usize); // (lo, hi, used code, class)
+    let pr = costs.pr;
+    let (k, n, c) = (pr.stages, pr.profile.layers.len(), classes.len());
     let mut radix = vec![1usize; c];
     for i in 1..c {
         radix[i] = radix[i - 1] * (caps[i - 1] + 1);
     }
     let count = |code: usize, j: usize| (code / radix[j]) % (caps[j] + 1);
-    // The device a stage gets: the next unused one of its class.
-    use std::collections::HashMap;
-    type Key = (usize, usize, usize, usize); // (lo, hi, used code, class)
+    let device = |&(_, _, code, cj): &Key| classes[cj][count(code, cj) - 1];
     let mut layer: HashMap<Key, (f64, Option<Key>)> = HashMap::new();
-    for j in 0..c {
+    for (j, &r) in radix.iter().enumerate() {
         for hi in 1..=n - (k - 1) {
-            layer.insert((0, hi, radix[j], j), (0.0, None));
+            layer.insert((0, hi, r, j), (0.0, None));
         }
     }
     let mut history: Vec<HashMap<Key, (f64, Option<Key>)>> = Vec::new();
     for st in 1..k {
         let mut next: HashMap<Key, (f64, Option<Key>)> = HashMap::new();
         for (&key, &(v, _)) in &layer {
-            let (lo, hi, code, cj) = key;
-            let d_prev = classes[cj][count(code, cj) - 1];
-            let comp = compute(st - 1, d_prev, lo, hi);
+            let (lo, hi, code, _) = key;
+            let d_prev = device(&key);
+            let comp = costs.compute(st - 1, d_prev, lo, hi);
             if !comp.is_finite() {
                 continue;
             }
-            for j in 0..c {
-                if count(code, j) >= caps[j] {
-                    continue;
-                }
+            for j in (0..c).filter(|&j| count(code, j) < caps[j]) {
                 let d = classes[j][count(code, j)];
-                let cost = v.max(comp + send(d_prev, d, hi));
+                let cost = v.max(comp + costs.send(d_prev, d, hi));
                 for end in hi + 1..=n - (k - 1 - st) {
-                    let nk = (hi, end, code + radix[j], j);
-                    let e = next.entry(nk).or_insert((f64::INFINITY, None));
+                    let e = next
+                        .entry((hi, end, code + radix[j], j))
+                        .or_insert((f64::INFINITY, None));
                     if cost < e.0 {
                         *e = (cost, Some(key));
                     }
@@ -642,18 +677,14 @@ pub fn partition(pr: &PartitionProblem) -> Result<Assignment> {
         history.push(std::mem::replace(&mut layer, next));
     }
     let mut best: Option<(f64, Key)> = None;
-    for (&key, &(v, _)) in &layer {
-        let (lo, hi, code, cj) = key;
-        if hi != n {
-            continue;
-        }
-        let total = v.max(compute(k - 1, classes[cj][count(code, cj) - 1], lo, hi));
+    for (&key, &(v, _)) in layer.iter().filter(|(key, _)| key.1 == n) {
+        let total = v.max(costs.compute(k - 1, device(&key), key.0, key.1));
         if total.is_finite() && best.is_none_or(|(b, bk)| total < b || (total == b && key < bk)) {
             best = Some((total, key));
         }
     }
     let Some((_, mut key)) = best else {
-        let ids: Vec<usize> = (0..k.min(cl.len())).collect();
+        let ids: Vec<usize> = (0..k.min(pr.cluster.len())).collect();
         return Err(infeasible(pr, &ids));
     };
     history.push(layer);
@@ -663,20 +694,10 @@ pub fn partition(pr: &PartitionProblem) -> Result<Assignment> {
         keys.push(key);
     }
     keys.reverse();
-    let devices: Vec<usize> = keys
-        .iter()
-        .map(|&(_, _, code, cj)| classes[cj][count(code, cj) - 1])
-        .collect();
+    let devices: Vec<usize> = keys.iter().map(device).collect();
     let bounds: Vec<usize> = keys.iter().map(|&(lo, _, _, _)| lo).chain([n]).collect();
     let stage_cost: Vec<f64> = (0..k)
-        .map(|st| {
-            compute(st, devices[st], bounds[st], bounds[st + 1])
-                + if st + 1 < k {
-                    send(devices[st], devices[st + 1], bounds[st + 1])
-                } else {
-                    0.0
-                }
-        })
+        .map(|st| costs.stage(&devices, st, bounds[st], bounds[st + 1]))
         .collect();
     let split = Split {
         layers_per_stage: bounds.windows(2).map(|w| w[1] - w[0]).collect(),
