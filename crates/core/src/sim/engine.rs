@@ -459,8 +459,9 @@ pub fn simulate_with(setup: &SimSetup, options: SimOptions) -> Result<SimResult>
     )
 }
 
-/// Simulate the plan's own worker orders under `options` (its dispatch aside).
-fn simulate_orders(setup: &SimSetup, options: SimOptions) -> Result<SimResult> {
+/// Refuse what cannot be simulated: stage costs that do not match the plan, too few devices,
+/// a total compute time that overflows, links that never deliver.
+fn check_simulable(setup: &SimSetup) -> Result<()> {
     let SimSetup {
         plan,
         stages,
@@ -498,7 +499,18 @@ fn simulate_orders(setup: &SimSetup, options: SimOptions) -> Result<SimResult> {
             "the plan's total compute time overflows ({work} s): stage costs too large for f64 seconds"
         )));
     }
-    check_link_times(plan, stages, cluster)?;
+    check_link_times(plan, stages, cluster)
+}
+
+/// Simulate the plan's own worker orders under `options` (its dispatch aside).
+fn simulate_orders(setup: &SimSetup, options: SimOptions) -> Result<SimResult> {
+    check_simulable(setup)?;
+    let SimSetup {
+        plan,
+        stages,
+        cluster,
+    } = *setup;
+    let p = plan.num_workers();
     let mut st = State::new(plan, stages, cluster);
     if options.shared_compute {
         st.shared = Some(Vec::new());
@@ -516,7 +528,7 @@ fn simulate_orders(setup: &SimSetup, options: SimOptions) -> Result<SimResult> {
         head,
         busy,
         link_use,
-        timeline,
+        mut timeline,
         shared,
         ..
     } = st;
@@ -537,65 +549,7 @@ fn simulate_orders(setup: &SimSetup, options: SimOptions) -> Result<SimResult> {
         )));
     }
     let makespan = timeline.actions.iter().map(|a| a.end).fold(0.0, f64::max);
-    // Each stage's gradients are all-reduced among its hosts as soon as the last of them has
-    // finished the stage's backward (overlapping other stages' work, as bucketed DDP does).
-    let topo = Topology::new(plan);
-    let mut done = vec![0.0f64; s];
-    for a in &timeline.actions {
-        if a.action.op.frees_activation() {
-            done[a.action.stage] = done[a.action.stage].max(a.end);
-        }
-    }
-    let allreduce: Vec<f64> = (0..s)
-        .map(|st| ring_allreduce_time(cluster, &topo.groups[st], stages[st].params))
-        .collect();
-    // Then each worker steps the optimizer over the stages it holds (one after another, in
-    // the order they become ready, when the compute is shared).
-    let mut steps = optimizer_steps(&topo.held, &done, &allreduce, stages, cluster);
-    // The iteration past the pipeline's makespan, drawn: each stage's all-reduce on its hosts
-    // (when it has replicas to reduce with), then each worker's optimizer step.
-    let mut timeline = timeline;
-    for (st, group) in topo.groups.iter().enumerate() {
-        if group.len() > 1 && allreduce[st] > 0.0 {
-            for &w in group {
-                timeline.spans.push(TimedSpan {
-                    worker: w,
-                    kind: SpanKind::AllReduce,
-                    stage: Some(st),
-                    start: done[st],
-                    end: done[st] + allreduce[st],
-                    message: None,
-                });
-            }
-        }
-    }
-    if shared.is_none() {
-        for (w, &(ready, update)) in steps.iter().enumerate() {
-            if update > 0.0 {
-                timeline.spans.push(TimedSpan {
-                    worker: w,
-                    kind: SpanKind::OptimizerStep,
-                    stage: None,
-                    start: ready,
-                    end: ready + update,
-                    message: None,
-                });
-            }
-        }
-    }
-    let iteration_time = match shared {
-        None => iteration_end(makespan, &steps),
-        Some(mut slots) => {
-            steps.sort_by(|a, b| a.0.total_cmp(&b.0));
-            steps
-                .iter()
-                .map(|&(ready, update)| {
-                    let start = claim(&mut slots, ready, update);
-                    start + update
-                })
-                .fold(makespan, f64::max)
-        }
-    };
+    let (allreduce, iteration_time) = iteration_end_of(setup, &mut timeline, shared, makespan);
     let work: f64 = busy.iter().sum();
     let bubble_fraction = if makespan > 0.0 {
         1.0 - work / (p as f64 * makespan)
@@ -628,6 +582,70 @@ fn simulate_orders(setup: &SimSetup, options: SimOptions) -> Result<SimResult> {
         links,
         timeline,
     })
+}
+
+/// The iteration past the pipeline's `makespan`: each stage's gradients all-reduced among its
+/// hosts as soon as the last of them has finished the stage's backward (overlapping other
+/// stages' work, as bucketed DDP does), then each worker's optimizer step over the stages it
+/// holds (one after another, in the order they become ready, when the compute is `shared`).
+/// Both are drawn on `timeline`; returns each stage's all-reduce time and the iteration time.
+fn iteration_end_of(
+    setup: &SimSetup,
+    timeline: &mut Timeline,
+    shared: Option<Vec<(f64, f64)>>,
+    makespan: f64,
+) -> (Vec<f64>, f64) {
+    let SimSetup {
+        plan,
+        stages,
+        cluster,
+    } = *setup;
+    let topo = Topology::new(plan);
+    let mut done = vec![0.0f64; plan.num_stages()];
+    for a in &timeline.actions {
+        if a.action.op.frees_activation() {
+            done[a.action.stage] = done[a.action.stage].max(a.end);
+        }
+    }
+    let allreduce: Vec<f64> = (0..done.len())
+        .map(|st| ring_allreduce_time(cluster, &topo.groups[st], stages[st].params))
+        .collect();
+    let mut steps = optimizer_steps(&topo.held, &done, &allreduce, stages, cluster);
+    let span = |worker, kind, stage, start, end| TimedSpan {
+        worker,
+        kind,
+        stage,
+        start,
+        end,
+        message: None,
+    };
+    for (st, group) in topo.groups.iter().enumerate() {
+        if group.len() > 1 && allreduce[st] > 0.0 {
+            for &w in group {
+                let end = done[st] + allreduce[st];
+                timeline
+                    .spans
+                    .push(span(w, SpanKind::AllReduce, Some(st), done[st], end));
+            }
+        }
+    }
+    let Some(mut slots) = shared else {
+        for (w, &(ready, update)) in steps.iter().enumerate() {
+            if update > 0.0 {
+                let end = ready + update;
+                timeline
+                    .spans
+                    .push(span(w, SpanKind::OptimizerStep, None, ready, end));
+            }
+        }
+        return (allreduce, iteration_end(makespan, &steps));
+    };
+    steps.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let end = steps
+        .iter()
+        .map(|&(ready, update)| claim(&mut slots, ready, update) + update)
+        .fold(makespan, f64::max);
+    (allreduce, end)
 }
 
 /// Each worker's optimizer step as (ready, seconds): ready when every stage it holds (`held`)
