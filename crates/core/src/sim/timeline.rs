@@ -390,7 +390,6 @@ impl Timeline {
     fn svg_scaled(&self, title: &str, (span, plot_w): (f64, f64)) -> (String, f64, f64) {
         let p = self.worker_names.len();
         let (left, top, row_h, bar_h, lane_h) = (120.0, 70.0, 34.0, 24.0, 5.0);
-        let x = |t: f64| left + t / span * plot_w;
         let width = left + plot_w + 30.0;
         let footer = if self.idle_devices.is_empty() {
             0.0
@@ -408,14 +407,34 @@ impl Timeline {
             xml_escape(title)
         );
         self.svg_legend(&mut s, left);
-        // Where a worker runs several stages (interleaved, ZB-V), boxes name the stage too.
-        let mut stages_of = vec![std::collections::BTreeSet::new(); p];
-        for a in &self.actions {
-            if let Some(set) = stages_of.get_mut(a.worker) {
-                set.insert(a.action.stage);
-            }
-        }
-        // Rows.
+        let f = Frame {
+            left,
+            top,
+            row_h,
+            bar_h,
+            lane_h,
+            span,
+            plot_w,
+        };
+        self.svg_rows(&mut s, &f);
+        self.svg_actions(&mut s, &f);
+        self.svg_transfers(&mut s, &f);
+        self.svg_spans(&mut s, &f);
+        let ay = self.svg_axis(&mut s, &f);
+        self.svg_idle(&mut s, left, ay + 56.0);
+        s.push_str("</svg>\n");
+        (s, width, height)
+    }
+
+    /// Each worker's row: a band, its number and its device's name.
+    fn svg_rows(&self, s: &mut String, f: &Frame) {
+        let Frame {
+            left,
+            top,
+            row_h,
+            plot_w,
+            ..
+        } = *f;
         for (w, name) in self.worker_names.iter().enumerate() {
             let y = top + w as f64 * row_h;
             let fill = if w % 2 == 0 { "#f6f6f6" } else { "#ffffff" };
@@ -436,6 +455,23 @@ impl Timeline {
                 y + 27.0,
                 xml_escape(name)
             );
+        }
+    }
+
+    /// Each action as a box in its worker's row, labelled where it fits (with op and stage
+    /// where a worker runs several stages).
+    fn svg_actions(&self, s: &mut String, f: &Frame) {
+        let Frame {
+            top, row_h, bar_h, ..
+        } = *f;
+        let p = self.worker_names.len();
+        let x = |t: f64| f.x(t);
+        // Where a worker runs several stages (interleaved, ZB-V), boxes name the stage too.
+        let mut stages_of = vec![std::collections::BTreeSet::new(); p];
+        for a in &self.actions {
+            if let Some(set) = stages_of.get_mut(a.worker) {
+                set.insert(a.action.stage);
+            }
         }
         for a in &self.actions {
             let y = top + a.worker as f64 * row_h + 2.0;
@@ -466,6 +502,18 @@ impl Timeline {
             }
             s.push('\n');
         }
+    }
+
+    /// Each message as a thin lane under its sender's row, while it travels.
+    fn svg_transfers(&self, s: &mut String, f: &Frame) {
+        let Frame {
+            top,
+            row_h,
+            bar_h,
+            lane_h,
+            ..
+        } = *f;
+        let x = |t: f64| f.x(t);
         for t in &self.transfers {
             let y = top + t.from as f64 * row_h + 2.0 + bar_h + 1.5;
             let (x0, x1) = (x(t.start), x(t.end));
@@ -492,6 +540,14 @@ impl Timeline {
                 t.end
             );
         }
+    }
+
+    /// All-reduces, optimizer steps and measured sends and receives, in their workers' rows.
+    fn svg_spans(&self, s: &mut String, f: &Frame) {
+        let Frame {
+            top, row_h, bar_h, ..
+        } = *f;
+        let x = |t: f64| f.x(t);
         for sp in &self.spans {
             let y = top + sp.worker as f64 * row_h + 2.0;
             let (x0, x1) = (x(sp.start), x(sp.end));
@@ -511,6 +567,20 @@ impl Timeline {
                 sp.end
             );
         }
+    }
+
+    /// The time axis under the rows, with round ticks; returns its height on the page.
+    fn svg_axis(&self, s: &mut String, f: &Frame) -> f64 {
+        let Frame {
+            left,
+            top,
+            row_h,
+            span,
+            plot_w,
+            ..
+        } = *f;
+        let x = |t: f64| f.x(t);
+        let p = self.worker_names.len();
         // Axis with round ticks.
         let ay = top + p as f64 * row_h + 6.0;
         let _ = writeln!(
@@ -537,9 +607,7 @@ impl Timeline {
             left + plot_w / 2.0,
             ay + 36.0
         );
-        self.svg_idle(&mut s, left, ay + 56.0);
-        s.push_str("</svg>\n");
-        (s, width, height)
+        ay
     }
 
     /// `idle devices (N): a, b, ...`: the first 8 by name (what fits under the narrowest
@@ -644,6 +712,26 @@ fn xml_escape(s: &str) -> String {
     s.replace('&', "&amp;")
         .replace('<', "&lt;")
         .replace('>', "&gt;")
+}
+
+/// Where a timeline is drawn: the plot's left edge and top, row, bar and message-lane heights,
+/// and the time span drawn over `plot_w` pixels.
+#[derive(Clone, Copy)]
+struct Frame {
+    left: f64,
+    top: f64,
+    row_h: f64,
+    bar_h: f64,
+    lane_h: f64,
+    span: f64,
+    plot_w: f64,
+}
+
+impl Frame {
+    /// The page x of time `t`.
+    fn x(&self, t: f64) -> f64 {
+        self.left + t / self.span * self.plot_w
+    }
 }
 
 #[cfg(test)]
