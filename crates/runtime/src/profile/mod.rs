@@ -273,161 +273,196 @@ pub struct Alternative {
 /// cost together beyond alone: graph bookkeeping, allocation, cache effects).
 /// For the gpt family; [`llama::op_breakdown`] breaks down a LLaMA block.
 pub fn op_breakdown(cfg: &ModelConfig, rows: usize, repeats: usize) -> OpBreakdown {
-    use crate::kernels as k;
-    use burn::nn::{LayerNormConfig, LinearConfig};
-    use burn::tensor::activation::{gelu, gelu_approximate};
-    use burn::tensor::module::attention;
-    use burn::tensor::ops::AttentionModuleOptions;
-    let dev = train_device();
-    let (b, t, d, h) = (rows, cfg.seq_len, cfg.d_model, cfg.heads);
-    let dh = d / h;
-    let rand = |dims: [usize; 4]| {
-        Tensor::<4>::random(dims, Distribution::Normal(0.0, 1.0), &dev).require_grad()
-    };
-    let x3 = |w: usize| {
-        Tensor::<3>::random([b, t, w], Distribution::Normal(0.0, 1.0), &dev).require_grad()
-    };
-    let ln = LayerNormConfig::new(d)
-        .with_epsilon(crate::kernels::LN_EPS as f64)
-        .init(&dev);
-    let qkv = LinearConfig::new(d, d).init(&dev);
-    let up = LinearConfig::new(d, 4 * d).init(&dev);
-    let down = LinearConfig::new(4 * d, d).init(&dev);
-    let lin = |l: &burn::nn::Linear, x: Tensor<3>| {
-        k::linear(x, l.weight.val(), l.bias.as_ref().map(|b| b.val()))
-    };
-    let scale = 1.0 / (dh as f32).sqrt();
-    let mut out = Vec::new();
-    let mut push = |name, count, times| out.push(OpTime::timed(name, count, times));
-    push(
-        "layer norm",
-        2,
-        time_op(repeats, || x3(d), |x| k::layer_norm(&ln, x)),
-    );
-    push(
-        "q, k, v, o projections (d x d)",
-        4,
-        time_op(repeats, || x3(d), |x| lin(&qkv, x)),
-    );
-    push(
-        "head split and merge (reshape, swap)",
-        4,
-        time_op(
-            repeats,
-            || x3(d),
-            |x| {
-                x.reshape([b, t, h, dh])
-                    .swap_dims(1, 2)
-                    .swap_dims(1, 2)
-                    .reshape([b, t, d])
-            },
-        ),
-    );
-    let qkv_heads = || {
-        (
-            rand([b, h, t, dh]),
-            rand([b, h, t, dh]),
-            rand([b, h, t, dh]),
-        )
-    };
-    push(
-        "causal attention (fused)",
-        1,
-        time_op(repeats, qkv_heads, |(q, kk, v)| {
-            k::causal_attention(q, kk, v, scale).reshape([b, h * t, dh])
-        }),
-    );
-    push(
-        "MLP up (d x 4d)",
-        1,
-        time_op(repeats, || x3(d), |x| lin(&up, x)),
-    );
-    push("GELU", 1, time_op(repeats, || x3(4 * d), k::gelu));
-    push(
-        "MLP down (4d x d)",
-        1,
-        time_op(repeats, || x3(4 * d), |x| lin(&down, x)),
-    );
-    push(
-        "residual adds",
-        2,
-        time_op(repeats, || (x3(d), x3(d)), |(x, y)| x + y),
-    );
-    let layers = Layers::new(cfg, 1, &dev);
+    let g = GptBlock::new(cfg, rows);
+    let ops = g.ops(repeats);
+    let layers = Layers::new(cfg, 1, &g.dev);
     let block = layers.stage(1, 2);
-    push(
-        "whole block",
-        1,
-        time_op(repeats, || x3(d), |x| block.forward(StageInput::Hidden(x))),
+    let whole = time_op(
+        repeats,
+        || g.x3(g.d),
+        |x| block.forward(StageInput::Hidden(x)),
     );
-    let whole = out.pop().expect("the whole block was pushed last");
-    let qkv3 = LinearConfig::new(d, 3 * d).init(&dev);
-    let alt = Alternative::timed;
-    // burn's own ops for the same maths: what the kernels replaced, measured in the same run.
-    let alternatives = vec![
-        alt(
-            "burn LayerNorm",
-            time_op(repeats, || x3(d), |x| ln.forward(x)),
-            vec![("layer norm", 0.5)],
-        ),
-        alt(
-            "burn Linear (flex GEMM), d x d",
-            time_op(repeats, || x3(d), |x| qkv.forward(x)),
-            vec![("q, k, v, o projections (d x d)", 0.25)],
-        ),
-        alt(
-            "burn Linear (flex GEMM), d x 4d",
-            time_op(repeats, || x3(d), |x| up.forward(x)),
-            vec![("MLP up (d x 4d)", 1.0)],
-        ),
-        alt(
-            "burn GELU (exact)",
-            time_op(repeats, || x3(4 * d), gelu),
-            vec![("GELU", 1.0)],
-        ),
-        alt(
-            "burn GELU, tanh approximation",
-            time_op(repeats, || x3(4 * d), gelu_approximate),
-            vec![("GELU", 1.0)],
-        ),
-        // One d x 3d product, then q, k, v as slices of it (the adds stand for their three uses).
-        alt(
-            "q, k, v as one d x 3d projection",
-            time_op(
-                repeats,
-                || x3(d),
-                |x| {
-                    let p = lin(&qkv3, x).chunk(3, 2);
-                    p[0].clone() + p[1].clone() + p[2].clone()
-                },
-            ),
-            vec![("q, k, v, o projections (d x d)", 0.75)],
-        ),
-        alt(
-            "scores, causal softmax, x v as 3 ops",
-            time_op(repeats, qkv_heads, |(q, kk, v)| {
-                let w = k::causal_softmax(k::matmul(q, kk.swap_dims(2, 3)), scale);
-                k::matmul(w, v).reshape([b, h * t, dh])
-            }),
-            vec![("causal attention (fused)", 1.0)],
-        ),
-        alt(
-            "burn's attention op (causal)",
-            time_op(repeats, qkv_heads, |(q, kk, v)| {
-                let options = AttentionModuleOptions {
-                    scale: None,
-                    softcap: None,
-                    is_causal: true,
-                };
-                attention(q, kk, v, None, None, options).reshape([b, h * t, dh])
-            }),
-            vec![("causal attention (fused)", 1.0)],
-        ),
-    ];
     OpBreakdown {
-        ops: out,
-        whole,
-        alternatives,
+        ops,
+        whole: OpTime::timed("whole block", 1, whole),
+        alternatives: g.alternatives(repeats),
+    }
+}
+
+/// A GPT block's shapes at micro-batches of `b` sequences, its parameters, and random inputs.
+struct GptBlock {
+    b: usize,
+    t: usize,
+    d: usize,
+    h: usize,
+    dh: usize,
+    scale: f32,
+    dev: burn::tensor::Device,
+    ln: burn::nn::LayerNorm,
+    qkv: burn::nn::Linear,
+    up: burn::nn::Linear,
+    down: burn::nn::Linear,
+}
+
+impl GptBlock {
+    fn new(cfg: &ModelConfig, rows: usize) -> Self {
+        use burn::nn::{LayerNormConfig, LinearConfig};
+        let dev = train_device();
+        let (d, h) = (cfg.d_model, cfg.heads);
+        GptBlock {
+            b: rows,
+            t: cfg.seq_len,
+            d,
+            h,
+            dh: d / h,
+            scale: 1.0 / ((d / h) as f32).sqrt(),
+            ln: LayerNormConfig::new(d)
+                .with_epsilon(crate::kernels::LN_EPS as f64)
+                .init(&dev),
+            qkv: LinearConfig::new(d, d).init(&dev),
+            up: LinearConfig::new(d, 4 * d).init(&dev),
+            down: LinearConfig::new(4 * d, d).init(&dev),
+            dev,
+        }
+    }
+
+    fn x3(&self, w: usize) -> Tensor<3> {
+        let dims = [self.b, self.t, w];
+        Tensor::<3>::random(dims, Distribution::Normal(0.0, 1.0), &self.dev).require_grad()
+    }
+
+    /// Queries, keys and values split into heads.
+    fn qkv_heads(&self) -> (Tensor<4>, Tensor<4>, Tensor<4>) {
+        let dims = [self.b, self.h, self.t, self.dh];
+        let r =
+            || Tensor::<4>::random(dims, Distribution::Normal(0.0, 1.0), &self.dev).require_grad();
+        (r(), r(), r())
+    }
+
+    fn lin(l: &burn::nn::Linear, x: Tensor<3>) -> Tensor<3> {
+        crate::kernels::linear(x, l.weight.val(), l.bias.as_ref().map(|b| b.val()))
+    }
+
+    /// The block's ops, each timed alone, with how many times the block runs it.
+    fn ops(&self, repeats: usize) -> Vec<OpTime> {
+        use crate::kernels as k;
+        let (b, t, d, h, dh, scale) = (self.b, self.t, self.d, self.h, self.dh, self.scale);
+        let x3 = |w| self.x3(w);
+        let mut out = Vec::new();
+        let mut push = |name, count, times| out.push(OpTime::timed(name, count, times));
+        let norm = time_op(repeats, || x3(d), |x| k::layer_norm(&self.ln, x));
+        push("layer norm", 2, norm);
+        let proj = time_op(repeats, || x3(d), |x| Self::lin(&self.qkv, x));
+        push("q, k, v, o projections (d x d)", 4, proj);
+        let split = |x: Tensor<3>| {
+            x.reshape([b, t, h, dh])
+                .swap_dims(1, 2)
+                .swap_dims(1, 2)
+                .reshape([b, t, d])
+        };
+        push(
+            "head split and merge (reshape, swap)",
+            4,
+            time_op(repeats, || x3(d), split),
+        );
+        let att = time_op(
+            repeats,
+            || self.qkv_heads(),
+            |(q, kk, v)| k::causal_attention(q, kk, v, scale).reshape([b, h * t, dh]),
+        );
+        push("causal attention (fused)", 1, att);
+        push(
+            "MLP up (d x 4d)",
+            1,
+            time_op(repeats, || x3(d), |x| Self::lin(&self.up, x)),
+        );
+        push("GELU", 1, time_op(repeats, || x3(4 * d), k::gelu));
+        let down = time_op(repeats, || x3(4 * d), |x| Self::lin(&self.down, x));
+        push("MLP down (4d x d)", 1, down);
+        let adds = time_op(repeats, || (x3(d), x3(d)), |(x, y)| x + y);
+        push("residual adds", 2, adds);
+        out
+    }
+
+    /// burn's own ops for the same maths: what the kernels replaced, measured in the same run.
+    fn alternatives(&self, repeats: usize) -> Vec<Alternative> {
+        use crate::kernels as k;
+        use burn::tensor::activation::{gelu, gelu_approximate};
+        use burn::tensor::module::attention;
+        use burn::tensor::ops::AttentionModuleOptions;
+        let (b, t, d, h, dh, scale) = (self.b, self.t, self.d, self.h, self.dh, self.scale);
+        let x3 = |w| self.x3(w);
+        let qkv3 = burn::nn::LinearConfig::new(d, 3 * d).init(&self.dev);
+        let alt = Alternative::timed;
+        vec![
+            alt(
+                "burn LayerNorm",
+                time_op(repeats, || x3(d), |x| self.ln.forward(x)),
+                vec![("layer norm", 0.5)],
+            ),
+            alt(
+                "burn Linear (flex GEMM), d x d",
+                time_op(repeats, || x3(d), |x| self.qkv.forward(x)),
+                vec![("q, k, v, o projections (d x d)", 0.25)],
+            ),
+            alt(
+                "burn Linear (flex GEMM), d x 4d",
+                time_op(repeats, || x3(d), |x| self.up.forward(x)),
+                vec![("MLP up (d x 4d)", 1.0)],
+            ),
+            alt(
+                "burn GELU (exact)",
+                time_op(repeats, || x3(4 * d), gelu),
+                vec![("GELU", 1.0)],
+            ),
+            alt(
+                "burn GELU, tanh approximation",
+                time_op(repeats, || x3(4 * d), gelu_approximate),
+                vec![("GELU", 1.0)],
+            ),
+            // One d x 3d product, then q, k, v as slices of it (the adds stand for their three
+            // uses).
+            alt(
+                "q, k, v as one d x 3d projection",
+                time_op(
+                    repeats,
+                    || x3(d),
+                    |x| {
+                        let p = Self::lin(&qkv3, x).chunk(3, 2);
+                        p[0].clone() + p[1].clone() + p[2].clone()
+                    },
+                ),
+                vec![("q, k, v, o projections (d x d)", 0.75)],
+            ),
+            alt(
+                "scores, causal softmax, x v as 3 ops",
+                time_op(
+                    repeats,
+                    || self.qkv_heads(),
+                    |(q, kk, v)| {
+                        let w = k::causal_softmax(k::matmul(q, kk.swap_dims(2, 3)), scale);
+                        k::matmul(w, v).reshape([b, h * t, dh])
+                    },
+                ),
+                vec![("causal attention (fused)", 1.0)],
+            ),
+            alt(
+                "burn's attention op (causal)",
+                time_op(
+                    repeats,
+                    || self.qkv_heads(),
+                    |(q, kk, v)| {
+                        let options = AttentionModuleOptions {
+                            scale: None,
+                            softcap: None,
+                            is_causal: true,
+                        };
+                        attention(q, kk, v, None, None, options).reshape([b, h * t, dh])
+                    },
+                ),
+                vec![("causal attention (fused)", 1.0)],
+            ),
+        ]
     }
 }
 
