@@ -345,8 +345,9 @@ fn header_of(kind: u64, stage: usize, mb: usize, dims: &[usize]) -> Vec<u64> {
 /// between polls to whatever else is runnable on it, for this long after the last progress; then
 /// it sleeps [`URGENT_POLL`] between polls, so that a long wait (a peer writing a checkpoint)
 /// does not keep a core busy. Sleeping between all polls left each message about 0.3 ms late
-/// (a 50 us sleep often ends a scheduler tick later), which spinning removes: the README's
-/// `train` ran 2.9% faster (6 alternating runs), and 4 ranks on 2 cores 37% faster.
+/// (a 50 us sleep often ends a scheduler tick later), which spinning removes: with the yield
+/// after each send ([`Mpi::send`]), the README's `train` ran 2.2% faster (5 alternating runs)
+/// and 4 ranks on 2 cores 6.5% faster (3).
 const URGENT_SPIN: Duration = Duration::from_millis(10);
 /// How long the MPI thread sleeps between polls in a long wait (see [`URGENT_SPIN`]).
 const URGENT_POLL: Duration = Duration::from_micros(50);
