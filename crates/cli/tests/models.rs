@@ -387,12 +387,15 @@ fn bert_forward_gives_transformers_outputs_and_text_tasks_are_refused() {
     );
 }
 
-/// Text to GPT-2 tokens in shards, a LLaMA trained on them as a pipeline, and text generated
-/// back with the checkpoint's tokenizer; a tokenizer larger than the model's vocabulary, and
-/// shards over shards, are refused.
-#[test]
-fn tokenize_then_train_on_shards_then_generate() {
-    let dir = fresh_dir("models-shards");
+/// A command's failure with exit 2 and `want` in its message.
+fn exits_2_saying(o: &Output, want: &str) {
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.code() == Some(2) && err.contains(want), "{err}");
+}
+
+/// Six text documents under `dir` turned into GPT-2 token shards (returned); the same command
+/// again has nothing to do, another tokenizer over the shards and an empty data set are refused.
+fn gpt2_shards(dir: &Path) -> PathBuf {
     let docs = dir.join("docs");
     std::fs::create_dir_all(&docs).unwrap();
     for i in 0..6 {
@@ -401,33 +404,13 @@ fn tokenize_then_train_on_shards_then_generate() {
     }
     let shards = dir.join("shards");
     let (docs, shards_s) = (docs.to_str().unwrap(), shards.to_str().unwrap());
-    let out = ok(&[
-        "tokenize",
-        "--data",
-        docs,
-        "--tokenizer",
-        "gpt2",
-        "--out",
-        shards_s,
-    ]);
+    let tokenize = ["tokenize", "--data", docs, "--out", shards_s];
+    let out = ok(&[&tokenize[..], &["--tokenizer", "gpt2"]].concat());
     assert!(out.contains("6 file(s), 6 document(s), with gpt2"), "{out}");
     assert!(shards.join("val_000000.bin").is_file() && shards.join("train_000000.bin").is_file());
-    // The same command again has nothing to do; another tokenizer over the shards is refused.
-    assert!(ok(&["tokenize", "--data", docs, "--out", shards_s]).contains("already complete"));
-    let o = pw(&[
-        "tokenize",
-        "--data",
-        docs,
-        "--out",
-        shards_s,
-        "--tokenizer",
-        "bytes",
-    ]);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(
-        o.status.code() == Some(2) && err.contains("tokenizer gpt2 (now bytes)"),
-        "{err}"
-    );
+    assert!(ok(&tokenize).contains("already complete"));
+    let o = pw(&[&tokenize[..], &["--tokenizer", "bytes"]].concat());
+    exits_2_saying(&o, "tokenizer gpt2 (now bytes)");
     let empty = dir.join("empty.txt");
     std::fs::write(&empty, "").unwrap();
     let nowhere = dir.join("nowhere");
@@ -443,6 +426,17 @@ fn tokenize_then_train_on_shards_then_generate() {
         !nowhere.exists(),
         "nothing is written for an empty data set"
     );
+    shards
+}
+
+/// Text to GPT-2 tokens in shards, a LLaMA trained on them as a pipeline, and text generated
+/// back with the checkpoint's tokenizer; a tokenizer larger than the model's vocabulary, and
+/// shards of an unfinished tokenize, are refused.
+#[test]
+fn tokenize_then_train_on_shards_then_generate() {
+    let dir = fresh_dir("models-shards");
+    let shards = gpt2_shards(&dir);
+    let shards_s = shards.to_str().unwrap();
     let cfg = dir.join("config.json");
     std::fs::write(
         &cfg,
@@ -491,11 +485,7 @@ fn tokenize_then_train_on_shards_then_generate() {
         "--steps",
         "1",
     ]);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(
-        o.status.code() == Some(2) && err.contains("has not finished"),
-        "{err}"
-    );
+    exits_2_saying(&o, "has not finished");
     std::fs::write(&manifest, done).unwrap();
     let text = ok(&[
         "generate",
@@ -530,11 +520,7 @@ fn tokenize_then_train_on_shards_then_generate() {
         "1",
         "--no-checkpoint",
     ]);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(
-        o.status.code() == Some(2) && err.contains("more than the model's vocabulary"),
-        "{err}"
-    );
+    exits_2_saying(&o, "more than the model's vocabulary");
 }
 
 /// Fine-tuning for a text task: a LLaMA given a classification head learns an easy two-class
