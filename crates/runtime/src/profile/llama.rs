@@ -5,7 +5,7 @@
 use super::{time_op, Alternative, OpBreakdown, OpTime};
 use crate::backend::train_device;
 use crate::kernels as k;
-use crate::model::{Layers, ModelConfig, StageInput};
+use crate::model::ModelConfig;
 use burn::tensor::{Distribution, Tensor};
 
 /// The LLaMA counterpart of [`super::op_breakdown`]: the same rows, the whole block last.
@@ -13,16 +13,9 @@ pub fn op_breakdown(cfg: &ModelConfig, rows: usize, repeats: usize) -> OpBreakdo
     let shapes = Shapes::new(cfg, rows);
     let mut ops = attention_ops(&shapes, repeats);
     ops.extend(mlp_ops(&shapes, repeats));
-    let layers = Layers::new(cfg, 1, &shapes.dev);
-    let block = layers.stage(1, 2);
-    let whole = time_op(
-        repeats,
-        || shapes.x3(cfg.d_model),
-        |x| block.forward(StageInput::Hidden(x)),
-    );
     OpBreakdown {
         ops,
-        whole: OpTime::timed("whole block", 1, whole),
+        whole: super::whole_block(cfg, &shapes.dev, repeats, || shapes.x3(cfg.d_model)),
         alternatives: burn_alternatives(cfg, rows, repeats),
     }
 }

@@ -275,18 +275,25 @@ pub struct Alternative {
 pub fn op_breakdown(cfg: &ModelConfig, rows: usize, repeats: usize) -> OpBreakdown {
     let g = GptBlock::new(cfg, rows);
     let ops = g.ops(repeats);
-    let layers = Layers::new(cfg, 1, &g.dev);
-    let block = layers.stage(1, 2);
-    let whole = time_op(
-        repeats,
-        || g.x3(g.d),
-        |x| block.forward(StageInput::Hidden(x)),
-    );
     OpBreakdown {
         ops,
-        whole: OpTime::timed("whole block", 1, whole),
+        whole: whole_block(cfg, &g.dev, repeats, || g.x3(g.d)),
         alternatives: g.alternatives(repeats),
     }
+}
+
+/// The first block of a model of `cfg`, timed as one op on inputs from `input` (the last row
+/// of a breakdown, for every family).
+fn whole_block(
+    cfg: &ModelConfig,
+    dev: &burn::tensor::Device,
+    repeats: usize,
+    input: impl Fn() -> Tensor<3>,
+) -> OpTime {
+    let layers = Layers::new(cfg, 1, dev);
+    let block = layers.stage(1, 2);
+    let times = time_op(repeats, input, |x| block.forward(StageInput::Hidden(x)));
+    OpTime::timed("whole block", 1, times)
 }
 
 /// A GPT block's shapes at micro-batches of `b` sequences, its parameters, and random inputs.
