@@ -10,6 +10,7 @@ use pipewright_core::job::{build, JobSpec, LayerCut, PipelineShape};
 use pipewright_core::plan::ir::Plan;
 use pipewright_core::profile::{Profile, StageCost};
 use pipewright_core::schedule::ScheduleKind;
+use pipewright_core::sim::slotted::{slotted_plan_time, SlottedRun};
 use pipewright_core::sim::{check_memory, simulate_with, SimOptions, SimSetup};
 use serde_json::json;
 use std::path::PathBuf;
@@ -107,6 +108,11 @@ pub struct SimulateArgs {
     /// Without it each worker has its own device, as with `--transport mpi`.
     #[arg(long)]
     shared_compute: bool,
+    /// Also price the plan in SkipPipe's own cost model (its simulator, com_sym.py,
+    /// re-implemented: memory slots on the data nodes, whole-second dispatch passes); plans
+    /// with routes only, as `skip-plan` writes them.
+    #[arg(long)]
+    skippipe_cost: bool,
     #[command(flatten)]
     mechanics: Mechanics,
     #[command(flatten)]
@@ -209,12 +215,14 @@ fn simulate_and_print(
 ) -> Result<()> {
     let p = plan.num_workers();
     check_memory(plan, stages, cluster)?;
+    let setup = SimSetup {
+        plan,
+        stages,
+        cluster,
+    };
+    let skippipe = a.skippipe_cost.then(|| skippipe_cost(&setup)).transpose()?;
     let mut r = simulate_with(
-        &SimSetup {
-            plan,
-            stages,
-            cluster,
-        },
+        &setup,
         SimOptions {
             shared_compute: a.shared_compute,
             ..a.mechanics.options()?
@@ -252,11 +260,32 @@ fn simulate_and_print(
         j["microbatches"] = json!(plan.num_microbatches);
         j["layers_per_stage"] = json!(plan.layers_per_stage());
         j["idle_devices"] = json!(r.timeline.idle_devices);
+        if let Some(c) = skippipe {
+            j["skippipe_cost"] = json!({"pipeline_time": c.pipeline_time, "finished": c.finished});
+        }
         println!("{}", serde_json::to_string_pretty(&j)?);
         return Ok(());
     }
     print_result(plan, &r, &title);
+    if let Some(c) = skippipe {
+        println!(
+            "SkipPipe's cost model: {:.2} s, {} of {} micro-batches back on their data nodes",
+            c.pipeline_time, c.finished, plan.num_microbatches
+        );
+    }
     Ok(())
+}
+
+/// `--skippipe-cost`: the plan in SkipPipe's cost model (`sim::slotted`).
+fn skippipe_cost(setup: &SimSetup) -> Result<SlottedRun> {
+    if setup.plan.routes.is_empty() {
+        return Err(BadInput(
+            "--skippipe-cost prices plans with routes (from `skip-plan --out`); this plan has none"
+                .into(),
+        )
+        .into());
+    }
+    Ok(slotted_plan_time(setup).map_err(|e| BadInput(format!("--skippipe-cost: {e}")))?)
 }
 
 /// The simulation as text: per worker busy time, utilisation and peak activations, links,

@@ -4,6 +4,7 @@
 
 pub mod dispatch;
 mod engine;
+pub mod slotted;
 pub mod timeline;
 
 pub use engine::*;
