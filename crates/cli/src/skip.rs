@@ -48,6 +48,11 @@ pub struct SkipPlanArgs {
     /// side; deterministic for a seed unless the time limit stops them).
     #[arg(long, default_value_t = 100000)]
     moves: usize,
+    /// Moves of a last phase that, among routes no slower in pipewright's simulator, looks
+    /// for the fastest in SkipPipe's own cost model (its simulator's mechanics, as `simulate
+    /// --skippipe-cost` prices them); 0 skips it.
+    #[arg(long, default_value_t = 5000)]
+    polish_moves: usize,
     /// Seconds the searches may take at most (they stop early, and the result then depends
     /// on the machine's speed).
     #[arg(long, default_value_t = 8.0)]
@@ -112,6 +117,7 @@ pub fn cmd_skip_plan(a: SkipPlanArgs) -> Result<()> {
                 a.max_node_load
                     .unwrap_or_else(|| even_load(&a, &cluster, skip)),
             ),
+            polish_moves: a.polish_moves,
         }),
         ..JobSpec::new(ScheduleKind::Custom, shape).with_layers(LayerCut::Profile(&profile))
     };
@@ -168,6 +174,7 @@ fn print_result(a: &SkipPlanArgs, r: &SkipResult, skip: usize, no_allreduce: f64
                 "random_routes_time": r.random_routes_time,
                 "skip_time": r.skip_time,
                 "skip_time_no_allreduce": no_allreduce,
+                "skip_time_skippipe_model": r.skip_time_skippipe,
                 "reduction": reduction,
                 "scheduler_seconds": r.scheduler_seconds,
                 "moves": r.moves,
@@ -206,4 +213,8 @@ fn print_result(a: &SkipPlanArgs, r: &SkipResult, skip: usize, no_allreduce: f64
         100.0 * reduction,
         no_allreduce
     );
+    match r.skip_time_skippipe {
+        Some(t) => println!("  the same routes in SkipPipe's cost model (its com_sym.py's mechanics): {t:.2} s without the all-reduce"),
+        None => println!("  the same routes in SkipPipe's cost model: some micro-batches never come back (see `simulate --skippipe-cost`)"),
+    }
 }

@@ -1145,6 +1145,8 @@ fn skip_train_plan(cfg: &TrainConfig, skip: f64, cluster: Option<&Path>) -> Resu
             seed: cfg.seed,
             mechanics: Default::default(),
             max_node_load: None,
+            // SkipPipe's cost model prices geo-distributed routes, not these local ones.
+            polish_moves: 0,
         }),
         ..cfg.job_spec(&profile)
     };

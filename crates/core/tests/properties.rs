@@ -219,6 +219,8 @@ proptest! {
                 ..SimOptions::default()
             },
             max_node_load: node_load,
+            // The last phase keeps every rule too.
+            polish_moves: 30,
         };
         match skip_plan(&profile, &cluster, &setup) {
             Ok(r) => {

@@ -374,6 +374,7 @@ fn skip_scheduler_routes_give_exact_gradients() {
             // SkipPipe's per-node load cap, as tight as it can be: each stage's visits shared
             // evenly by its 2 devices.
             max_node_load: Some(3 - skip),
+            polish_moves: 100,
         };
         let plan = skip_plan(&cfg.model.cost_profile(cfg.rows), &cluster, &setup)
             .unwrap()

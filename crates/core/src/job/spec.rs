@@ -72,6 +72,8 @@ pub struct SkipRoutes {
     pub mechanics: crate::sim::SimOptions,
     /// Micro-batches a middle stage's worker serves per iteration at most.
     pub max_node_load: Option<usize>,
+    /// Moves of the search's last phase (see [`SkipSetup::polish_moves`]).
+    pub polish_moves: usize,
 }
 
 /// Which way micro-batches travel.
@@ -169,6 +171,7 @@ pub fn build_skip(spec: &JobSpec) -> Result<SkipResult> {
         seed: r.seed,
         mechanics: r.mechanics,
         max_node_load: r.max_node_load,
+        polish_moves: r.polish_moves,
     };
     skip_plan(profile, cluster, &setup)
 }

@@ -150,6 +150,7 @@ struct Work {
     phase: Phase,
     due: f64,
     arrived: f64,
+    done: bool,
 }
 
 struct Node {
@@ -210,6 +211,7 @@ pub fn slotted_time(
             phase: Phase::Forward,
             due,
             arrived: INJECTED,
+            done: false,
         });
     }
     let mut second = run.next_second(0.0);
@@ -257,30 +259,35 @@ where
     /// One visit of node `w` in second `sec`: runs, in order, the work due then that the
     /// node can take. True if anything changed.
     fn step(&mut self, w: usize, sec: f64) -> bool {
+        // Nothing due: nothing changes (and sorting later gives the same order, the sort
+        // being stable).
+        if !self.nodes[w].held.iter().any(|x| x.due.floor() == sec) {
+            return false;
+        }
         let mut held = std::mem::take(&mut self.nodes[w].held);
         held.sort_by(|a, b| {
             a.due
                 .total_cmp(&b.due)
                 .then(a.arrived.total_cmp(&b.arrived))
         });
-        let mut done = vec![false; held.len()];
         let mut changed = false;
         let mut i = 0;
         while i < held.len() {
             let it = held[i];
-            if it.due.floor() != sec || done[i] {
-                i += 1;
+            i += 1;
+            if it.due.floor() != sec || it.done {
                 continue;
             }
             let node = &mut self.nodes[w];
             let (slot, round) = self.slot_of[it.mb];
             if it.due < node.free_at {
-                held[i].due = node.free_at;
-                changed = true;
+                held[i - 1].due = node.free_at;
             } else if it.phase == Phase::Forward && node.memory <= 0 {
-                held[i].due += RETRY;
-                changed = true;
-            } else if !(it.phase == Phase::Forward && it.at == 0 && round > 0 && self.busy[slot]) {
+                held[i - 1].due += RETRY;
+            } else if it.phase == Phase::Forward && it.at == 0 && round > 0 && self.busy[slot] {
+                // Its slot is still out: it waits, unchanged.
+                continue;
+            } else {
                 let end = self.act(w, it, &mut held);
                 let rest = if it.arrived > 1000.0 {
                     REST_INJECTED
@@ -294,17 +301,11 @@ where
                         other.due = free_at;
                     }
                 }
-                done[i] = true;
-                done.resize(held.len(), false);
-                changed = true;
+                held[i - 1].done = true;
             }
-            i += 1;
+            changed = true;
         }
-        let mut k = 0;
-        held.retain(|_| {
-            k += 1;
-            !done[k - 1]
-        });
+        held.retain(|x| !x.done);
         self.nodes[w].held = held;
         changed
     }
@@ -365,6 +366,7 @@ where
                 phase,
                 due,
                 arrived: due,
+                done: false,
             };
             if to == w {
                 held.push(work);
