@@ -8,7 +8,9 @@
 //! all-reduce included) changes hop workers, exchanges whole routes, trades skipped stages,
 //! toggles swaps and exchanges devices' places, accepting some slower candidates early on
 //! (simulated annealing). Worker orders come from list scheduling in simulated time under
-//! each device's in-flight cap (`sim::dispatch`), whose times the simulator reproduces. Two
+//! each device's in-flight cap (`sim::dispatch`), whose times the simulator reproduces. A last
+//! phase then walks among routes no slower there towards the fastest in SkipPipe's own cost
+//! model (`sim::slotted`), where routes that tie here can differ by seconds. Two
 //! baselines run under the same rules and micro-batches: the full pipeline, searched the
 //! same way, and random skipping (network-blind, and on this placement).
 

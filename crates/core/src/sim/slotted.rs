@@ -105,11 +105,36 @@ pub fn plan_slots(
     Some(out)
 }
 
+/// SkipPipe's routes: each starts on its data node, visits other nodes once each, and ends with
+/// the head back on the data node.
+fn check_routes(routes: &[Vec<Hop>]) -> Result<()> {
+    for (mb, r) in routes.iter().enumerate() {
+        let bad = |why: &str| {
+            Err(Error::Invalid(format!(
+                "micro-batch {mb}'s route {why}, which SkipPipe's cost model cannot price (it prices routes as `skip-plan` writes them)"
+            )))
+        };
+        let (Some(first), Some(last)) = (r.first(), r.last()) else {
+            return bad("is empty");
+        };
+        if r.len() < 2 || first.worker != last.worker {
+            return bad("does not end on its data node");
+        }
+        let mut chain: Vec<usize> = r[..r.len() - 1].iter().map(|h| h.worker).collect();
+        chain.sort_unstable();
+        if chain.windows(2).any(|w| w[0] == w[1]) {
+            return bad("visits a node twice");
+        }
+    }
+    Ok(())
+}
+
 /// `setup`'s plan priced in SkipPipe's cost model, slots as [`plan_slots`] gives them and the
 /// devices' in-flight caps as its memory; an error if the plan starts more micro-batches on a
 /// data node at once than the node's cap.
 pub fn slotted_plan_time(setup: &SimSetup) -> Result<SlottedRun> {
     let (plan, cluster) = (setup.plan, setup.cluster);
+    check_routes(&plan.routes)?;
     let memory: Vec<usize> = cluster
         .devices
         .iter()
