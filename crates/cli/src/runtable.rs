@@ -4,7 +4,7 @@
 //! command line wins over its key; `--print-config` writes the table back, every key filled.
 
 use crate::freeze::ElasticBatch;
-use crate::train::{TrainArgs, TransportKind};
+use crate::train::{DeviceArg, TrainArgs, TransportKind};
 use crate::BadInput;
 use anyhow::Result;
 use pipewright_core::policy::freeze::FreezeMode;
@@ -48,6 +48,7 @@ plain_setting!(
     bool,
     Vec<String>,
     TransportKind,
+    DeviceArg,
     FreezeMode,
     ElasticBatch
 );
@@ -92,6 +93,7 @@ run_table! {
     cluster: PathBuf = cluster;
     switch_plan: Vec<String> = switch_plan;
     transport: TransportKind = transport;
+    device: DeviceArg = device;
     peer_timeout: f64 = peer_timeout;
     global_batch: usize = global_batch;
     eval_every: u64 = eval_every;

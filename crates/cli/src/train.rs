@@ -6,7 +6,7 @@ use anyhow::{anyhow, Result};
 use clap::Args;
 use pipewright_core::cluster::Cluster;
 use pipewright_core::job::{build, JobSpec, Routes, SkipRoutes};
-use pipewright_core::plan::ir::Plan;
+use pipewright_core::plan::ir::{Op, Plan};
 use pipewright_core::schedule::ScheduleKind;
 use pipewright_core::sim::devices_for_plan;
 use pipewright_runtime::data::Sampling;
@@ -34,6 +34,29 @@ pub enum TransportKind {
     Threads,
     /// One process per worker, started by `mpirun -np WORKERS` or `srun`: rank r runs worker r.
     Mpi,
+}
+
+/// Where `train` runs the model (`--device`).
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceArg {
+    /// The CPU, with pipewright's fused kernels (BLAS products, causal attention, norms).
+    Cpu,
+    /// A GPU through burn's wgpu backend (Vulkan; Mesa's lavapipe runs it on the CPU):
+    /// burn's own operations, no split (B/W) backward yet.
+    Wgpu,
+}
+
+impl DeviceArg {
+    pub fn choice(self) -> pipewright_runtime::backend::DeviceChoice {
+        use pipewright_runtime::backend::DeviceChoice;
+        match self {
+            DeviceArg::Cpu => DeviceChoice::Cpu,
+            DeviceArg::Wgpu => DeviceChoice::Wgpu,
+        }
+    }
 }
 
 /// A flag's help with its default, read from [`TrainConfig::default`] (the one place that
@@ -179,6 +202,10 @@ pub struct TrainArgs {
     /// launched with `mpirun -np WORKERS` or `srun`.
     #[arg(long, value_enum, default_value = "auto")]
     pub(crate) transport: TransportKind,
+    /// Where each worker runs the model: the CPU, or a GPU through wgpu (every worker process
+    /// or thread on the machine's default wgpu device).
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub(crate) device: DeviceArg,
     /// Seconds a worker waits for a peer's message before it gives up and names the peer.
     #[arg(long, default_value_t = 60.0)]
     pub(crate) peer_timeout: f64,
@@ -650,6 +677,14 @@ fn train(a: TrainArgs) -> Result<()> {
     // Before MPI starts: a stop request mpirun passes on must find the handler.
     crate::ranks::stop_on_signals();
     crate::launch::mark_started();
+    pipewright_runtime::backend::choose_device(a.device.choice()).map_err(BadInput)?;
+    if a.device == DeviceArg::Wgpu {
+        pipewright_runtime::backend::start_device().map_err(|e| {
+            BadInput(format!(
+                "--device wgpu: {e} (a GPU needs its Vulkan driver; Debian's mesa-vulkan-drivers has lavapipe, a Vulkan device on the CPU)"
+            ))
+        })?;
+    }
     let procs = start_transport(&a)?;
     let mut cfg = config(&a)?;
     if procs.is_none() && a.transport == TransportKind::Auto {
@@ -658,7 +693,12 @@ fn train(a: TrainArgs) -> Result<()> {
     let data = a.data.resolve(cfg.data.as_ref())?;
     let corpus = crate::data::corpus(&data, &mut cfg)?;
     let checked = check_flags(&a, &cfg, procs.is_some());
-    let plan = agree(&procs, checked.and_then(|()| train_plan(&a, &cfg)))?;
+    let plan = agree(
+        &procs,
+        checked
+            .and_then(|()| train_plan(&a, &cfg))
+            .and_then(|p| check_device(&a, p)),
+    )?;
     let links = links(&a, &plan)?;
     let run_cfg = run_config(&a, &cfg, links.as_ref())?;
     let mut trainer = trainer(&procs, cfg, plan, links, &run_cfg, a.peer_timeout)?;
@@ -681,6 +721,31 @@ fn train(a: TrainArgs) -> Result<()> {
         crate::ranks::finish_within(m, Duration::from_secs_f64(a.peer_timeout));
     }
     reported
+}
+
+/// `--device wgpu` runs burn's own operations, whose autodiff has no split (B/W) backward;
+/// and so far only one worker: plans of several workers on wgpu leave the CPU's losses from
+/// their second update on (measured, cause not yet found), so they are refused rather than
+/// trained wrong.
+fn check_device(a: &TrainArgs, plan: Plan) -> Result<Plan> {
+    if a.device != DeviceArg::Wgpu {
+        return Ok(plan);
+    }
+    if plan.num_workers() > 1 {
+        return Err(BadInput(format!(
+            "--device wgpu trains plans of one worker so far (this one has {}): pipelines on wgpu do not yet match the CPU's training; use --stages 1 there, or the CPU",
+            plan.num_workers()
+        ))
+        .into());
+    }
+    let split = plan.workers.iter().flatten().any(|x| x.op == Op::W);
+    if split {
+        return Err(BadInput(
+            "--device wgpu: this plan splits backwards into B and W (a zero-bubble schedule), which only the CPU device's kernels do; use gpipe, 1f1b or interleaved there".into(),
+        )
+        .into());
+    }
+    Ok(plan)
 }
 
 /// Flag values no run can use, named by their flags (the runtime checks them too, by its

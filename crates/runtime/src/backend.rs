@@ -1,18 +1,88 @@
-//! The one place that picks the tensor backend. A GPU backend is a different constructor here.
+//! The one place that picks the tensor backend: the CPU (flex) or wgpu (`--device`).
 //! The crate enables burn's `x86-v4` feature: flex's GEMM then carries AVX-512 kernels, chosen
 //! at run time where the CPU has them (1-stage training of examples/gpt_bench.toml 1.16x faster
 //! on this project's AVX-512 machines; CPUs without it keep the AVX2 kernels).
 
-use burn::tensor::Device;
+use burn::backend::DispatchDevice;
+use burn::tensor::{Device, DeviceKind};
+use std::sync::OnceLock;
 
-/// Device for training: burn's pure-Rust CPU backend (`flex`) with autodiff.
+/// Where the model's tensors live and its operations run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DeviceChoice {
+    /// burn's pure-Rust CPU backend (`flex`) with this project's fused kernels (BLAS products,
+    /// causal attention, norms).
+    #[default]
+    Cpu,
+    /// burn's wgpu backend: a GPU through Vulkan (or Metal), or a software Vulkan device such
+    /// as Mesa's lavapipe. burn's own operations; the fused CPU kernels do not run there.
+    Wgpu,
+}
+
+static CHOICE: OnceLock<DeviceChoice> = OnceLock::new();
+
+/// Chooses the process's device, once, before any tensor is made; `Err` (naming both) if it
+/// was already chosen otherwise.
+pub fn choose_device(choice: DeviceChoice) -> Result<(), String> {
+    let chosen = *CHOICE.get_or_init(|| choice);
+    if chosen == choice {
+        Ok(())
+    } else {
+        Err(format!(
+            "the device was already chosen as {chosen:?}; it cannot change to {choice:?} in one process"
+        ))
+    }
+}
+
+/// The process's device (the CPU unless [`choose_device`] said otherwise).
+pub fn device_choice() -> DeviceChoice {
+    *CHOICE.get_or_init(DeviceChoice::default)
+}
+
+/// Device for training: the chosen device with autodiff.
 pub fn train_device() -> Device {
-    Device::flex().autodiff()
+    plain_device().autodiff()
 }
 
 /// The same device without autodiff: gradients and received activations live here.
 pub fn plain_device() -> Device {
-    Device::flex()
+    device_of(device_choice())
+}
+
+/// The device `choice` names, without autodiff.
+pub fn device_of(choice: DeviceChoice) -> Device {
+    match choice {
+        DeviceChoice::Cpu => Device::flex(),
+        DeviceChoice::Wgpu => Device::wgpu(DeviceKind::DefaultDevice),
+    }
+}
+
+/// Starts the chosen device with one small tensor, so that a machine without one (no Vulkan
+/// driver for wgpu) is told so plainly rather than by a panic deep in a step.
+pub fn start_device() -> Result<(), String> {
+    let quiet = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let r = std::panic::catch_unwind(|| {
+        burn::tensor::Tensor::<1>::zeros([1], &plain_device()).into_data()
+    });
+    std::panic::set_hook(quiet);
+    r.map(|_| ()).map_err(|e| {
+        let why = e
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "it panicked".into());
+        format!("the {:?} device did not start: {why}", device_choice())
+    })
+}
+
+/// Whether tensors on `device` run this project's fused CPU kernels (flex, with or without
+/// autodiff); others take burn's own operations.
+pub fn fused_kernels(device: &Device) -> bool {
+    matches!(
+        device.clone().without_autodiff().as_dispatch(),
+        DispatchDevice::Flex(_)
+    )
 }
 
 /// burn 0.22.1's autodiff keeps one process-wide graph locator; a backward in one thread and a

@@ -7,6 +7,7 @@
 //! GELU's erf within 1.5e-7), checked against it in the tests below; the exact-gradient tests
 //! run through them.
 
+use crate::backend::fused_kernels;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
@@ -23,6 +24,7 @@ pub use blas::measured_peak_flops;
 pub mod blas_lib;
 pub mod coretype;
 mod cpu;
+mod generic;
 mod llama;
 
 #[backend_extension(Flex, Autodiff)]
@@ -663,6 +665,9 @@ impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
 
 /// `a · b` with the same batch dimensions, on either device (with or without autodiff).
 pub fn matmul<const D: usize>(a: Tensor<D>, b: Tensor<D>) -> Tensor<D> {
+    if !fused_kernels(&a.device()) {
+        return a.matmul(b);
+    }
     Tensor::from_dispatch(<Dispatch as Kernels>::matmul(
         a.into_dispatch(),
         b.into_dispatch(),
@@ -671,6 +676,9 @@ pub fn matmul<const D: usize>(a: Tensor<D>, b: Tensor<D>) -> Tensor<D> {
 
 /// `x W + b` over all rows of `x [.., i]` as one GEMM.
 pub fn linear<const D: usize>(x: Tensor<D>, w: Tensor<2>, b: Option<Tensor<1>>) -> Tensor<D> {
+    if !fused_kernels(&x.device()) {
+        return generic::linear(x, w, b);
+    }
     let mut dims = x.dims();
     let i = dims[D - 1];
     let o = w.dims()[1];
@@ -707,6 +715,11 @@ impl GradSlot {
 /// [`Kernels::linear_deferred`]): the output and the slot its gradient will be left in.
 pub fn linear_deferred(x: Tensor<2>, w: Tensor<2>, b: Option<Tensor<1>>) -> (Tensor<2>, GradSlot) {
     let dev = x.device();
+    // `train` refuses split-backward schedules on other devices (`check_device_schedule`).
+    assert!(
+        fused_kernels(&dev),
+        "a split (B/W) backward needs the CPU device's kernels"
+    );
     let b = b.unwrap_or_else(|| Tensor::zeros([w.dims()[1]], &dev));
     let anchor = Tensor::<1>::zeros([1], &dev).require_grad();
     let slot = GradSlot::default();
@@ -722,11 +735,17 @@ pub fn linear_deferred(x: Tensor<2>, w: Tensor<2>, b: Option<Tensor<1>>) -> (Ten
 
 /// Exact GELU (see [`Kernels::gelu`]).
 pub fn gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    if !fused_kernels(&x.device()) {
+        return generic::gelu(x);
+    }
     Tensor::from_dispatch(<Dispatch as Kernels>::gelu(x.into_dispatch()))
 }
 
 /// Causal attention weights from `[.., t, t]` scores (see [`Kernels::causal_softmax`]).
 pub fn causal_softmax<const D: usize>(scores: Tensor<D>, scale: f32) -> Tensor<D> {
+    if !fused_kernels(&scores.device()) {
+        return generic::causal_softmax(scores, scale);
+    }
     Tensor::from_dispatch(<Dispatch as Kernels>::causal_softmax(
         scores.into_dispatch(),
         scale,
@@ -741,6 +760,9 @@ pub fn causal_attention<const D: usize>(
     v: Tensor<D>,
     scale: f32,
 ) -> Tensor<D> {
+    if !fused_kernels(&q.device()) {
+        return generic::causal_attention(q, k, v, scale);
+    }
     Tensor::from_dispatch(<Dispatch as Kernels>::causal_attention(
         q.into_dispatch(),
         k.into_dispatch(),
@@ -751,21 +773,14 @@ pub fn causal_attention<const D: usize>(
 
 /// burn's `LayerNorm` forward as one kernel (its epsilon is [`LN_EPS`]).
 pub fn layer_norm<const D: usize>(ln: &burn::nn::LayerNorm, x: Tensor<D>) -> Tensor<D> {
-    let gamma = ln.gamma.val();
-    let beta = match &ln.beta {
-        Some(b) => b.val(),
-        None => gamma.zeros_like(),
-    };
-    Tensor::from_dispatch(<Dispatch as Kernels>::layer_norm(
-        x.into_dispatch(),
-        gamma.into_dispatch(),
-        beta.into_dispatch(),
-        LN_EPS,
-    ))
+    layer_norm_eps(ln, x, LN_EPS)
 }
 
 /// RMSNorm of `x` with weight `w` (see [`Kernels::rms_norm`]).
 pub fn rms_norm<const D: usize>(x: Tensor<D>, w: Tensor<1>, eps: f32) -> Tensor<D> {
+    if !fused_kernels(&x.device()) {
+        return generic::rms_norm(x, w, eps);
+    }
     Tensor::from_dispatch(<Dispatch as Kernels>::rms_norm(
         x.into_dispatch(),
         w.into_dispatch(),
@@ -775,6 +790,9 @@ pub fn rms_norm<const D: usize>(x: Tensor<D>, w: Tensor<1>, eps: f32) -> Tensor<
 
 /// `silu(g) * u` (see [`Kernels::swiglu`]).
 pub fn swiglu<const D: usize>(g: Tensor<D>, u: Tensor<D>) -> Tensor<D> {
+    if !fused_kernels(&g.device()) {
+        return generic::swiglu(g, u);
+    }
     Tensor::from_dispatch(<Dispatch as Kernels>::swiglu(
         g.into_dispatch(),
         u.into_dispatch(),
@@ -783,6 +801,9 @@ pub fn swiglu<const D: usize>(g: Tensor<D>, u: Tensor<D>) -> Tensor<D> {
 
 /// Rotary position embedding (see [`Kernels::rope`]); `cos` and `sin` are `[t, dh / 2]`.
 pub fn rope<const D: usize>(x: Tensor<D>, cos: Tensor<2>, sin: Tensor<2>) -> Tensor<D> {
+    if !fused_kernels(&x.device()) {
+        return generic::rope(x, cos, sin);
+    }
     Tensor::from_dispatch(<Dispatch as Kernels>::rope(
         x.into_dispatch(),
         cos.into_dispatch(),
@@ -801,6 +822,9 @@ pub fn layer_norm_eps<const D: usize>(
         Some(b) => b.val(),
         None => gamma.zeros_like(),
     };
+    if !fused_kernels(&x.device()) {
+        return generic::layer_norm(x, gamma, beta, eps);
+    }
     Tensor::from_dispatch(<Dispatch as Kernels>::layer_norm(
         x.into_dispatch(),
         gamma.into_dispatch(),
