@@ -48,19 +48,23 @@ pub fn causal_attention<const D: usize>(
     let (heads, t, dh) = (dims[D - 3], dims[D - 2], dims[D - 1]);
     let kv_heads = k.dims()[D - 3];
     let lead = dims[..D - 3].iter().product::<usize>();
-    let grouped = |x: Tensor<D>| {
-        let x = x.reshape([lead, kv_heads, t, dh]);
-        if kv_heads == heads {
-            return x;
-        }
-        x.unsqueeze_dim::<5>(2)
-            .repeat_dim(2, heads / kv_heads)
-            .reshape([lead, heads, t, dh])
-    };
+    let grouped = |x: Tensor<D>| repeat_kv(x.reshape([lead, kv_heads, t, dh]), heads / kv_heads);
     let (k, v) = (grouped(k), grouped(v));
     let q = q.reshape([lead, heads, t, dh]);
     let w = causal_softmax(q.matmul(k.swap_dims(2, 3)), scale);
     w.matmul(v).reshape(dims)
+}
+
+/// Each key/value head repeated for the `n` query heads that share it: `[b, kvh, t, dh]` to
+/// `[b, kvh * n, t, dh]`, head `j` serving query heads `j*n .. (j+1)*n`.
+pub fn repeat_kv(x: Tensor<4>, n: usize) -> Tensor<4> {
+    if n == 1 {
+        return x;
+    }
+    let [b, kvh, t, dh] = x.dims();
+    x.unsqueeze_dim::<5>(2)
+        .repeat_dim(2, n)
+        .reshape([b, kvh * n, t, dh])
 }
 
 /// Layer normalisation over the last dimension (biased variance), then `* gamma + beta`.

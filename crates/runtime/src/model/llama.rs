@@ -202,7 +202,10 @@ impl LlamaBlock {
         } else {
             // New queries see every cached key: no mask among them beyond causality, which
             // a single new position (the generation step) has trivially.
-            let (k, v) = (repeat_kv(k, h / kvh), repeat_kv(v, h / kvh));
+            let (k, v) = (
+                crate::kernels::repeat_kv(k, h / kvh),
+                crate::kernels::repeat_kv(v, h / kvh),
+            );
             cached_attention(q, k, v, scale)
         };
         let att = att.swap_dims(1, 2).reshape([b, t, d]);
@@ -224,18 +227,6 @@ fn cached_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, scale: f32) -> Ten
         3,
     );
     w.matmul(v)
-}
-
-/// Each key/value head repeated for the `n` query heads that share it: `[b, kvh, t, dh]` to
-/// `[b, kvh * n, t, dh]`, head `j` serving query heads `j*n .. (j+1)*n`.
-fn repeat_kv(x: Tensor<4>, n: usize) -> Tensor<4> {
-    if n == 1 {
-        return x;
-    }
-    let [b, kvh, t, dh] = x.dims();
-    x.unsqueeze_dim::<5>(2)
-        .repeat_dim(2, n)
-        .reshape([b, kvh * n, t, dh])
 }
 
 impl LlamaHead {
