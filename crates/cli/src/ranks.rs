@@ -132,6 +132,17 @@ pub fn local_ranks() -> Option<usize> {
     .find_map(|k| std::env::var(k).ok()?.trim().parse::<usize>().ok())
 }
 
+/// This process's rank among the ranks on its node, as the launcher numbers them.
+pub fn local_rank() -> Option<usize> {
+    [
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "MPI_LOCALRANKID",
+        "SLURM_LOCALID",
+    ]
+    .iter()
+    .find_map(|k| std::env::var(k).ok()?.trim().parse::<usize>().ok())
+}
+
 /// The launcher that started this process as one of several tasks, if one did: its name with
 /// the variable that says so, the task count, and this task's number.
 pub fn launcher_tasks() -> Option<(String, usize, usize)> {

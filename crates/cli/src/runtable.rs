@@ -94,6 +94,7 @@ run_table! {
     switch_plan: Vec<String> = switch_plan;
     transport: TransportKind = transport;
     device: DeviceArg = device;
+    gpus_per_node: usize = gpus_per_node;
     peer_timeout: f64 = peer_timeout;
     global_batch: usize = global_batch;
     eval_every: u64 = eval_every;

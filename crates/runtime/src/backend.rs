@@ -16,7 +16,19 @@ pub enum DeviceChoice {
     Cpu,
     /// burn's wgpu backend: a GPU through Vulkan (or Metal), or a software Vulkan device such
     /// as Mesa's lavapipe. burn's own operations; the fused CPU kernels do not run there.
-    Wgpu,
+    /// `Some(i)`: the machine's i-th discrete GPU; `None`: wgpu's default device (the most
+    /// powerful it finds, or `CUBECL_WGPU_DEFAULT_DEVICE`).
+    Wgpu(Option<usize>),
+}
+
+impl std::fmt::Display for DeviceChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeviceChoice::Cpu => write!(f, "cpu"),
+            DeviceChoice::Wgpu(None) => write!(f, "wgpu (its default device)"),
+            DeviceChoice::Wgpu(Some(i)) => write!(f, "wgpu (discrete GPU {i})"),
+        }
+    }
 }
 
 static CHOICE: OnceLock<DeviceChoice> = OnceLock::new();
@@ -29,7 +41,7 @@ pub fn choose_device(choice: DeviceChoice) -> Result<(), String> {
         Ok(())
     } else {
         Err(format!(
-            "the device was already chosen as {chosen:?}; it cannot change to {choice:?} in one process"
+            "the device was already chosen as {chosen}; it cannot change to {choice} in one process"
         ))
     }
 }
@@ -53,7 +65,8 @@ pub fn plain_device() -> Device {
 pub fn device_of(choice: DeviceChoice) -> Device {
     match choice {
         DeviceChoice::Cpu => Device::flex(),
-        DeviceChoice::Wgpu => Device::wgpu(DeviceKind::DefaultDevice),
+        DeviceChoice::Wgpu(None) => Device::wgpu(DeviceKind::DefaultDevice),
+        DeviceChoice::Wgpu(Some(i)) => Device::wgpu(DeviceKind::DiscreteGpu(i)),
     }
 }
 
@@ -72,7 +85,7 @@ pub fn start_device() -> Result<(), String> {
             .cloned()
             .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
             .unwrap_or_else(|| "it panicked".into());
-        format!("the {:?} device did not start: {why}", device_choice())
+        format!("the {} device did not start: {why}", device_choice())
     })
 }
 
@@ -83,6 +96,21 @@ pub fn fused_kernels(device: &Device) -> bool {
         device.clone().without_autodiff().as_dispatch(),
         DispatchDevice::Flex(_)
     )
+}
+
+/// Waits until the device has run every operation this thread queued; a no-op on the CPU.
+/// burn's wgpu backend queues operations per thread (its fusion streams); worker threads are
+/// new at every step, and one that ended with its optimizer step still queued left the next
+/// step's threads reading parameters from before it (measured: 2-stage losses leaving the
+/// CPU's from the third step, in threads and over MPI; 1 stage was unaffected). Each worker
+/// settles before its thread ends.
+pub fn settle() -> Result<(), String> {
+    if device_choice() == DeviceChoice::Cpu {
+        return Ok(());
+    }
+    plain_device()
+        .sync()
+        .map_err(|e| format!("the {} device failed: {e:?}", device_choice()))
 }
 
 /// burn 0.22.1's autodiff keeps one process-wide graph locator; a backward in one thread and a

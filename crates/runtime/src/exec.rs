@@ -427,7 +427,8 @@ impl<'a> Iteration<'a> {
         }
         self.accumulate(slot, &GradSource::Autodiff(&g));
         match (a.op, s.deferred) {
-            (Op::B, Some(d)) => {
+            (Op::B, Some(mut d)) => {
+                d.keep(&g);
                 self.waiting_w.insert((a.stage, a.mb), d);
             }
             (Op::B, None) => {

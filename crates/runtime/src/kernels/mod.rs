@@ -712,15 +712,31 @@ impl GradSlot {
     }
 }
 
+/// Where a deferred Linear's output gradient comes from after B.
+#[derive(Clone, Debug)]
+pub enum OutputGrad {
+    /// The CPU kernel's backward leaves it in the slot.
+    Slot(GradSlot),
+    /// Other devices: the output had this zero tensor added, a leaf that requires a gradient;
+    /// its gradient after B is the output's gradient.
+    Probe(Tensor<2>),
+}
+
 /// `x W + b` over all rows of `x [rows, i]`, with weight gradients deferred (see
-/// [`Kernels::linear_deferred`]): the output and the slot its gradient will be left in.
-pub fn linear_deferred(x: Tensor<2>, w: Tensor<2>, b: Option<Tensor<1>>) -> (Tensor<2>, GradSlot) {
+/// [`Kernels::linear_deferred`]): the output and where its gradient will be found. On devices
+/// without the CPU kernels, `W` and `b` are detached (burn's autodiff then computes only the
+/// input gradient) and a zero probe carries the output gradient out of the backward.
+pub fn linear_deferred(
+    x: Tensor<2>,
+    w: Tensor<2>,
+    b: Option<Tensor<1>>,
+) -> (Tensor<2>, OutputGrad) {
     let dev = x.device();
-    // `train` refuses split-backward schedules on other devices (`check_device_schedule`).
-    assert!(
-        fused_kernels(&dev),
-        "a split (B/W) backward needs the CPU device's kernels"
-    );
+    if !fused_kernels(&dev) {
+        let probe = Tensor::<2>::zeros([x.dims()[0], w.dims()[1]], &dev).require_grad();
+        let y = generic::linear(x, w.detach(), b.map(|b| b.detach())) + probe.clone();
+        return (y, OutputGrad::Probe(probe));
+    }
     let b = b.unwrap_or_else(|| Tensor::zeros([w.dims()[1]], &dev));
     let anchor = Tensor::<1>::zeros([1], &dev).require_grad();
     let slot = GradSlot::default();
@@ -731,7 +747,7 @@ pub fn linear_deferred(x: Tensor<2>, w: Tensor<2>, b: Option<Tensor<1>>) -> (Ten
         anchor.into_dispatch(),
         slot.clone(),
     ));
-    (y, slot)
+    (y, OutputGrad::Slot(slot))
 }
 
 /// Exact GELU (see [`Kernels::gelu`]).

@@ -4,7 +4,7 @@
 //! pre-LayerNorm blocks of causal multi-head attention and a GELU MLP) or LLaMA
 //! ([`llama`]).
 
-use crate::kernels::{causal_attention, gelu, layer_norm, GradSlot, LN_EPS};
+use crate::kernels::{causal_attention, gelu, layer_norm, OutputGrad, LN_EPS};
 use burn::module::{Module, ParamId};
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::activation::log_softmax;
@@ -101,19 +101,40 @@ impl Head {
 /// would have done.
 #[derive(Default)]
 pub struct Deferred {
-    /// (weight id, bias id, layer input [rows, in] without autodiff, output-gradient slot).
-    entries: Vec<(ParamId, Option<ParamId>, Tensor<2>, GradSlot)>,
+    /// (weight id, bias id, layer input [rows, in] without autodiff, its output gradient).
+    entries: Vec<(ParamId, Option<ParamId>, Tensor<2>, Dy)>,
+}
+
+/// A deferred Linear's output gradient: still to come from B, or kept from it.
+enum Dy {
+    Coming(OutputGrad),
+    Kept(Tensor<2>),
 }
 
 impl Deferred {
+    /// After B's backward (`grads`): keep the output gradients its probes received.
+    pub fn keep(&mut self, grads: &burn::tensor::Gradients) {
+        for e in &mut self.entries {
+            if let Dy::Coming(OutputGrad::Probe(p)) = &e.3 {
+                if let Some(dy) = p.grad(grads) {
+                    e.3 = Dy::Kept(dy);
+                }
+            }
+        }
+    }
+
     /// The W step: the Linear layers' weight and bias gradients, by parameter id. A layer
     /// whose output gradient never came (its output did not reach the loss) gets zeros.
     pub fn weight_grads(self) -> std::collections::HashMap<ParamId, Vec<f32>> {
         let mut out = std::collections::HashMap::new();
-        for (w, b, x, slot) in self.entries {
-            let dy = match slot.take() {
-                Some(d) => Tensor::<2>::from_data(d, &crate::backend::plain_device()),
-                None => continue,
+        for (w, b, x, dy) in self.entries {
+            let dy = match dy {
+                Dy::Kept(dy) => dy,
+                Dy::Coming(OutputGrad::Slot(slot)) => match slot.take() {
+                    Some(d) => Tensor::<2>::from_data(d, &crate::backend::plain_device()),
+                    None => continue,
+                },
+                Dy::Coming(OutputGrad::Probe(_)) => continue,
             };
             let dw = crate::kernels::matmul(x.transpose(), dy.clone());
             out.insert(w, dw.into_data().try_into_vec::<f32>().expect("f32"));
@@ -135,9 +156,10 @@ pub(crate) fn linear(l: &Linear, x: Tensor<3>, cap: &mut Option<&mut Deferred>) 
             let [n, t, i] = x.dims();
             let x = x.reshape([n * t, i]);
             let o = w.dims()[1];
-            let (y, slot) = crate::kernels::linear_deferred(x.clone(), w, b);
+            let (y, dy) = crate::kernels::linear_deferred(x.clone(), w, b);
+            let bias = l.bias.as_ref().map(|b| b.id);
             d.entries
-                .push((l.weight.id, l.bias.as_ref().map(|b| b.id), x.detach(), slot));
+                .push((l.weight.id, bias, x.without_autodiff(), Dy::Coming(dy)));
             y.reshape([n, t, o])
         }
     }

@@ -5,7 +5,7 @@
 use super::layers::{initial_state, LayerState};
 use super::tied::Tied;
 use super::TrainConfig;
-use crate::backend::{autodiff_lock, plain_device};
+use crate::backend::{autodiff_lock, plain_device, settle};
 use crate::cache::{CacheStats, PrefixCache};
 use crate::data::{micro_batch, Corpus, MicroBatch, Part, Sampler, Sampling};
 use crate::error::{Error, Result};
@@ -788,7 +788,13 @@ fn on_workers<T: Send>(
             .map(|worker| {
                 let f = &f;
                 sc.spawn(move || {
-                    let r = f(worker);
+                    let r = f(worker).and_then(|x| {
+                        settle().map_err(|msg| ExecError::Plan {
+                            worker: worker.rank,
+                            msg,
+                        })?;
+                        Ok(x)
+                    });
                     if r.is_err() {
                         transport.abort();
                     }
