@@ -220,7 +220,7 @@ pub struct TrainArgs {
     /// rank r (Open MPI's, MPICH's or Slurm's count on its node) uses discrete GPU r mod N.
     /// Without it every process uses wgpu's default device (`CUBECL_WGPU_DEFAULT_DEVICE`
     /// chooses another).
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..4096).map(|n| n as usize))]
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..4096))]
     pub(crate) gpus_per_node: Option<usize>,
     /// Seconds a worker waits for a peer's message before it gives up and names the peer.
     #[arg(long, default_value_t = 60.0)]
