@@ -83,3 +83,40 @@ fn wgpu_trains_with_the_cpus_losses() {
         assert!(gpu[9] < gpu[0], "{extra:?}: it learns ({gpu:?})");
     }
 }
+
+/// `--gpus-per-node` places worker processes on GPUs: refused, with a message naming it,
+/// on the CPU, with threads (one process, one device) and as 0 in a config's run table.
+#[test]
+fn gpus_per_node_is_checked() {
+    let dir = fresh_dir("gpus-per-node");
+    let cfg = dir.join("run.toml");
+    std::fs::write(&cfg, "[run]\ndevice = \"wgpu\"\ngpus_per_node = 0\n").unwrap();
+    let cfg = cfg.to_str().unwrap();
+    let cases: [(&[&str], &str); 3] = [
+        (&["--gpus-per-node", "2"], "needs --device wgpu"),
+        (
+            &[
+                "--device",
+                "wgpu",
+                "--gpus-per-node",
+                "2",
+                "--transport",
+                "threads",
+            ],
+            "threads share one process's device",
+        ),
+        (&["--config", cfg], "gpus_per_node must be at least 1"),
+    ];
+    for (flags, want) in cases {
+        let o = Command::new(env!("CARGO_BIN_EXE_pipewright"))
+            .arg("train")
+            .args(flags)
+            .args(["--steps", "1", "--no-checkpoint"])
+            .args(TINY)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{flags:?}: {err}");
+        assert!(err.contains(want), "{flags:?}: {err}");
+    }
+}
