@@ -214,7 +214,7 @@ pub struct TrainArgs {
     #[arg(long, value_enum, default_value = "auto")]
     pub(crate) transport: TransportKind,
     /// Where each worker runs the model: the CPU, or a GPU through wgpu (every worker process
-    /// or thread on the machine's default wgpu device).
+    /// or thread on wgpu's default device unless --gpus-per-node spreads the processes).
     #[arg(long, value_enum, default_value = "cpu")]
     pub(crate) device: DeviceArg,
     /// With --device wgpu and worker processes: the GPUs of each node; the rank with local
