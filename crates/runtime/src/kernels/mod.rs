@@ -718,8 +718,8 @@ pub enum OutputGrad {
     /// The CPU kernel's backward leaves it in the slot.
     Slot(GradSlot),
     /// Other devices: the output had this zero tensor added, a leaf that requires a gradient;
-    /// its gradient after B is the output's gradient.
-    Probe(Tensor<2>),
+    /// its gradient after B is the output's gradient. (Boxed: a tensor is large.)
+    Probe(Box<Tensor<2>>),
 }
 
 /// `x W + b` over all rows of `x [rows, i]`, with weight gradients deferred (see
@@ -735,7 +735,7 @@ pub fn linear_deferred(
     if !fused_kernels(&dev) {
         let probe = Tensor::<2>::zeros([x.dims()[0], w.dims()[1]], &dev).require_grad();
         let y = generic::linear(x, w.detach(), b.map(|b| b.detach())) + probe.clone();
-        return (y, OutputGrad::Probe(probe));
+        return (y, OutputGrad::Probe(Box::new(probe)));
     }
     let b = b.unwrap_or_else(|| Tensor::zeros([w.dims()[1]], &dev));
     let anchor = Tensor::<1>::zeros([1], &dev).require_grad();

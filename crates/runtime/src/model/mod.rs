@@ -108,7 +108,7 @@ pub struct Deferred {
 /// A deferred Linear's output gradient: still to come from B, or kept from it.
 enum Dy {
     Coming(OutputGrad),
-    Kept(Tensor<2>),
+    Kept(Box<Tensor<2>>),
 }
 
 impl Deferred {
@@ -117,7 +117,7 @@ impl Deferred {
         for e in &mut self.entries {
             if let Dy::Coming(OutputGrad::Probe(p)) = &e.3 {
                 if let Some(dy) = p.grad(grads) {
-                    e.3 = Dy::Kept(dy);
+                    e.3 = Dy::Kept(Box::new(dy));
                 }
             }
         }
@@ -129,7 +129,7 @@ impl Deferred {
         let mut out = std::collections::HashMap::new();
         for (w, b, x, dy) in self.entries {
             let dy = match dy {
-                Dy::Kept(dy) => dy,
+                Dy::Kept(dy) => *dy,
                 Dy::Coming(OutputGrad::Slot(slot)) => match slot.take() {
                     Some(d) => Tensor::<2>::from_data(d, &crate::backend::plain_device()),
                     None => continue,
