@@ -695,21 +695,17 @@ fn train(a: TrainArgs) -> Result<()> {
     crate::ranks::stop_on_signals();
     crate::launch::mark_started();
     pipewright_runtime::backend::choose_device(device_choice(&a)?).map_err(BadInput)?;
-    if a.device == DeviceArg::Wgpu {
-        pipewright_runtime::backend::start_device().map_err(|e| {
-            BadInput(format!(
-                "--device wgpu: {e} (a GPU needs its Vulkan driver; Debian's mesa-vulkan-drivers has lavapipe, a Vulkan device on the CPU; --gpus-per-node asks for discrete GPUs, which lavapipe is not)"
-            ))
-        })?;
-    }
     let procs = start_transport(&a)?;
     let mut cfg = config(&a)?;
     if procs.is_none() && a.transport == TransportKind::Auto {
         as_processes(&a, &cfg)?;
     }
+    // After the relaunch, so that a launcher process holds no GPU context while its workers
+    // train; the ranks agree on a failure with the plan's checks (none waits for a peer).
+    let started = start_device(&a);
     let data = a.data.resolve(cfg.data.as_ref())?;
     let corpus = crate::data::corpus(&data, &mut cfg)?;
-    let checked = check_flags(&a, &cfg, procs.is_some());
+    let checked = started.and_then(|()| check_flags(&a, &cfg, procs.is_some()));
     let plan = agree(&procs, checked.and_then(|()| train_plan(&a, &cfg)))?;
     let links = links(&a, &plan)?;
     let run_cfg = run_config(&a, &cfg, links.as_ref())?;
@@ -733,6 +729,19 @@ fn train(a: TrainArgs) -> Result<()> {
         crate::ranks::finish_within(m, Duration::from_secs_f64(a.peer_timeout));
     }
     reported
+}
+
+/// Starts `--device wgpu`'s device (the CPU needs no start), or says plainly why it did not.
+fn start_device(a: &TrainArgs) -> Result<()> {
+    if a.device != DeviceArg::Wgpu {
+        return Ok(());
+    }
+    pipewright_runtime::backend::start_device().map_err(|e| {
+        BadInput(format!(
+            "--device wgpu: {e} (a GPU needs its Vulkan driver; Debian's mesa-vulkan-drivers has lavapipe, a Vulkan device on the CPU; --gpus-per-node asks for discrete GPUs, which lavapipe is not)"
+        ))
+        .into()
+    })
 }
 
 /// Flag values no run can use, named by their flags (the runtime checks them too, by its
