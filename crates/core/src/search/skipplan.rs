@@ -846,20 +846,20 @@ fn check_result(plan: &Plan, cluster: &Cluster, setup: &SkipSetup) -> Result<()>
         .map_err(|e| Error::Infeasible(format!("the skip plan does not fit device memory: {e}")))
 }
 
-/// Schedule SkipPipe routes for `profile` on `cluster` (see the module docs).
-pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Result<SkipResult> {
-    let t0 = Instant::now();
-    check_setup(profile, cluster, setup)?;
-    let s = setup.stages;
+/// The search's problem: all layers but the head cut into `setup.stages` stages by compute
+/// (min-max), the head a stage of its own.
+fn problem<'a>(
+    profile: &Profile,
+    cluster: &'a Cluster,
+    setup: &'a SkipSetup,
+) -> Result<Problem<'a>> {
     let n = profile.layers.len();
-    let middle = s - 1;
-    // All layers but the head into `s` stages by compute, the head a stage of its own.
     let work = prefix(
         profile.layers[..n - 1]
             .iter()
             .map(|l| l.forward + l.backward()),
     );
-    let split = min_max_split(n - 1, s, |_, lo, hi| work[hi] - work[lo])?;
+    let split = min_max_split(n - 1, setup.stages, |_, lo, hi| work[hi] - work[lo])?;
     let mut layers_per_stage = split.layers_per_stage;
     layers_per_stage.push(1);
     let stage_costs = profile.stage_costs(&layers_per_stage);
@@ -868,7 +868,37 @@ pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Res
         .iter()
         .map(|d| d.memory_microbatches.map_or(usize::MAX, |c| c as usize))
         .collect();
-    let pr = Problem::new(cluster, setup, layers_per_stage, stage_costs, cap);
+    Ok(Problem::new(
+        cluster,
+        setup,
+        layers_per_stage,
+        stage_costs,
+        cap,
+    ))
+}
+
+/// A link or a device that never finishes (bandwidth or speed near 0, huge latency) makes
+/// every candidate infinite: say so rather than print `inf s` and `NaN%`.
+fn check_finite(skip: f64, full: f64, random: f64) -> Result<()> {
+    let times = [
+        ("skip routes", skip),
+        ("the full pipeline", full),
+        ("random routes", random),
+    ];
+    match times.into_iter().find(|(_, t)| !t.is_finite()) {
+        Some((what, t)) => Err(Error::Infeasible(format!(
+            "{what} take {t} s per iteration on this cluster: a link or a device is too slow for any time to be finite (check bandwidth, latency and speed)"
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// Schedule SkipPipe routes for `profile` on `cluster` (see the module docs).
+pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Result<SkipResult> {
+    let t0 = Instant::now();
+    check_setup(profile, cluster, setup)?;
+    let middle = setup.stages - 1;
+    let pr = problem(profile, cluster, setup)?;
     let bytes = pr.stage_costs[0].activation_out;
     let starts = placements(
         cluster,
@@ -936,20 +966,7 @@ pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Res
     .ok()
     .filter(|r| r.finished == plan.num_microbatches)
     .map(|r| r.pipeline_time);
-    // A link or a device that never finishes (bandwidth or speed near 0, huge latency) makes
-    // every candidate infinite: say so rather than print `inf s` and `NaN%`.
-    if let Some((what, t)) = [
-        ("skip routes", best_t),
-        ("the full pipeline", full_t),
-        ("random routes", random_t),
-    ]
-    .into_iter()
-    .find(|(_, t)| !t.is_finite())
-    {
-        return Err(Error::Infeasible(format!(
-            "{what} take {t} s per iteration on this cluster: a link or a device is too slow for any time to be finite (check bandwidth, latency and speed)"
-        )));
-    }
+    check_finite(best_t, full_t, random_t)?;
     Ok(SkipResult {
         skip_time: best_t,
         skip_time_skippipe: skippipe,
