@@ -461,25 +461,8 @@ impl Trainer {
             if let Some(t) = tied {
                 t.sum(worker, &mut out, topo, transport)?;
             }
-            // Each layer block's squared gradient norm, from its stage's first host; their
-            // sum is the global one (each stage counted once, a tied matrix once: in the
-            // embedding), added in the order `sum_squares` adds buffers.
             let rank = worker.rank;
-            let counted = |i: usize, l: &[f32]| match tied {
-                Some(t) if i == last => squares(&l[..l.len() - t.head_len()]),
-                _ => squares(l),
-            };
-            let layer_sq: Vec<(usize, f32)> = worker
-                .stages
-                .iter()
-                .zip(&out.grads)
-                .filter(|(h, _)| topo.leads(rank, h.stage))
-                .flat_map(|(h, g)| {
-                    g.iter()
-                        .enumerate()
-                        .map(move |(k, l)| (h.first_layer + k, counted(h.first_layer + k, l)))
-                })
-                .collect();
+            let layer_sq = layer_squares(worker, &out, topo, tied, last);
             let sq: f32 = layer_sq.iter().map(|&(_, x)| x).sum();
             let layer_norms: Vec<(usize, f64)> = layer_sq
                 .iter()
@@ -773,6 +756,33 @@ pub struct BatchGradients {
     pub loss: f64,
     /// Per layer block, model order.
     pub grads: Vec<Vec<f32>>,
+}
+
+/// Each layer block's squared gradient norm, from its stage's first host; their sum is the
+/// global one (each stage counted once, a tied matrix once: in the embedding), added in the
+/// order `sum_squares` adds buffers. `last` is the model's last layer block.
+fn layer_squares(
+    worker: &Worker,
+    out: &WorkerOutput,
+    topo: &Topology,
+    tied: Option<&Tied>,
+    last: usize,
+) -> Vec<(usize, f32)> {
+    let counted = |i: usize, l: &[f32]| match tied {
+        Some(t) if i == last => squares(&l[..l.len() - t.head_len()]),
+        _ => squares(l),
+    };
+    worker
+        .stages
+        .iter()
+        .zip(&out.grads)
+        .filter(|(h, _)| topo.leads(worker.rank, h.stage))
+        .flat_map(|(h, g)| {
+            g.iter()
+                .enumerate()
+                .map(move |(k, l)| (h.first_layer + k, counted(h.first_layer + k, l)))
+        })
+        .collect()
 }
 
 /// Run `f` on every worker, each in its own thread; a worker that fails aborts the transport
