@@ -134,6 +134,108 @@ fn pair(a: usize, b: usize) -> (u32, u32) {
     (a.min(b), a.max(b))
 }
 
+/// The file's devices, with each name's index; a name given twice, a bad speed or no device
+/// at all is an error naming where.
+fn resolve_devices<'f>(
+    file: &str,
+    f: &'f ClusterFile,
+) -> Result<(Vec<Device>, HashMap<&'f str, usize>)> {
+    let d = &f.defaults;
+    if f.devices.is_empty() {
+        return Err(Error::input(
+            file,
+            "no [[devices]]: a cluster needs at least one device",
+        ));
+    }
+    let mut seen: HashMap<&str, usize> = HashMap::new();
+    let mut devices = Vec::new();
+    for (i, s) in f.devices.iter().enumerate() {
+        if let Some(first) = seen.insert(s.name.as_str(), i) {
+            return Err(Error::input(
+                file,
+                format!(
+                    "devices[{i}]: device \"{}\" is named twice (first at devices[{first}])",
+                    s.name
+                ),
+            ));
+        }
+        let speed = s.speed.unwrap_or(d.speed);
+        check_num(
+            file,
+            &format!("devices[{i}] (\"{}\").speed", s.name),
+            speed,
+            true,
+        )?;
+        devices.push(Device {
+            name: s.name.clone(),
+            region: s.region.clone().unwrap_or_else(|| s.name.clone()),
+            speed,
+            memory: s.memory.or(d.memory),
+            memory_microbatches: s.memory_microbatches.or(d.memory_microbatches),
+        });
+    }
+    Ok((devices, seen))
+}
+
+/// Links between two regions and between two devices, keyed (low, high).
+type Links = (HashMap<(u32, u32), Link>, HashMap<(u32, u32), Link>);
+
+/// The file's links, between two devices or between two regions, checked: each pair once,
+/// numbers in range.
+fn resolve_links(
+    file: &str,
+    f: &ClusterFile,
+    seen: &HashMap<&str, usize>,
+    region_ids: &HashMap<&str, u32>,
+) -> Result<Links> {
+    let d = &f.defaults;
+    let mut region_links = HashMap::new();
+    let mut device_links = HashMap::new();
+    let mut set_by: HashMap<(String, String), usize> = HashMap::new();
+    for (k, l) in f.links.iter().enumerate() {
+        let key = if l.a <= l.b {
+            (l.a.clone(), l.b.clone())
+        } else {
+            (l.b.clone(), l.a.clone())
+        };
+        if let Some(first) = set_by.insert(key, k) {
+            return Err(Error::input(
+                file,
+                format!(
+                    "links[{k}]: link {}-{} is given twice (first at links[{first}])",
+                    l.a, l.b
+                ),
+            ));
+        }
+        let at = format!("links[{k}] ({}-{})", l.a, l.b);
+        let link = Link {
+            latency: l.latency.unwrap_or(d.latency),
+            bandwidth: l.bandwidth.unwrap_or(d.bandwidth),
+            overhead: l.overhead.unwrap_or(d.overhead),
+        };
+        check_num(file, &format!("{at}.latency"), link.latency, false)?;
+        check_num(file, &format!("{at}.overhead"), link.overhead, false)?;
+        check_bw(file, &format!("{at}.bandwidth"), link.bandwidth)?;
+        // Between two devices, or else between two regions (device links win).
+        let region = |n: &str| region_ids.get(n).map(|&r| r as usize);
+        match (seen.get(l.a.as_str()), seen.get(l.b.as_str())) {
+            (Some(&i), Some(&j)) => device_links.insert(pair(i, j), link),
+            _ => match (region(&l.a), region(&l.b)) {
+                (Some(x), Some(y)) => region_links.insert(pair(x, y), link),
+                _ => {
+                    return Err(Error::input(
+                        file,
+                        format!(
+                            "{at}: joins a device and a region; name two devices or two regions"
+                        ),
+                    ))
+                }
+            },
+        };
+    }
+    Ok((region_links, device_links))
+}
+
 impl Cluster {
     pub fn load(path: &Path) -> Result<Self> {
         let text = read_file(path)?;
@@ -203,39 +305,7 @@ impl Cluster {
         check_num(file, "defaults.latency", d.latency, false)?;
         check_num(file, "defaults.overhead", d.overhead, false)?;
         check_bw(file, "defaults.bandwidth", d.bandwidth)?;
-        if f.devices.is_empty() {
-            return Err(Error::input(
-                file,
-                "no [[devices]]: a cluster needs at least one device",
-            ));
-        }
-        let mut seen: HashMap<&str, usize> = HashMap::new();
-        let mut devices = Vec::new();
-        for (i, s) in f.devices.iter().enumerate() {
-            if let Some(first) = seen.insert(s.name.as_str(), i) {
-                return Err(Error::input(
-                    file,
-                    format!(
-                        "devices[{i}]: device \"{}\" is named twice (first at devices[{first}])",
-                        s.name
-                    ),
-                ));
-            }
-            let speed = s.speed.unwrap_or(d.speed);
-            check_num(
-                file,
-                &format!("devices[{i}] (\"{}\").speed", s.name),
-                speed,
-                true,
-            )?;
-            devices.push(Device {
-                name: s.name.clone(),
-                region: s.region.clone().unwrap_or_else(|| s.name.clone()),
-                speed,
-                memory: s.memory.or(d.memory),
-                memory_microbatches: s.memory_microbatches.or(d.memory_microbatches),
-            });
-        }
+        let (devices, seen) = resolve_devices(file, f)?;
         let mut region_ids: HashMap<&str, u32> = HashMap::new();
         let region_of: Vec<u32> = devices
             .iter()
@@ -259,50 +329,7 @@ impl Cluster {
                 }
             }
         }
-        let mut region_links = HashMap::new();
-        let mut device_links = HashMap::new();
-        let mut set_by: HashMap<(String, String), usize> = HashMap::new();
-        for (k, l) in f.links.iter().enumerate() {
-            let key = if l.a <= l.b {
-                (l.a.clone(), l.b.clone())
-            } else {
-                (l.b.clone(), l.a.clone())
-            };
-            if let Some(first) = set_by.insert(key, k) {
-                return Err(Error::input(
-                    file,
-                    format!(
-                        "links[{k}]: link {}-{} is given twice (first at links[{first}])",
-                        l.a, l.b
-                    ),
-                ));
-            }
-            let at = format!("links[{k}] ({}-{})", l.a, l.b);
-            let link = Link {
-                latency: l.latency.unwrap_or(d.latency),
-                bandwidth: l.bandwidth.unwrap_or(d.bandwidth),
-                overhead: l.overhead.unwrap_or(d.overhead),
-            };
-            check_num(file, &format!("{at}.latency"), link.latency, false)?;
-            check_num(file, &format!("{at}.overhead"), link.overhead, false)?;
-            check_bw(file, &format!("{at}.bandwidth"), link.bandwidth)?;
-            // Between two devices, or else between two regions (device links win).
-            let region = |n: &str| region_ids.get(n).map(|&r| r as usize);
-            match (seen.get(l.a.as_str()), seen.get(l.b.as_str())) {
-                (Some(&i), Some(&j)) => device_links.insert(pair(i, j), link),
-                _ => match (region(&l.a), region(&l.b)) {
-                    (Some(x), Some(y)) => region_links.insert(pair(x, y), link),
-                    _ => {
-                        return Err(Error::input(
-                            file,
-                            format!(
-                            "{at}: joins a device and a region; name two devices or two regions"
-                        ),
-                        ))
-                    }
-                },
-            };
-        }
+        let (region_links, device_links) = resolve_links(file, f, &seen, &region_ids)?;
         let (n, regions) = (devices.len(), region_ids.len());
         drop(region_ids);
         Ok(Cluster {
