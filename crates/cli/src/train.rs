@@ -59,7 +59,10 @@ fn device_choice(a: &TrainArgs) -> Result<pipewright_runtime::backend::DeviceCho
         (DeviceArg::Cpu, Some(_)) => {
             Err(BadInput("--gpus-per-node places ranks on GPUs: it needs --device wgpu".into()).into())
         }
-        (_, Some(0)) => Err(BadInput("gpus_per_node must be at least 1".into()).into()),
+        (_, Some(n)) if !(1..4096).contains(&n) => Err(BadInput(format!(
+            "gpus_per_node is {n}: it must be at least 1 and below 4096"
+        ))
+        .into()),
         (DeviceArg::Wgpu, Some(n)) if n > 1 && a.transport == TransportKind::Threads => Err(BadInput(format!(
             "--gpus-per-node {n}: threads share one process's device; worker processes (--transport auto or mpi) take one GPU each"
         ))

@@ -105,7 +105,7 @@ fn gpus_per_node_is_checked() {
             ],
             "threads share one process's device",
         ),
-        (&["--config", cfg], "gpus_per_node must be at least 1"),
+        (&["--config", cfg], "it must be at least 1 and below 4096"),
     ];
     for (flags, want) in cases {
         let o = Command::new(env!("CARGO_BIN_EXE_pipewright"))
