@@ -336,3 +336,60 @@ fn fresh_models_start_with_identity_norms() {
         }
     }
 }
+
+/// A config field of the wrong JSON type is refused by name, not read as its default: a
+/// `tie_word_embeddings = "yes"` once trained an untied model, and `rope_scaling = "x"` plain
+/// rotary positions.
+#[test]
+fn ill_typed_config_fields_are_refused_by_name() {
+    let text = std::fs::read_to_string(fixture("llama-gqa").join("config.json")).unwrap();
+    let mut base: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let mut v = base.clone();
+    v["rope_parameters"] = serde_json::json!("x");
+    let err = config_from_hf(&v.to_string(), "c.json").unwrap_err();
+    assert!(err.contains("rope_parameters must be an object"), "{err}");
+    // Older configs: rope_theta and rope_scaling at the top level.
+    base.as_object_mut().unwrap().remove("rope_parameters");
+    for (key, value, says) in [
+        (
+            "tie_word_embeddings",
+            serde_json::json!("yes"),
+            "tie_word_embeddings must be true or false",
+        ),
+        (
+            "rope_scaling",
+            serde_json::json!("x"),
+            "rope_scaling must be an object",
+        ),
+        (
+            "rope_scaling",
+            serde_json::json!({"rope_type": 3}),
+            "rope_type must be a string",
+        ),
+        (
+            "rope_scaling",
+            serde_json::json!({"rope_type": "llama3", "factor": 0.5, "low_freq_factor": 1, "high_freq_factor": 4, "original_max_position_embeddings": 8}),
+            "factor 0.5",
+        ),
+    ] {
+        let mut v = base.clone();
+        v[key] = value;
+        let err = config_from_hf(&v.to_string(), "c.json").unwrap_err();
+        assert!(
+            err.starts_with("c.json: ") && err.contains(says),
+            "{key}: {err}"
+        );
+    }
+    let err = config_from_hf("[1, 2]", "c.json").unwrap_err();
+    assert!(err.contains("found an array"), "{err}");
+    let mut gpt2 = serde_json::from_str::<serde_json::Value>(
+        &std::fs::read_to_string(fixture("gpt2").join("config.json")).unwrap(),
+    )
+    .unwrap();
+    gpt2["tie_word_embeddings"] = serde_json::json!(1);
+    let err = config_from_hf(&gpt2.to_string(), "c.json").unwrap_err();
+    assert!(
+        err.contains("tie_word_embeddings must be true or false, found 1"),
+        "{err}"
+    );
+}

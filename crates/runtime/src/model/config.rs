@@ -398,7 +398,8 @@ impl ModelConfig {
                 && s.original_max_position_embeddings > 0;
             if !ok {
                 return Err(format!(
-                    "rope_scaling {s:?}: needs factor >= 1, 0 < low_freq_factor < high_freq_factor and original_max_position_embeddings > 0"
+                    "rope_scaling (llama3) with factor {}, low_freq_factor {}, high_freq_factor {}, original_max_position_embeddings {}: needs factor >= 1, 0 < low_freq_factor < high_freq_factor and original_max_position_embeddings > 0",
+                    s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_position_embeddings
                 ));
             }
         }

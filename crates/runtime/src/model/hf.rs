@@ -20,6 +20,12 @@ pub struct HfTensor {
 pub fn config_from_hf(text: &str, what: &str) -> Result<ModelConfig, String> {
     let v: Value =
         serde_json::from_str(text).map_err(|e| format!("{what}: not a JSON config: {e}"))?;
+    if !v.is_object() {
+        return Err(format!(
+            "{what}: not a JSON config: a config is an object of fields, found {}",
+            kind_of(&v)
+        ));
+    }
     let family = match v.get("model_type").and_then(Value::as_str) {
         Some("llama") => Family::Llama,
         Some("gpt2") => Family::Gpt2,
@@ -50,6 +56,28 @@ fn usize_field(v: &Value, key: &str) -> Result<Option<usize>, String> {
             .as_u64()
             .map(|n| Some(n as usize))
             .ok_or_else(|| format!("{key} must be a non-negative integer, found {x}")),
+    }
+}
+
+/// What a JSON value is, for messages.
+fn kind_of(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// A true/false field, `default` when absent or null.
+fn bool_field(v: &Value, key: &str, default: bool) -> Result<bool, String> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(default),
+        Some(x) => x
+            .as_bool()
+            .ok_or_else(|| format!("{key} must be true or false, found {x}")),
     }
 }
 
@@ -122,7 +150,11 @@ fn llama_config(v: &Value) -> Result<ModelConfig, String> {
     // transformers 5 keeps theta and scaling in rope_parameters; older configs use
     // rope_theta and rope_scaling.
     let rope = v.get("rope_parameters").filter(|x| !x.is_null());
-    let scaling = rope.or(v.get("rope_scaling")).filter(|x| !x.is_null());
+    let scaling = match rope {
+        Some(r) => Some(("rope_parameters", r)),
+        None => v.get("rope_scaling").map(|s| ("rope_scaling", s)),
+    }
+    .filter(|(_, x)| !x.is_null());
     let theta = match rope {
         Some(r) => f64_field(r, "rope_theta")?,
         None => f64_field(v, "rope_theta")?,
@@ -138,13 +170,13 @@ fn llama_config(v: &Value) -> Result<ModelConfig, String> {
         kv_heads: usize_field(v, "num_key_value_heads")?,
         ffn: Some(need(v, "intermediate_size")?),
         rope_theta: theta,
-        rope_scaling: scaling.map(rope_scaling).transpose()?.flatten(),
+        rope_scaling: scaling
+            .map(|(key, s)| rope_scaling(key, s))
+            .transpose()?
+            .flatten(),
         norm_eps: f64_field(v, "rms_norm_eps")?,
         max_positions,
-        tie_embeddings: v
-            .get("tie_word_embeddings")
-            .and_then(Value::as_bool)
-            .unwrap_or(false),
+        tie_embeddings: bool_field(v, "tie_word_embeddings", false)?,
         ..ModelConfig::default()
     }
     .with_head(causal_head(v, "llama")?))
@@ -257,22 +289,25 @@ fn gpt2_config(v: &Value) -> Result<ModelConfig, String> {
         ffn: Some(usize_field(v, "n_inner")?.unwrap_or(4 * d)),
         norm_eps: f64_field(v, "layer_norm_epsilon")?,
         max_positions: Some(positions),
-        tie_embeddings: v
-            .get("tie_word_embeddings")
-            .and_then(Value::as_bool)
-            .unwrap_or(true),
+        tie_embeddings: bool_field(v, "tie_word_embeddings", true)?,
         ..ModelConfig::default()
     }
     .with_head(causal_head(v, "gpt2")?))
 }
 
 /// `None` for plain rotary positions; llama3 scaling; anything else refused by name.
-fn rope_scaling(s: &Value) -> Result<Option<Llama3Scaling>, String> {
-    let kind = s
-        .get("rope_type")
-        .or(s.get("type"))
-        .and_then(Value::as_str)
-        .unwrap_or("default");
+fn rope_scaling(key: &str, s: &Value) -> Result<Option<Llama3Scaling>, String> {
+    if !s.is_object() {
+        return Err(format!(
+            "{key} must be an object (or null), found {}",
+            kind_of(s)
+        ));
+    }
+    let kind = match s.get("rope_type").or(s.get("type")) {
+        None | Some(Value::Null) => "default",
+        Some(Value::String(k)) => k.as_str(),
+        Some(x) => return Err(format!("rope_type must be a string, found {x}")),
+    };
     match kind {
         "default" => Ok(None),
         "llama3" => {
