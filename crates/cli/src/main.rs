@@ -201,6 +201,7 @@ fn long_version() -> String {
 fn main() {
     fit_blas_kernels();
     keep_freed_memory();
+    pipewright_runtime::backend::pin_burn_default_device();
     // Die quietly on a closed pipe (`pipewright ... | head`) like other command-line tools.
     #[cfg(unix)]
     unsafe {

@@ -203,6 +203,7 @@ pub fn cmd_forward(a: ForwardArgs) -> Result<()> {
     };
     check_output(&a.out)?;
     let (batch, rows, t) = read_batch(&a.input_ids, &model)?;
+    let no_targets = batch.targets.iter().all(|&x| x < 0);
     if t > model.max_positions() {
         return Err(BadInput(format!(
             "{}: sequences of {t} tokens; the model takes at most {}",
@@ -245,6 +246,13 @@ pub fn cmd_forward(a: ForwardArgs) -> Result<()> {
         }
     }
     write_safetensors(&a.out, tensors)?;
+    if no_targets {
+        // transformers gives no loss (or NaN) here; say why ours is 0.
+        println!(
+            "note: {} has no targets (none given, or all -100), so the loss and every gradient are 0",
+            a.input_ids.display()
+        );
+    }
     println!(
         "loss {:.6} over {rows} x {t} tokens on {} stage(s) ({}); wrote {}",
         out.loss,
@@ -560,8 +568,9 @@ pub fn cmd_generate(a: GenerateArgs) -> Result<()> {
     let (model, blocks, spec) = generation_source(&a)?;
     if let Some(head) = model.head {
         return Err(BadInput(format!(
-            "generate needs a causal language model (gpt, llama, gpt2); this {} model has a {head} head",
-            model.family.name()
+            "generate needs a causal language model (gpt, llama, gpt2); this {} model has {} {head} head",
+            model.family.name(),
+            if head.to_string().starts_with('a') { "an" } else { "a" }
         ))
         .into());
     }

@@ -46,6 +46,15 @@ pub fn choose_device(choice: DeviceChoice) -> Result<(), String> {
     }
 }
 
+/// Make burn's own default device the CPU (`BURN_DEVICE=flex`). burn builds a loaded
+/// optimizer state on its default device, wgpu where that is compiled in, and moves it to the
+/// parameters' device at the next step: resuming or exporting a CPU checkpoint started a
+/// Vulkan device for nothing (and Mesa printed "XDG_RUNTIME_DIR is invalid" on a server).
+/// Call at the start of `main`, before any thread: it sets an environment variable.
+pub fn pin_burn_default_device() {
+    std::env::set_var("BURN_DEVICE", "flex");
+}
+
 /// The process's device (the CPU unless [`choose_device`] said otherwise).
 pub fn device_choice() -> DeviceChoice {
     *CHOICE.get_or_init(DeviceChoice::default)
