@@ -70,6 +70,14 @@ impl ModelArgs {
             }));
         }
         let text = pipewright_core::error::read_file(p)?;
+        if text.trim_start().starts_with('{') {
+            // A Hugging Face config.json alone: --model-config takes that.
+            return Err(BadInput(format!(
+                "--model {}: a JSON file; --model takes a Hugging Face model directory or a model TOML (for a config.json alone, use --model-config)",
+                p.display()
+            ))
+            .into());
+        }
         // A model table, or a whole run's configuration (`train --config`), whose [model] it is.
         let name = p.display().to_string();
         let whole = text.lines().any(|l| l.trim() == "[model]");

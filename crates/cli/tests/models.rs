@@ -275,6 +275,9 @@ fn bad_model_directories_are_refused_by_name() {
         }),
         "hidden_act",
     );
+    // A config.json given to --model instead of its directory.
+    let dir = damaged("m-json", |_, _| {});
+    refused(&dir.join("config.json"), "use --model-config");
 }
 
 /// Shards named by an index, and bf16 weights, load as one f32 model.
