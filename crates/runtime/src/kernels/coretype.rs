@@ -10,6 +10,8 @@ pub struct CpuFeatures {
     pub x86_64: bool,
     /// AMD (its AVX2 kernels are OpenBLAS's `Zen`).
     pub amd: bool,
+    /// Intel (where MKL runs its own best kernels; see `blas_lib::rank_library`).
+    pub intel: bool,
     pub avx: bool,
     /// AVX2 with FMA.
     pub avx2: bool,
@@ -25,7 +27,8 @@ impl CpuFeatures {
             use std::arch::is_x86_feature_detected as has;
             CpuFeatures {
                 x86_64: true,
-                amd: is_amd(),
+                amd: vendor() == *b"AuthenticAMD",
+                intel: vendor() == *b"GenuineIntel",
                 avx: has!("avx"),
                 avx2: has!("avx2") && has!("fma"),
                 avx512: has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512dq"),
@@ -58,15 +61,15 @@ impl CpuFeatures {
     }
 }
 
+/// CPUID leaf 0's vendor string ("GenuineIntel", "AuthenticAMD"), on every x86-64 CPU.
 #[cfg(target_arch = "x86_64")]
-fn is_amd() -> bool {
-    // CPUID leaf 0: the vendor string, on every x86-64 CPU.
+fn vendor() -> [u8; 12] {
     let r = std::arch::x86_64::__cpuid(0);
-    let vendor: Vec<u8> = [r.ebx, r.edx, r.ecx]
-        .iter()
-        .flat_map(|x| x.to_le_bytes())
-        .collect();
-    vendor == b"AuthenticAMD"
+    let mut v = [0u8; 12];
+    for (i, x) in [r.ebx, r.edx, r.ecx].iter().enumerate() {
+        v[4 * i..4 * i + 4].copy_from_slice(&x.to_le_bytes());
+    }
+    v
 }
 
 /// The vector level of an x86-64 OpenBLAS core name (as `openblas_get_corename` or its config
@@ -126,6 +129,7 @@ mod tests {
     const SPR: CpuFeatures = CpuFeatures {
         x86_64: true,
         amd: false,
+        intel: true,
         avx: true,
         avx2: true,
         avx512: true,
@@ -140,6 +144,7 @@ mod tests {
         let zen3 = CpuFeatures {
             avx512: false,
             amd: true,
+            intel: false,
             ..SPR
         };
         assert_eq!(better_coretype("Nehalem", &zen3), Some("Zen"));
@@ -183,5 +188,33 @@ mod tests {
             Some("SkylakeX")
         );
         assert_eq!(core_in_config("Intel MKL"), None);
+    }
+
+    #[test]
+    fn mkl_goes_only_to_one_core_ranks_of_an_intel_cpu_that_has_it() {
+        use crate::kernels::blas_lib::rank_library;
+        let mkl = || Some(std::path::PathBuf::from("/x/libmkl_rt.so.2"));
+        assert_eq!(rank_library(&SPR, false, 1, mkl()), mkl());
+        // An AVX2-only Intel too: MKL knows its own CPUs.
+        let haswell = CpuFeatures {
+            avx512: false,
+            ..SPR
+        };
+        assert_eq!(rank_library(&haswell, false, 1, mkl()), mkl());
+        let zen4 = CpuFeatures {
+            amd: true,
+            intel: false,
+            ..SPR
+        };
+        assert_eq!(rank_library(&zen4, false, 1, mkl()), None, "AMD: level");
+        assert_eq!(
+            rank_library(&SPR, true, 1, mkl()),
+            None,
+            "the user's library"
+        );
+        assert_eq!(rank_library(&SPR, false, 2, mkl()), None, "threads compete");
+        assert_eq!(rank_library(&SPR, false, 1, None), None, "no MKL here");
+        let arm = CpuFeatures::default();
+        assert_eq!(rank_library(&arm, false, 1, mkl()), None);
     }
 }
