@@ -606,6 +606,13 @@ pub fn cmd_generate(a: GenerateArgs) -> Result<()> {
     let new = generate(&blocks, &prompt, a.max_tokens, limit, &how).map_err(BadInput)?;
     let ids: Vec<u32> = new.iter().map(|&x| x as u32).collect();
     println!("{}{}", a.prompt, tok.decode(&ids).map_err(BadInput)?);
+    if new.len() < a.max_tokens && prompt.len() + new.len() >= limit {
+        eprintln!(
+            "note: stopped after {} of {} new tokens: the model takes at most {limit} positions",
+            new.len(),
+            a.max_tokens
+        );
+    }
     Ok(())
 }
 

@@ -180,6 +180,21 @@ fn trained_llama_exports_and_runs_the_same_from_the_export_and_the_checkpoint() 
         from_ck.starts_with("ab") && from_ck.len() > 2,
         "{from_ck:?}"
     );
+    // Asked past the model's 64 positions: it stops there and says so.
+    let o = pw(&[
+        "generate",
+        "--model",
+        hf,
+        "--prompt",
+        "ab",
+        "--max-tokens",
+        "100",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        o.status.success() && err.contains("stopped after 62 of 100 new tokens"),
+        "{err}"
+    );
 }
 
 /// A copy of the fixture with `change` applied to its weights (and config).
