@@ -981,7 +981,7 @@ fn profile_ops_breaks_down_a_llama_block() {
     for op in [
         "RMSNorm (fused)",
         "rotary embedding, q and k (fused)",
-        "k, v heads repeated",
+        "causal attention (fused, GQA in place)",
         "head split and merge",
         "SwiGLU (fused)",
         "whole block, run as one",
@@ -989,6 +989,8 @@ fn profile_ops_breaks_down_a_llama_block() {
     ] {
         assert!(out.contains(op), "{out}");
     }
+    // Training reads grouped keys and values in place; no op repeats them.
+    assert!(!out.contains("repeated"), "{out}");
     let vit = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/vit_digits.json");
     let o = pw(&["profile", "--ops", "--model-config", vit.to_str().unwrap()]);
     let err = String::from_utf8_lossy(&o.stderr);

@@ -125,27 +125,11 @@ fn attention_ops(s: &Shapes, repeats: usize) -> Vec<OpTime> {
             ),
         ),
         op(
-            "k, v heads repeated for their queries",
-            2,
-            time_op(
-                repeats,
-                || s.heads(kvh),
-                |x| {
-                    let n = h / kvh.max(1);
-                    s.flat(
-                        x.unsqueeze_dim::<5>(2)
-                            .repeat_dim(2, n)
-                            .reshape([b, h, t, dh]),
-                    )
-                },
-            ),
-        ),
-        op(
-            "causal attention (fused)",
+            "causal attention (fused, GQA in place)",
             1,
             time_op(
                 repeats,
-                || (s.heads(h), s.heads(h), s.heads(h)),
+                || (s.heads(h), s.heads(kvh), s.heads(kvh)),
                 |(q, kk, v)| s.flat(k::causal_attention(q, kk, v, scale)),
             ),
         ),
