@@ -283,7 +283,8 @@ fn load(path: &str) -> Result<Blas, String> {
     ]))
     .map(|(get, set)| Threads {
         // SAFETY: OpenBLAS's `int openblas_get_num_threads(void)` and
-        // `void openblas_set_num_threads(int)`.
+        // `void openblas_set_num_threads(int)`, or MKL's `int MKL_Get_Max_Threads(void)` and
+        // `void MKL_Set_Num_Threads(int)`: the same signatures.
         get: unsafe {
             std::mem::transmute::<unsafe extern "C" fn(), unsafe extern "C" fn() -> i32>(get)
         },
@@ -291,16 +292,16 @@ fn load(path: &str) -> Result<Blas, String> {
             std::mem::transmute::<unsafe extern "C" fn(), unsafe extern "C" fn(i32)>(set)
         },
     });
+    let name = match (&config, find(&["MKL_Set_Threading_Layer"]).is_some()) {
+        (Some(c), _) => c.clone(),
+        (None, true) => "MKL".to_string(),
+        (None, false) => "CBLAS".to_string(),
+    };
     // The function pointers stay valid while the library is loaded: for good, from here.
     std::mem::forget(lib);
     let chosen = match std::env::var_os(CHOSEN_MKL) {
         Some(_) => "; chosen by pipewright for ranks of one core on an Intel CPU, PIPEWRIGHT_BLAS=system overrides",
         None => "",
-    };
-    let name = match (&config, mkl_layer.is_empty() && !path.contains("mkl")) {
-        (Some(c), _) => c.clone(),
-        (None, false) => "MKL".to_string(),
-        (None, true) => "CBLAS".to_string(),
     };
     Ok(Blas {
         // SAFETY: `cblas_sgemm` has the standard CBLAS signature in every CBLAS library.
