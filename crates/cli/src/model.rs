@@ -110,6 +110,16 @@ pub fn cmd_export(a: ExportArgs) -> Result<()> {
     let (mut cfg, _, step) = checkpoint_config(&a.checkpoint_dir)?;
     let config = config_to_hf(&cfg.model).map_err(BadInput)?;
     crate::files::output_dir(&a.out)?;
+    let index = a.out.join("model.safetensors.index.json");
+    if index.exists() {
+        // Its shards would stay beside the new weights: a directory of two models.
+        return Err(BadInput(format!(
+            "--out {}: holds a sharded model ({}); export into a new or empty directory",
+            a.out.display(),
+            index.display()
+        ))
+        .into());
+    }
     let (w, c) = (a.out.join("model.safetensors"), a.out.join("config.json"));
     check_output(&w)?;
     check_output(&c)?;

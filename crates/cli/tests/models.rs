@@ -341,6 +341,61 @@ fn sharded_bf16_weights_load() {
     assert!(d > 0.0 && d < 0.05, "bf16 logits differ from f32 by {d}");
 }
 
+/// Where a directory holds both `model.safetensors` and a shard index, the single file is the
+/// model, as transformers reads it; `export` will not write beside another model's shards.
+#[test]
+fn the_single_weights_file_wins_and_export_leaves_shards_alone() {
+    let stale = r#"{"weight_map": {"model.norm.weight": "gone-00001-of-00001.safetensors"}}"#;
+    let dir = damaged("m-both", |dir, _| {
+        std::fs::write(dir.join("model.safetensors.index.json"), stale).unwrap();
+    });
+    let ids = ids_file(dir.parent().unwrap(), 96);
+    let out = dir.parent().unwrap().join("o.safetensors");
+    ok(&[
+        "forward",
+        "--model",
+        dir.to_str().unwrap(),
+        "--input-ids",
+        ids.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let work = fresh_dir("m-export-over-shards");
+    let cfg = work.join("config.json");
+    std::fs::write(
+        &cfg,
+        r#"{"model_type": "llama", "vocab_size": 256, "hidden_size": 16, "intermediate_size": 32,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 16}"#,
+    )
+    .unwrap();
+    let ck = work.join("ck");
+    ok(&[
+        "train",
+        "--model-config",
+        cfg.to_str().unwrap(),
+        "--steps",
+        "1",
+        "--seq-len",
+        "8",
+        "--checkpoint-dir",
+        ck.to_str().unwrap(),
+        "--eval-batches",
+        "1",
+    ]);
+    let o = pw(&[
+        "export",
+        "--checkpoint-dir",
+        ck.to_str().unwrap(),
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
+    exits_2_saying(&o, "holds a sharded model");
+    assert_eq!(
+        std::fs::read_to_string(dir.join("model.safetensors.index.json")).unwrap(),
+        stale
+    );
+}
+
 /// BERT and ViT through `forward`: segments and padding, or images, from the input file; class
 /// or span logits and every gradient as transformers computed them; training a task head on
 /// text and generating with it are refused.

@@ -557,9 +557,14 @@ pub fn transpose(values: &[f32], r: usize, c: usize) -> Vec<f32> {
 
 /// The safetensors files of a model directory: `model.safetensors`, or the shards that
 /// `model.safetensors.index.json` names (each once, in name order).
+/// The weight files of a model directory: `model.safetensors`, else the shards its index
+/// names (the order transformers' `from_pretrained` looks in).
 fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, String> {
     let single = dir.join("model.safetensors");
     let index = dir.join("model.safetensors.index.json");
+    if single.is_file() {
+        return Ok(vec![single]);
+    }
     if index.is_file() {
         let text = read(&index)?;
         let v: Value = serde_json::from_str(&text)
@@ -590,9 +595,6 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, String> {
                 }
             })
             .collect();
-    }
-    if single.is_file() {
-        return Ok(vec![single]);
     }
     Err(format!(
         "{}: no model.safetensors or model.safetensors.index.json",
