@@ -212,25 +212,32 @@ fn mpirun_command(mpirun: &std::path::Path, workers: usize) -> std::process::Com
 }
 
 /// Ranks of `cores_per_rank` cores on an Intel CPU run MKL sequentially where it is installed
-/// (`blas_lib::rank_library` says why); where it is not, say once what it would give.
+/// (`blas_lib::rank_library` says why); where it is not, the run header says what it would
+/// give ([`placement_note`]).
 fn give_ranks_mkl(cmd: &mut std::process::Command, cores_per_rank: usize) {
     use pipewright_runtime::kernels::{blas_lib, coretype::CpuFeatures};
-    let cpu = CpuFeatures::detect();
     let user_named = std::env::var_os("PIPEWRIGHT_BLAS").is_some();
-    match blas_lib::rank_library(&cpu, user_named, cores_per_rank, blas_lib::find_mkl()) {
-        Some(mkl) => {
-            cmd.env("PIPEWRIGHT_BLAS", mkl)
-                .env(blas_lib::CHOSEN_MKL, "1");
-            if std::env::var_os("MKL_THREADING_LAYER").is_none() {
-                cmd.env("MKL_THREADING_LAYER", "SEQUENTIAL");
-            }
+    let cpu = CpuFeatures::detect();
+    if let Some(mkl) =
+        blas_lib::rank_library(&cpu, user_named, cores_per_rank, blas_lib::find_mkl())
+    {
+        cmd.env("PIPEWRIGHT_BLAS", mkl)
+            .env(blas_lib::CHOSEN_MKL, "1");
+        if std::env::var_os("MKL_THREADING_LAYER").is_none() {
+            cmd.env("MKL_THREADING_LAYER", "SEQUENTIAL");
         }
-        None if blas_lib::rank_library(&cpu, user_named, cores_per_rank, Some("mkl".into()))
-            .is_some() =>
-        {
-            eprintln!("note: on an Intel CPU, ranks of one core ran up to 17% faster on MKL than on this OpenBLAS; `scripts/install-deps --mkl` installs it (PIPEWRIGHT_BLAS=system keeps OpenBLAS and this note away)");
-        }
-        None => {}
+    }
+}
+
+/// For a rank pipewright started on `cores` cores of an Intel CPU without MKL: what MKL would
+/// give, for the run header.
+fn mkl_hint(cores: usize) -> &'static str {
+    use pipewright_runtime::kernels::{blas_lib, coretype::CpuFeatures};
+    let user_named = std::env::var_os("PIPEWRIGHT_BLAS").is_some();
+    let would = blas_lib::rank_library(&CpuFeatures::detect(), user_named, cores, Some("".into()));
+    match launched() && would.is_some() {
+        true => "; MKL ran such ranks up to 17% faster on an Intel CPU: `scripts/install-deps --mkl` installs it (PIPEWRIGHT_BLAS=system keeps OpenBLAS)",
+        false => "",
     }
 }
 
@@ -280,6 +287,7 @@ pub fn placement_note(ranks: usize) -> String {
         (false, Some(local)) if (2..=online).contains(&local) => {
             "; bind ranks to cores for speed (mpirun --bind-to core, srun --cpu-bind=cores)"
         }
+        _ if cores < online => mkl_hint(cores),
         _ => "",
     };
     let threads = pipewright_runtime::kernels::blas_lib::blas_threads()
