@@ -112,3 +112,22 @@ fn mkl_by_name_is_found_or_refused_with_the_fix() {
     );
     assert_eq!(err.trim().lines().count(), 1, "{err}");
 }
+
+/// An MKL that pipewright chose by itself (for its ranks on an Intel CPU) and that cannot be
+/// loaded leaves the run on the system OpenBLAS, and `--version` says why; the same file named
+/// by the user stops the run.
+#[test]
+fn a_damaged_mkl_of_pipewrights_choosing_falls_back_to_openblas() {
+    let bad = std::env::temp_dir().join(format!("pw-bad-mkl-{}.so", std::process::id()));
+    std::fs::write(&bad, b"").unwrap();
+    let chosen = [
+        ("PIPEWRIGHT_BLAS", bad.to_str().unwrap()),
+        ("PIPEWRIGHT_MKL_CHOSEN", "1"),
+    ];
+    let v = String::from_utf8(pw(&["--version"], &chosen).stdout).unwrap();
+    assert!(v.contains("could not be used"), "{v}");
+    let train = ["train", "--steps", "1", "--no-checkpoint", "--layers", "1"];
+    assert!(pw(&train, &chosen).status.success());
+    let named = pw(&train, &chosen[..1]);
+    assert_eq!(named.status.code(), Some(2));
+}

@@ -210,11 +210,9 @@ fn damaged(tag: &str, change: impl FnOnce(&Path, &mut Tensors)) -> PathBuf {
     dir
 }
 
-/// `forward` on `model` fails with exit 2, naming `want`, and writes nothing.
-fn refused(model: &Path, want: &str) {
-    let out = model.parent().unwrap().join("out.safetensors");
-    let ids = ids_file(model.parent().unwrap(), 96);
-    let o = pw(&[
+/// `forward --model model --input-ids ids --out out`.
+fn forward(model: &Path, ids: &Path, out: &Path) -> Output {
+    pw(&[
         "forward",
         "--model",
         model.to_str().unwrap(),
@@ -222,7 +220,14 @@ fn refused(model: &Path, want: &str) {
         ids.to_str().unwrap(),
         "--out",
         out.to_str().unwrap(),
-    ]);
+    ])
+}
+
+/// `forward` on `model` fails with exit 2, naming `want`, and writes nothing.
+fn refused(model: &Path, want: &str) {
+    let out = model.parent().unwrap().join("out.safetensors");
+    let ids = ids_file(model.parent().unwrap(), 96);
+    let o = forward(model, &ids, &out);
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{want}: {err}");
     assert!(err.contains(want), "expected {want:?} in: {err}");
@@ -327,15 +332,8 @@ fn sharded_bf16_weights_load() {
         dir.parent().unwrap().join("b"),
     );
     for (m, out) in [(&dir, &a), (&fixture(), &b)] {
-        ok(&[
-            "forward",
-            "--model",
-            m.to_str().unwrap(),
-            "--input-ids",
-            ids.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-        ]);
+        let o = forward(m, &ids, out);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     }
     let d = max_diff(&f32s(&read(&a), "logits"), &f32s(&read(&b), "logits"));
     assert!(d > 0.0 && d < 0.05, "bf16 logits differ from f32 by {d}");
@@ -350,16 +348,8 @@ fn the_single_weights_file_wins_and_export_leaves_shards_alone() {
         std::fs::write(dir.join("model.safetensors.index.json"), stale).unwrap();
     });
     let ids = ids_file(dir.parent().unwrap(), 96);
-    let out = dir.parent().unwrap().join("o.safetensors");
-    ok(&[
-        "forward",
-        "--model",
-        dir.to_str().unwrap(),
-        "--input-ids",
-        ids.to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-    ]);
+    let o = forward(&dir, &ids, &dir.parent().unwrap().join("o.safetensors"));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let work = fresh_dir("m-export-over-shards");
     let cfg = work.join("config.json");
     std::fs::write(

@@ -317,7 +317,7 @@ fn choose() -> Result<Blas, BlasError> {
     let Some(v) = std::env::var_os("PIPEWRIGHT_BLAS") else {
         return Ok(system());
     };
-    let path = v.to_string_lossy().into_owned();
+    let mut path = v.to_string_lossy().into_owned();
     if path.is_empty() || path == "system" {
         return Ok(system());
     }
@@ -331,15 +331,24 @@ fn choose() -> Result<Blas, BlasError> {
                 ),
             });
         };
-        let found = found.display().to_string();
-        return load(&found).map_err(|why| BlasError { path: found, why });
-    }
-    match v.to_str() {
-        Some(p) => load(p).map_err(|why| BlasError { path, why }),
-        None => Err(BlasError {
+        path = found.display().to_string();
+    } else if v.to_str().is_none() {
+        return Err(BlasError {
             path,
             why: "not a UTF-8 path".to_string(),
-        }),
+        });
+    }
+    match load(&path) {
+        Ok(b) => Ok(b),
+        // pipewright's own choice ([`rank_library`]) must not stop a run the system library
+        // can train: a damaged MKL falls back, and says so.
+        Err(why) if std::env::var_os(CHOSEN_MKL).is_some() => {
+            let mut b = system();
+            b.description +=
+                &format!("; the MKL pipewright chose, {path}, could not be used: {why}");
+            Ok(b)
+        }
+        Err(why) => Err(BlasError { path, why }),
     }
 }
 
