@@ -139,9 +139,18 @@ pub fn rank_library(
     cores_per_rank: usize,
     mkl: Option<std::path::PathBuf>,
 ) -> Option<std::path::PathBuf> {
-    (cpu.x86_64 && cpu.intel && !user_named && cores_per_rank == 1)
+    rank_wants_mkl(cpu, user_named, cores_per_rank)
         .then_some(mkl)
         .flatten()
+}
+
+/// Whether [`rank_library`] would give such ranks MKL, were it installed.
+pub fn rank_wants_mkl(
+    cpu: &super::coretype::CpuFeatures,
+    user_named: bool,
+    cores_per_rank: usize,
+) -> bool {
+    cpu.x86_64 && cpu.intel && !user_named && cores_per_rank == 1
 }
 
 /// Set in a process that pipewright restarted with `OPENBLAS_CORETYPE` of its choosing (its

@@ -555,10 +555,9 @@ pub fn transpose(values: &[f32], r: usize, c: usize) -> Vec<f32> {
     out
 }
 
-/// The safetensors files of a model directory: `model.safetensors`, or the shards that
-/// `model.safetensors.index.json` names (each once, in name order).
-/// The weight files of a model directory: `model.safetensors`, else the shards its index
-/// names (the order transformers' `from_pretrained` looks in).
+/// The safetensors files of a model directory: `model.safetensors`, else the shards that
+/// `model.safetensors.index.json` names (each once, in name order); the order transformers'
+/// `from_pretrained` looks in.
 fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, String> {
     let single = dir.join("model.safetensors");
     let index = dir.join("model.safetensors.index.json");
