@@ -4,7 +4,7 @@
 //! pipewright starts itself again under `mpirun`, each rank bound to its own cores, and the
 //! ranks meet over the same MPI transport as a job a user launches.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Set in the ranks pipewright started itself, so the run header can say who placed them.
 const LAUNCHED: &str = "PIPEWRIGHT_LAUNCHED";
@@ -123,6 +123,7 @@ pub fn relaunch(workers: usize) -> String {
     let mark = std::env::temp_dir().join(format!("pipewright-launch-{}", std::process::id()));
     let _ = std::fs::remove_file(&mark);
     let mut cmd = mpirun_command(&mpirun, workers);
+    let board = lend_board(&mut cmd, workers);
     cmd.arg(exe)
         .args(std::env::args_os().skip(1))
         .env(LAUNCHED, "1")
@@ -157,6 +158,9 @@ pub fn relaunch(workers: usize) -> String {
             1
         }
     };
+    if let Some(board) = board {
+        let _ = std::fs::remove_file(board);
+    }
     let started = std::fs::remove_file(&mark).is_ok();
     if code != 0 && !started && STOPS.load(std::sync::atomic::Ordering::SeqCst) == 0 {
         // SAFETY: back to the default handlers for the run in threads.
@@ -229,6 +233,47 @@ fn give_ranks_mkl(cmd: &mut std::process::Command, cores_per_rank: usize) {
     }
 }
 
+/// Names the board on which the ranks lend each other their idle cores
+/// ([`pipewright_runtime::kernels::lend`]) when `workers` ranks get a core each. The launcher
+/// creates the file and removes it after the job. `PIPEWRIGHT_LEND=0` turns lending off.
+fn lend_board(cmd: &mut std::process::Command, workers: usize) -> Option<PathBuf> {
+    use pipewright_runtime::kernels::lend;
+    let off = std::env::var(LEND).is_ok_and(|v| v.trim() == "0");
+    if workers < 2 || workers != physical_cores() || off {
+        return None;
+    }
+    let dir = Path::new("/dev/shm");
+    let dir = if dir.is_dir() {
+        dir.to_path_buf()
+    } else {
+        std::env::temp_dir()
+    };
+    let path = dir.join(format!("pipewright-lend-{}", std::process::id()));
+    std::fs::write(&path, vec![0u8; lend::board_bytes(workers)]).ok()?;
+    cmd.env(LEND_BOARD, &path);
+    Some(path)
+}
+
+/// `0` turns lending idle cores off; see [`lend_board`].
+const LEND: &str = "PIPEWRIGHT_LEND";
+/// The board's path, set in the ranks.
+const LEND_BOARD: &str = "PIPEWRIGHT_LEND_BOARD";
+
+/// In a rank pipewright started with a lending board, and whose BLAS runs one thread: join
+/// the board (see [`lend_board`]).
+pub fn join_lending() {
+    use pipewright_runtime::kernels::{blas_lib, lend};
+    let Some(path) = std::env::var_os(LEND_BOARD).filter(|_| launched()) else {
+        return;
+    };
+    let (Some(me), Some(ranks)) = (crate::ranks::local_rank(), crate::ranks::local_ranks()) else {
+        return;
+    };
+    if blas_lib::blas_threads() == Some(1) {
+        let _ = lend::join(Path::new(&path), me, ranks, &allowed_cpus());
+    }
+}
+
 /// For a rank pipewright started on `cores` cores of an Intel CPU without MKL: what MKL would
 /// give, for the run header.
 fn mkl_hint(cores: usize) -> &'static str {
@@ -291,7 +336,11 @@ pub fn placement_note(ranks: usize) -> String {
     };
     let threads = pipewright_runtime::kernels::blas_lib::blas_threads()
         .map_or("?".to_string(), |t| t.to_string());
-    format!("workers: {ranks} processes ({who}), {bound}, BLAS {threads} threads{hint}")
+    let lent = match pipewright_runtime::kernels::lend::joined() {
+        true => "; a rank's large products also run on the cores of ranks that wait",
+        false => "",
+    };
+    format!("workers: {ranks} processes ({who}), {bound}, BLAS {threads} threads{lent}{hint}")
 }
 
 #[cfg(test)]

@@ -614,6 +614,7 @@ fn start_transport(a: &TrainArgs) -> Result<Procs> {
         crate::ranks::set_rank(m.world().rank);
         crate::ranks::watch_signals(m.world().rank);
         crate::launch::share_cores();
+        crate::launch::join_lending();
         if m.world().rank == 0 {
             crate::ranks::warn_oversubscribed();
         }

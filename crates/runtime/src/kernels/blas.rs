@@ -240,6 +240,27 @@ fn sgemm(
 /// Products at most this big (m x k x n) are small: a batch of them runs several at once.
 const SMALL: usize = 1 << 22;
 
+/// Products at least this big (m x k x n) are split with idle peers' cores
+/// ([`super::lend`]): a part then takes 20 us or more, beside a helper's wake-up.
+const LENT_SIZE: usize = 1 << 21;
+/// Each part of a split product has at least this many rows.
+const LENT_ROWS: usize = 16;
+
+/// An output shared by the parts of a product, each writing its own rows.
+struct Rows(*mut MaybeUninit<f32>, usize);
+// SAFETY: the parts write disjoint rows, and the lender waits for all of them.
+unsafe impl Sync for Rows {}
+
+impl Rows {
+    /// `len` values from `start` on. Safety: no other part writes them meanwhile.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn rows(&self, start: usize, len: usize) -> &mut [MaybeUninit<f32>] {
+        assert!(start + len <= self.1, "rows beyond the output");
+        // SAFETY: within the output (checked), and the caller's parts are disjoint.
+        unsafe { std::slice::from_raw_parts_mut(self.0.add(start), len) }
+    }
+}
+
 /// All the products of a batch into `out` (`m x n` each). A batch of small ones (attention's,
 /// one per sequence and head) runs over rayon's threads with the library single-threaded
 /// ([`super::blas_lib::single_threaded`]): 4-8% more tokens/s on 1 stage of gpt_bench
@@ -263,6 +284,19 @@ fn gemm_batches(
             out.par_chunks_mut(m * n)
                 .enumerate()
                 .for_each(|(i, o)| sgemm((a, i, 0), (b, i), (m, k, n), beta, o));
+            return;
+        }
+    }
+    if m * k * n >= LENT_SIZE {
+        let out = Rows(out.as_mut_ptr(), out.len());
+        let part = |r0: usize, r1: usize| {
+            for i in 0..batches {
+                // SAFETY: rows r0..r1 of product i, disjoint from every other part's.
+                let o = unsafe { out.rows(i * m * n + r0 * n, (r1 - r0) * n) };
+                sgemm((a, i, r0), (b, i), (r1 - r0, k, n), beta, o);
+            }
+        };
+        if super::lend::split_rows(&part, m, LENT_ROWS) {
             return;
         }
     }

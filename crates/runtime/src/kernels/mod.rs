@@ -25,6 +25,7 @@ pub mod blas_lib;
 pub mod coretype;
 mod cpu;
 mod generic;
+pub mod lend;
 pub(crate) use generic::repeat_kv;
 mod llama;
 

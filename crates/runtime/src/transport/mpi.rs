@@ -127,7 +127,12 @@ impl Mpi {
         what: String,
         on_timeout: impl FnOnce(f64) -> TransportError,
     ) -> Result<T, TransportError> {
+        if let Ok(v) = rx.try_recv() {
+            return Ok(v);
+        }
         *WAITING.lock().unwrap() = Some(what);
+        // This rank's cores are idle meanwhile: a peer on this machine may run on them.
+        let _lent = crate::kernels::lend::waiting();
         let step = Duration::from_millis(100);
         let mut waited = Duration::ZERO;
         let r = loop {
