@@ -677,6 +677,57 @@ fn a_pipeline_runs_as_worker_processes_by_default() {
     assert!((a - t).abs() < 1e-3, "processes {a}, threads {t}");
 }
 
+/// Ranks that lend their idle cores split large products with a helper on the waiting
+/// rank's core: training is the same to the bit as without (`PIPEWRIGHT_LEND=0`). Products
+/// here are 512 x 128 x 128 and larger, above the size that is split. The launcher lends
+/// when the ranks have a core each, as on a 2-core machine (CI's).
+#[test]
+fn cores_lent_to_a_busy_rank_change_no_value() {
+    let _one = one_at_a_time();
+    let d = dir("lend");
+    let run = |lend: &str| {
+        let m = d.join(format!("m{lend}.jsonl"));
+        let o = Command::new(env!("CARGO_BIN_EXE_pipewright"))
+            .args([
+                "train",
+                "--stages",
+                "2",
+                "--microbatches",
+                "4",
+                "--steps",
+                "3",
+            ])
+            .args(["--d-model", "128", "--seq-len", "128", "--rows", "4"])
+            .args(["--layers", "2", "--heads", "4", "--eval-every", "3"])
+            .args(["--eval-batches", "1", "--no-checkpoint", "--metrics"])
+            .arg(&m)
+            .env("PIPEWRIGHT_LEND", lend)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", text(&o));
+        let lines = std::fs::read_to_string(&m).unwrap();
+        let values: Vec<String> = lines
+            .lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                format!(
+                    "{} {} {} {}",
+                    v["step"], v["loss"], v["grad_norm"], v["val_loss"]
+                )
+            })
+            .collect();
+        (values, String::from_utf8_lossy(&o.stderr).to_string())
+    };
+    let ((lent, err), (alone, err0)) = (run("1"), run("0"));
+    let note = "large products also run on the cores of ranks that wait";
+    assert!(!err0.contains(note), "{err0}");
+    if std::thread::available_parallelism().map_or(0, |n| n.get()) == 2 {
+        assert!(err.contains(note), "{err}");
+    }
+    assert_eq!(lent.len(), 4, "{lent:?}");
+    assert_eq!(lent, alone);
+}
+
 /// An mpirun that cannot start the workers (here a script that fails as a broken launcher
 /// would, and one of another MPI) leaves the run to threads, said once with the reason.
 #[test]
