@@ -51,6 +51,8 @@ struct Lending {
     me: usize,
     ranks: usize,
     helpers: Vec<Arc<Helper>>,
+    /// Held by the thread whose product the helpers run.
+    lender: Mutex<()>,
 }
 
 impl Lending {
@@ -90,6 +92,7 @@ pub fn join(path: &Path, me: usize, ranks: usize, cpus: &[usize]) -> std::io::Re
         me,
         ranks,
         helpers,
+        lender: Mutex::new(()),
     };
     let mine = lending.record(me);
     for &c in cpus.iter().filter(|&&c| c < MASK_CPUS) {
@@ -215,6 +218,11 @@ const INITIAL_SPEED: u32 = 800;
 /// (nothing run) when no core is idle or a part would have under `least` rows.
 pub(crate) fn split_rows(work: &(dyn Fn(usize, usize) + Sync), rows: usize, least: usize) -> bool {
     let Some(l) = LENDING.get() else { return false };
+    // A helper holds one job: products from another thread of this process meanwhile run
+    // unsplit.
+    let Ok(_lender) = l.lender.try_lock() else {
+        return false;
+    };
     let idle: Vec<&Arc<Helper>> = l
         .helpers
         .iter()
@@ -243,30 +251,32 @@ pub(crate) fn split_rows(work: &(dyn Fn(usize, usize) + Sync), rows: usize, leas
         }
     }
     let t0 = std::time::Instant::now();
-    work(0, cuts[1]);
+    // The helpers hold `work`: a panic waits for them before it goes on.
+    let run = |r0, r1| std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(r0, r1)));
+    let mut result = run(0, cuts[1]);
     let own = t0.elapsed().as_nanos() as u64;
     for (i, h) in idle.iter().enumerate() {
         // A part its helper has not taken yet (it was asleep) runs here.
         let taken_back = h.job.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(Job(_, r0, r1)) = taken_back {
-            work(r0, r1);
+            result = result.and(run(r0, r1));
             h.busy.store(false, Ordering::Release);
             continue;
         }
         while h.busy.load(Ordering::Acquire) {
             std::hint::spin_loop();
         }
-        assert!(
-            !h.failed.swap(false, Ordering::Relaxed),
-            "a part of a matrix product failed on a lent core"
-        );
-        learn_speed(
-            h,
-            own,
-            cuts[1],
-            h.took.load(Ordering::Relaxed),
-            cuts[i + 2] - cuts[i + 1],
-        );
+        if h.failed.swap(false, Ordering::Relaxed) {
+            result = result.and(Err(Box::new(
+                "a part of a matrix product failed on a lent core",
+            )));
+        } else {
+            let rows = cuts[i + 2] - cuts[i + 1];
+            learn_speed(h, own, cuts[1], h.took.load(Ordering::Relaxed), rows);
+        }
+    }
+    if let Err(panic) = result {
+        std::panic::resume_unwind(panic);
     }
     true
 }
