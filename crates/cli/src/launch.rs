@@ -340,7 +340,8 @@ pub fn placement_note(ranks: usize) -> String {
         true => "; a rank's large products also run on the cores of ranks that wait",
         false => "",
     };
-    format!("workers: {ranks} processes ({who}), {bound}, BLAS {threads} threads{lent}{hint}")
+    let s = if threads == "1" { "" } else { "s" };
+    format!("workers: {ranks} processes ({who}), {bound}, BLAS {threads} thread{s}{lent}{hint}")
 }
 
 #[cfg(test)]

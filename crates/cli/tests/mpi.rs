@@ -679,7 +679,7 @@ fn a_pipeline_runs_as_worker_processes_by_default() {
 
 /// Ranks that lend their idle cores split large products with a helper on the waiting
 /// rank's core: training is the same to the bit as without (`PIPEWRIGHT_LEND=0`). Products
-/// here are 512 x 128 x 128 and larger, above the size that is split. The launcher lends
+/// here are 512 x 128 x 128 and larger, at or above the size that is split. The launcher lends
 /// when the ranks have a core each, as on a 2-core machine (CI's).
 #[test]
 fn cores_lent_to_a_busy_rank_change_no_value() {

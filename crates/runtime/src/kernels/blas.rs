@@ -241,8 +241,10 @@ fn sgemm(
 const SMALL: usize = 1 << 22;
 
 /// Products at least this big (m x k x n) are split with idle peers' cores
-/// ([`super::lend`]): a part then takes 20 us or more, beside a helper's wake-up.
-const LENT_SIZE: usize = 1 << 21;
+/// ([`super::lend`]): a part then takes 80 us or more, beside a helper's wake-up of tens. The
+/// README's model (products of 4M multiply-adds) ran no faster lending at 2M (3 alternating
+/// runs of 60 steps: 45,082-48,645 tokens/s lending, 44,813-50,875 not).
+const LENT_SIZE: usize = 1 << 23;
 /// Each part of a split product has at least this many rows.
 const LENT_ROWS: usize = 16;
 

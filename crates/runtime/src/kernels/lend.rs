@@ -417,12 +417,12 @@ mod tests {
         // A product split in two equals the product run whole.
         let dev = crate::backend::plain_device();
         let a = burn::tensor::Tensor::<2>::random(
-            [300, 200],
+            [400, 200],
             burn::tensor::Distribution::Default,
             &dev,
         );
         let b = burn::tensor::Tensor::<2>::random(
-            [200, 100],
+            [200, 200],
             burn::tensor::Distribution::Default,
             &dev,
         );
