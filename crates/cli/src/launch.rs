@@ -238,7 +238,14 @@ fn give_ranks_mkl(cmd: &mut std::process::Command, cores_per_rank: usize) {
 /// creates the file and removes it after the job. `PIPEWRIGHT_LEND=0` turns lending off.
 fn lend_board(cmd: &mut std::process::Command, workers: usize) -> Option<PathBuf> {
     use pipewright_runtime::kernels::lend;
-    let off = std::env::var(LEND).is_ok_and(|v| v.trim() == "0");
+    let off = match std::env::var(LEND).as_deref().map(str::trim) {
+        Ok("0") => true,
+        Err(_) | Ok("1" | "") => false,
+        Ok(v) => {
+            eprintln!("note: {LEND}={v:?} is neither 0 (off) nor 1 (on): idle cores are lent");
+            false
+        }
+    };
     if workers < 2 || workers != physical_cores() || off {
         return None;
     }
