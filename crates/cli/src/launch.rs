@@ -246,6 +246,8 @@ fn lend_board(cmd: &mut std::process::Command, workers: usize) -> Option<PathBuf
             false
         }
     };
+    // A board named in this environment (not by this launcher) is no rank's to join.
+    cmd.env_remove(LEND_BOARD);
     if workers < 2 || workers != physical_cores() || off {
         return None;
     }
