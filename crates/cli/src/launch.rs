@@ -26,7 +26,7 @@ pub fn placement(workers: usize, cores: usize) -> Vec<String> {
 pub fn physical_cores() -> usize {
     let logical = std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut cores = std::collections::BTreeSet::new();
-    for cpu in allowed_cpus() {
+    for cpu in pipewright_runtime::kernels::lend::allowed_cpus() {
         let siblings = format!("/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list");
         match std::fs::read_to_string(siblings) {
             Ok(s) => cores.insert(s.trim().to_string()),
@@ -37,20 +37,6 @@ pub fn physical_cores() -> usize {
         logical
     } else {
         cores.len()
-    }
-}
-
-/// The CPUs this process may run on (its affinity mask).
-fn allowed_cpus() -> Vec<usize> {
-    // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity fills it.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
-            return Vec::new();
-        }
-        (0..libc::CPU_SETSIZE as usize)
-            .filter(|&c| libc::CPU_ISSET(c, &set))
-            .collect()
     }
 }
 
@@ -279,7 +265,7 @@ pub fn join_lending() {
         return;
     };
     if blas_lib::blas_threads() == Some(1) {
-        let _ = lend::join(Path::new(&path), me, ranks, &allowed_cpus());
+        let _ = lend::join(Path::new(&path), me, ranks, &lend::allowed_cpus());
     }
 }
 

@@ -309,6 +309,20 @@ fn learn_speed(h: &Helper, own: u64, own_rows: usize, took: u64, rows: usize) {
         .store(((old * 9 + now) / 10) as u32, Ordering::Relaxed);
 }
 
+/// The CPUs the calling thread may run on (its affinity mask).
+pub fn allowed_cpus() -> Vec<usize> {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity fills it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return Vec::new();
+        }
+        (0..libc::CPU_SETSIZE as usize)
+            .filter(|&c| libc::CPU_ISSET(c, &set))
+            .collect()
+    }
+}
+
 /// Let the calling thread run on `cpus` (true on success).
 fn set_cpus(cpus: &[usize]) -> bool {
     if cpus.is_empty() {
@@ -347,16 +361,6 @@ mod tests {
         }
     }
 
-    /// The CPUs this process may run on.
-    fn my_cpus() -> Vec<usize> {
-        // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity fills it.
-        unsafe {
-            let mut set: libc::cpu_set_t = std::mem::zeroed();
-            libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set);
-            (0..64).filter(|&c| libc::CPU_ISSET(c, &set)).collect()
-        }
-    }
-
     /// This test binary's only board: rank 0 of 2, with rank 1 played by the test (joined,
     /// then idle or not as a test sets it). Other tests' products split while it is idle.
     #[test]
@@ -364,10 +368,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("board");
         std::fs::write(&path, vec![0u8; board_bytes(2)]).unwrap();
-        join(&path, 0, 2, &my_cpus()).unwrap();
+        join(&path, 0, 2, &allowed_cpus()).unwrap();
         let l = LENDING.get().unwrap();
         let peer = l.record(1);
-        for c in my_cpus() {
+        for c in allowed_cpus() {
             peer.mask[c / 64].fetch_or(1 << (c % 64), Ordering::Relaxed);
         }
         peer.ready.store(1, Ordering::Release);
