@@ -146,8 +146,8 @@ impl Format {
     }
 }
 
-/// When the linked OpenBLAS picked kernels narrower than this CPU's vectors (an OpenBLAS older
-/// than the CPU falls back to SSE3), run this same command again with `OPENBLAS_CORETYPE` set to
+/// When the linked OpenBLAS picked kernels below this CPU's (an OpenBLAS older than the CPU falls
+/// back to SSE3 on x86-64, to its generic ARMV8 kernels on aarch64), run this same command again with `OPENBLAS_CORETYPE` set to
 /// the kernels that fit: the library reads it only as it initialises, before `main`.
 fn fit_blas_kernels() {
     use pipewright_runtime::kernels::blas_lib::{kernel_fit, KernelFit, CHOSEN_CORETYPE};
@@ -169,7 +169,7 @@ fn fit_blas_kernels() {
     }
 }
 
-/// Say once when the matrix products run on kernels narrower than the CPU's, and the fix.
+/// Say once when the matrix products run on kernels below the CPU's, and the fix.
 fn warn_slow_kernels() {
     use pipewright_runtime::kernels::blas_lib::{kernel_fit, KernelFit};
     if let KernelFit::Slow { core, best } = kernel_fit() {
@@ -178,7 +178,7 @@ fn warn_slow_kernels() {
         } else {
             format!("set OPENBLAS_CORETYPE={best} (OpenBLAS), or use a BLAS that knows this CPU")
         };
-        eprintln!("warning: the BLAS runs {core} kernels, narrower than this CPU's vectors: matrix products may run up to 3x slower; {fix}");
+        eprintln!("warning: the BLAS runs {core} kernels, below the {best} kernels this CPU can run: matrix products may run up to 3x slower; {fix}");
     }
 }
 

@@ -1,8 +1,19 @@
 //! Which OpenBLAS kernels fit this CPU. A distribution's OpenBLAS built with DYNAMIC_ARCH picks
 //! its kernels from the CPU model it knows; one older than the CPU falls back to SSE3
 //! ("Prescott") kernels. Debian's 0.3.21 does so on Sapphire Rapids: training ran at a third of
-//! the speed of the SkylakeX (AVX-512) kernels the CPU can run. Here the CPU's features and the
-//! library's core name, as plain data, decide which core type to ask for instead.
+//! the speed of the SkylakeX (AVX-512) kernels the CPU can run. On aarch64 a core it does not
+//! know (Debian's 0.3.21 on a Cortex-A76, a Neoverse V2 or an Apple core) gets its generic
+//! `armv8` kernels, but these are NEON too: their sgemm kernel is the tuned cores' 16x4 one
+//! (the same instructions as `neoversen1`'s, in Debian's arm64 build), so every aarch64 core
+//! name fits. Here the CPU's features and the library's core name, as plain data, decide which
+//! core type to ask for instead.
+
+/// The instruction set a CPU or an OpenBLAS core name belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    X86_64,
+    Aarch64,
+}
 
 /// The CPU features that decide a kernel family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -17,6 +28,8 @@ pub struct CpuFeatures {
     pub avx2: bool,
     /// AVX-512 F, BW, VL and DQ (what OpenBLAS's SkylakeX kernels use).
     pub avx512: bool,
+    /// aarch64 (whose every OpenBLAS kernel set is NEON).
+    pub aarch64: bool,
 }
 
 impl CpuFeatures {
@@ -32,15 +45,35 @@ impl CpuFeatures {
                 avx: has!("avx"),
                 avx2: has!("avx2") && has!("fma"),
                 avx512: has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512dq"),
+                ..CpuFeatures::default()
             }
         }
-        #[cfg(not(target_arch = "x86_64"))]
+        #[cfg(target_arch = "aarch64")]
+        {
+            use std::arch::is_aarch64_feature_detected as has;
+            CpuFeatures {
+                aarch64: has!("asimd"),
+                ..CpuFeatures::default()
+            }
+        }
+        #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
         CpuFeatures::default()
     }
 
-    /// The widest vector level: 3 AVX-512, 2 AVX2, 1 AVX, 0 SSE (or not x86-64).
+    /// Which OpenBLAS core names apply to this CPU.
+    pub fn isa(&self) -> Option<Isa> {
+        match *self {
+            CpuFeatures { x86_64: true, .. } => Some(Isa::X86_64),
+            CpuFeatures { aarch64: true, .. } => Some(Isa::Aarch64),
+            _ => None,
+        }
+    }
+
+    /// The best kernel level: on x86-64 the widest vectors, 3 AVX-512, 2 AVX2, 1 AVX, 0 SSE; on
+    /// aarch64 1, NEON; 0 elsewhere.
     pub fn level(&self) -> u8 {
         match *self {
+            CpuFeatures { aarch64: true, .. } => 1,
             CpuFeatures { x86_64: false, .. } => 0,
             CpuFeatures { avx512: true, .. } => 3,
             CpuFeatures { avx2: true, .. } => 2,
@@ -49,15 +82,21 @@ impl CpuFeatures {
         }
     }
 
-    /// The OpenBLAS core type whose kernels use this CPU's widest vectors.
+    /// The OpenBLAS core type whose kernels reach this CPU's level.
     pub fn best_coretype(&self) -> Option<&'static str> {
-        match self.level() {
-            3 => Some("SkylakeX"),
-            2 if self.amd => Some("Zen"),
-            2 => Some("Haswell"),
-            1 => Some("Sandybridge"),
+        match (self.isa()?, self.level()) {
+            (Isa::X86_64, 3) => Some("SkylakeX"),
+            (Isa::X86_64, 2) if self.amd => Some("Zen"),
+            (Isa::X86_64, 2) => Some("Haswell"),
+            (Isa::X86_64, 1) => Some("Sandybridge"),
+            // Every aarch64 core's kernels are NEON: none to ask for.
             _ => None,
         }
+    }
+
+    /// An OpenBLAS core type with kernels below this CPU's (for tests of the warning).
+    pub fn narrower_coretype(&self) -> Option<&'static str> {
+        (self.isa()? == Isa::X86_64 && self.level() > 0).then_some("Prescott")
     }
 }
 
@@ -72,9 +111,9 @@ fn vendor() -> [u8; 12] {
     v
 }
 
-/// The vector level of an x86-64 OpenBLAS core name (as `openblas_get_corename` or its config
-/// string gives it); `None` if unknown.
-pub fn core_level(core: &str) -> Option<u8> {
+/// The instruction set and kernel level (as [`CpuFeatures::level`]) of an OpenBLAS core name
+/// (as `openblas_get_corename` or its config string gives it); `None` if unknown.
+pub fn core_level(core: &str) -> Option<(Isa, u8)> {
     const SSE: &[&str] = &[
         "katmai",
         "coppermine",
@@ -102,18 +141,55 @@ pub fn core_level(core: &str) -> Option<u8> {
     ];
     const AVX2: &[&str] = &["haswell", "zen"];
     const AVX512: &[&str] = &["skylakex", "cooperlake", "sapphirerapids"];
+    const NEON: &[&str] = &[
+        "armv8",
+        "cortexa53",
+        "cortexa55",
+        "cortexa57",
+        "cortexa72",
+        "cortexa73",
+        "cortexa76",
+        "cortexa510",
+        "cortexa710",
+        "cortexx1",
+        "cortexx2",
+        "falkor",
+        "thunderx",
+        "thunderx2t99",
+        "thunderx3t110",
+        "tsv110",
+        "emag8180",
+        "neoversen1",
+        "neoversen2",
+        "neoversev1",
+        "neoversev2",
+        "armv8sve",
+        "armv9sme",
+        "a64fx",
+        "vortex",
+        "ampere1",
+    ];
     let c = core.to_ascii_lowercase();
-    [(SSE, 0), (AVX, 1), (AVX2, 2), (AVX512, 3)]
-        .iter()
-        .find(|(names, _)| names.contains(&c.as_str()))
-        .map(|&(_, l)| l)
+    use Isa::{Aarch64, X86_64};
+    [
+        (SSE, X86_64, 0),
+        (AVX, X86_64, 1),
+        (AVX2, X86_64, 2),
+        (AVX512, X86_64, 3),
+        (NEON, Aarch64, 1),
+    ]
+    .iter()
+    .find(|(names, ..)| names.contains(&c.as_str()))
+    .map(|&(_, isa, l)| (isa, l))
 }
 
-/// The core type to ask the library for, when the kernels it chose (`core`) use narrower
-/// vectors than the CPU has; `None` when they fit (or the name is unknown).
+/// The core type to ask the library for, when the kernels it chose (`core`) are below the CPU's
+/// level; `None` when they fit (or the name is unknown, or another instruction set's).
 pub fn better_coretype(core: &str, cpu: &CpuFeatures) -> Option<&'static str> {
-    let have = core_level(core)?;
-    (have < cpu.level()).then(|| cpu.best_coretype()).flatten()
+    let (isa, have) = core_level(core)?;
+    (Some(isa) == cpu.isa() && have < cpu.level())
+        .then(|| cpu.best_coretype())
+        .flatten()
 }
 
 /// The core name inside an OpenBLAS config string (`OpenBLAS 0.3.21 ... DYNAMIC_ARCH
@@ -133,6 +209,17 @@ mod tests {
         avx: true,
         avx2: true,
         avx512: true,
+        aarch64: false,
+    };
+    /// Neoverse V2 (Graviton 4, Grace), which Debian's 0.3.21 does not know.
+    const NEOVERSE: CpuFeatures = CpuFeatures {
+        aarch64: true,
+        x86_64: false,
+        amd: false,
+        intel: false,
+        avx: false,
+        avx2: false,
+        avx512: false,
     };
 
     #[test]
@@ -162,6 +249,30 @@ mod tests {
     }
 
     #[test]
+    fn every_aarch64_core_runs_neon_kernels_so_none_is_replaced() {
+        // OpenBLAS names its aarch64 cores in lower case; `armv8` is its fallback.
+        for core in [
+            "armv8",
+            "neoversen1",
+            "neoversev1",
+            "cortexa53",
+            "NEOVERSEN2",
+        ] {
+            assert_eq!(core_level(core), Some((Isa::Aarch64, 1)), "{core}");
+            assert_eq!(better_coretype(core, &NEOVERSE), None, "{core}");
+        }
+        assert_eq!(NEOVERSE.best_coretype(), None);
+        assert_eq!(NEOVERSE.narrower_coretype(), None);
+        assert_eq!(SPR.narrower_coretype(), Some("Prescott"));
+        assert_eq!(
+            core_in_config(
+                "OpenBLAS 0.3.21 NO_LAPACKE DYNAMIC_ARCH NO_AFFINITY armv8 MAX_THREADS=64"
+            ),
+            Some("armv8")
+        );
+    }
+
+    #[test]
     fn fitting_or_unknown_kernels_are_kept() {
         assert_eq!(better_coretype("SkylakeX", &SPR), None);
         assert_eq!(better_coretype("SapphireRapids", &SPR), None);
@@ -176,6 +287,12 @@ mod tests {
             "never narrower"
         );
         assert_eq!(better_coretype("NEOVERSEN1", &SPR), None, "not an x86 core");
+        assert_eq!(better_coretype("armv8", &SPR), None, "not an x86 core");
+        assert_eq!(
+            better_coretype("Prescott", &NEOVERSE),
+            None,
+            "not an arm core"
+        );
         assert_eq!(better_coretype("Prescott", &CpuFeatures::default()), None);
     }
 
