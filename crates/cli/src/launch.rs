@@ -256,6 +256,7 @@ const LEND_BOARD: &str = "PIPEWRIGHT_LEND_BOARD";
 
 /// In a rank pipewright started with a lending board, and whose BLAS runs one thread: join
 /// the board (see [`lend_board`]).
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 pub fn join_lending() {
     use pipewright_runtime::kernels::{blas_lib, lend};
     let Some(path) = std::env::var_os(LEND_BOARD).filter(|_| launched()) else {
@@ -271,6 +272,7 @@ pub fn join_lending() {
 
 /// For a rank pipewright started on `cores` cores of an Intel CPU without MKL: what MKL would
 /// give, for the run header.
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 fn mkl_hint(cores: usize) -> &'static str {
     use pipewright_runtime::kernels::{blas_lib, coretype::CpuFeatures};
     let user_named = std::env::var_os("PIPEWRIGHT_BLAS").is_some();
@@ -296,6 +298,7 @@ pub fn launched() -> bool {
 
 /// Ranks that share a machine unbound would each run a BLAS thread per core: each gets its
 /// share of the cores instead, unless the user set a thread count.
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 pub fn share_cores() {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     // SAFETY: sysconf only reads a system setting.
@@ -309,6 +312,7 @@ pub fn share_cores() {
 }
 
 /// How this rank was placed, for the run header (rank 0 of an MPI job).
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 pub fn placement_note(ranks: usize) -> String {
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     // SAFETY: sysconf only reads a system setting.

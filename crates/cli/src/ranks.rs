@@ -1,4 +1,6 @@
 //! This process's rank in an MPI job, and what it says when the launcher stops it.
+// Built without MPI, only `RANK` is used.
+#![cfg_attr(not(feature = "mpi"), allow(dead_code))]
 
 /// This process's MPI rank, once MPI is up (errors of input are then printed by rank 0 only).
 pub static RANK: std::sync::OnceLock<usize> = std::sync::OnceLock::new();

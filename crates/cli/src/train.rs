@@ -2,7 +2,7 @@
 
 use crate::files::{check_output, load_valid_plan, write_file, write_with};
 use crate::BadInput;
-use anyhow::{anyhow, Result};
+use anyhow::Result;
 use clap::Args;
 use pipewright_core::cluster::Cluster;
 use pipewright_core::job::{build, JobSpec, Routes, SkipRoutes};
@@ -610,7 +610,7 @@ fn start_transport(a: &TrainArgs) -> Result<Procs> {
     {
         let m =
             pipewright_runtime::transport::mpi::Mpi::start(Duration::from_secs_f64(a.peer_timeout))
-                .map_err(|e| anyhow!("{e}"))?;
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
         crate::ranks::set_rank(m.world().rank);
         crate::ranks::watch_signals(m.world().rank);
         crate::launch::share_cores();
@@ -822,7 +822,7 @@ fn agree(procs: &Procs, plan: Result<Plan>) -> Result<Plan> {
         };
         let parts = m
             .all_gather(rank, part)
-            .map_err(|e| anyhow!("agreeing on rank 0's plan: {e}"))?;
+            .map_err(|e| anyhow::anyhow!("agreeing on rank 0's plan: {e}"))?;
         let plan = plan?;
         if rank == 0 {
             return Ok(plan);
@@ -943,7 +943,10 @@ fn trainer(
         Ok(Trainer::distributed(cfg, plan, w.rank, t)?)
     }
     #[cfg(not(feature = "mpi"))]
-    match *m {}
+    {
+        let _ = run;
+        match *m {}
+    }
 }
 
 /// The CLI's sink: the log on stderr, a progress bar on a terminal, and the metrics file.
