@@ -717,6 +717,12 @@ fn train(a: TrainArgs) -> Result<()> {
     trainer.run_settings = Some(serde_json::to_value(crate::runtable::RunTable::of(&a))?);
     let mut run = TrainingRun::new(trainer, corpus, run_cfg)?;
     let mut sink = Progress::new(&a, run.trainer.is_root());
+    let split = pipewright_runtime::kernels::blas_lib::split_threads();
+    if procs.is_none() && split > 1 {
+        sink.placement = Some(format!(
+            "workers: threads of this process; large products split over {split} threads by pipewright, BLAS 1 thread each"
+        ));
+    }
     #[cfg(feature = "mpi")]
     if let Some(m) = procs.as_ref().filter(|_| run.trainer.is_root()) {
         sink.placement = Some(crate::launch::placement_note(m.world().size));

@@ -245,6 +245,10 @@ const SMALL: usize = 1 << 22;
 /// README's model (products of 4M multiply-adds) ran no faster lending at 2M (3 alternating
 /// runs of 60 steps: 45,082-48,645 tokens/s lending, 44,813-50,875 not).
 const LENT_SIZE: usize = 1 << 23;
+/// Products at least this big (m x k x n) are split over rayon's threads where pipewright
+/// took over the library's threading ([`super::blas_lib::split_products`]): a part then takes
+/// 10 us or more, beside rayon's dispatch of a few.
+const SPLIT_SIZE: usize = 1 << 20;
 /// Each part of a split product has at least this many rows.
 const LENT_ROWS: usize = 16;
 
@@ -266,9 +270,11 @@ impl Rows {
 /// All the products of a batch into `out` (`m x n` each). A batch of small ones (attention's,
 /// one per sequence and head) runs over rayon's threads with the library single-threaded
 /// ([`super::blas_lib::single_threaded`]): 4-8% more tokens/s on 1 stage of gpt_bench
-/// (steps alternating between the two ways in one run). Larger ones run one after the other,
-/// the library spreading each over its threads: splitting those too (each product's rows over
-/// rayon's threads) was measured no faster in training, though faster alone.
+/// (steps alternating between the two ways in one run). Larger ones run one after the other:
+/// split by rows over rayon's threads where pipewright took over the library's threading
+/// ([`super::blas_lib::split_products`]; splitting by columns where the output is wider than
+/// tall was no faster), over idle MPI peers' cores where lent ([`super::lend`]), else on the
+/// library's own threads.
 fn gemm_batches(
     a: &Operand,
     b: &Operand,
@@ -289,22 +295,27 @@ fn gemm_batches(
             return;
         }
     }
-    if m * k * n >= LENT_SIZE {
-        let out = Rows(out.as_mut_ptr(), out.len());
-        let part = |r0: usize, r1: usize| {
-            for i in 0..batches {
-                // SAFETY: rows r0..r1 of product i, disjoint from every other part's.
-                let o = unsafe { out.rows(i * m * n + r0 * n, (r1 - r0) * n) };
-                sgemm((a, i, r0), (b, i), (r1 - r0, k, n), beta, o);
-            }
-        };
-        if super::lend::split_rows(&part, m, LENT_ROWS) {
-            return;
+    let out = Rows(out.as_mut_ptr(), out.len());
+    // Rows r0..r1 of every product: each part writes its own rows.
+    let part = |r0: usize, r1: usize| {
+        for i in 0..batches {
+            // SAFETY: rows r0..r1 of product i, disjoint from every other part's.
+            let o = unsafe { out.rows(i * m * n + r0 * n, (r1 - r0) * n) };
+            sgemm((a, i, r0), (b, i), (r1 - r0, k, n), beta, o);
         }
+    };
+    let parts = super::blas_lib::split_threads();
+    if parts > 1 && m * k * n >= SPLIT_SIZE && m >= parts * LENT_ROWS {
+        use rayon::prelude::*;
+        (0..parts)
+            .into_par_iter()
+            .for_each(|p| part(m * p / parts, m * (p + 1) / parts));
+        return;
     }
-    for (i, o) in out.chunks_mut(m * n).enumerate() {
-        sgemm((a, i, 0), (b, i), (m, k, n), beta, o);
+    if m * k * n >= LENT_SIZE && super::lend::split_rows(&part, m, LENT_ROWS) {
+        return;
     }
+    part(0, m);
 }
 
 /// `a [.., m, k] · b [.., k, n]` (see [`super::Kernels::matmul`]).

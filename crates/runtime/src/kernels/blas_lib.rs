@@ -417,6 +417,49 @@ impl Drop for SingleThreaded {
     }
 }
 
+/// Threads that pipewright splits a large product over itself, on rayon's pool, with the library
+/// single-threaded (0: the library's own threading). See [`split_products`].
+static SPLIT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// The most threads [`split_products`] takes over from the library. Each part packs the whole
+/// right operand again, which the library's threads share: 2 is what was measured.
+const MAX_SPLIT: usize = 4;
+
+/// For trainers whose workers are threads of this process: run every product single-threaded
+/// and split the large ones over rayon's pool instead of the library's (one pool of threads on
+/// the cores, not two). Two pools on 2 cores, OpenBLAS's threads yielding in a loop while
+/// rayon's ran the other ops, put a 1-stage run of `examples/gpt_bench.toml` into a mode about
+/// 30% slower in 2 of 11 runs (300,000 involuntary context switches in 11 s); one pool had none
+/// in 11, and its other runs were within 2% of the fast ones. Kept to the library's threading
+/// where it already runs one thread (MPI ranks given a core each) or more than [`MAX_SPLIT`],
+/// and where `PIPEWRIGHT_SPLIT=0`. Returns the threads products are split over (0: not split).
+pub fn split_products() -> usize {
+    use std::sync::atomic::Ordering;
+    let s = SINGLE.lock().unwrap_or_else(|e| e.into_inner());
+    let done = SPLIT.load(Ordering::Relaxed);
+    if done > 0 || s.0 > 0 || std::env::var_os("PIPEWRIGHT_SPLIT").is_some_and(|v| v == "0") {
+        return done;
+    }
+    let Some(threads) = blas().ok().and_then(|b| b.threads) else {
+        return 0;
+    };
+    // SAFETY: the library's thread-count calls take and return plain ints.
+    let lib = unsafe { (threads.get)() }.max(1) as usize;
+    let n = lib.min(rayon::current_num_threads());
+    if !(2..=MAX_SPLIT).contains(&n) {
+        return 0;
+    }
+    // SAFETY: as above.
+    unsafe { (threads.set)(1) };
+    SPLIT.store(n, Ordering::Relaxed);
+    n
+}
+
+/// Threads a large product is split over by pipewright (0: none; see [`split_products`]).
+pub fn split_threads() -> usize {
+    SPLIT.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

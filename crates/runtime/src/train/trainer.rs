@@ -181,6 +181,7 @@ impl Trainer {
         timeout: Duration,
     ) -> Result<Self> {
         let transport = transport_for(&plan, links.as_ref(), timeout)?;
+        crate::kernels::blas_lib::split_products();
         Self::build(cfg, plan, None, links, transport, timeout)
     }
 
