@@ -428,9 +428,10 @@ const MAX_SPLIT: usize = 4;
 /// For trainers whose workers are threads of this process: run every product single-threaded
 /// and split the large ones over rayon's pool instead of the library's (one pool of threads on
 /// the cores, not two). Two pools on 2 cores, OpenBLAS's threads yielding in a loop while
-/// rayon's ran the other ops, put a 1-stage run of `examples/gpt_bench.toml` into a mode about
-/// 30% slower in 2 of 11 runs (300,000 involuntary context switches in 11 s); one pool had none
-/// in 11, and its other runs were within 2% of the fast ones. Kept to the library's threading
+/// rayon's ran the other ops, put 1-stage runs of `examples/gpt_bench.toml` into a mode about
+/// 30% slower in 6 of 34 runs (300,000 involuntary context switches in 11 s); one pool had none
+/// in 28, with the same median (its fast runs a few percent slower: each part packs the right
+/// operand again, which the library's threads share). Kept to the library's threading
 /// where it already runs one thread (MPI ranks given a core each) or more than [`MAX_SPLIT`],
 /// and where `PIPEWRIGHT_SPLIT=0`. Returns the threads products are split over (0: not split).
 pub fn split_products() -> usize {

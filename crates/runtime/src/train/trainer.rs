@@ -174,6 +174,8 @@ impl Trainer {
     }
 
     /// Every worker a thread of this process; a worker waits at most `timeout` for a peer.
+    /// Products then run on rayon's threads, the BLAS single-threaded, for the whole process
+    /// ([`crate::kernels::blas_lib::split_products`]).
     pub fn in_process(
         cfg: TrainConfig,
         plan: Plan,
