@@ -224,14 +224,11 @@ fn give_ranks_mkl(cmd: &mut std::process::Command, cores_per_rank: usize) {
 /// creates the file and removes it after the job. `PIPEWRIGHT_LEND=0` turns lending off.
 fn lend_board(cmd: &mut std::process::Command, workers: usize) -> Option<PathBuf> {
     use pipewright_runtime::kernels::lend;
-    let off = match std::env::var(LEND).as_deref().map(str::trim) {
-        Ok("0") => true,
-        Err(_) | Ok("1" | "") => false,
-        Ok(v) => {
-            eprintln!("note: {LEND}={v:?} is neither 0 (off) nor 1 (on): idle cores are lent");
-            false
-        }
-    };
+    let (on, note) = pipewright_runtime::kernels::env_switch(LEND, "idle cores are lent");
+    if let Some(note) = note {
+        eprintln!("{note}");
+    }
+    let off = !on;
     // A board named in this environment (not by this launcher) is no rank's to join.
     cmd.env_remove(LEND_BOARD);
     if workers < 2 || workers != physical_cores() || off {

@@ -718,6 +718,12 @@ fn train(a: TrainArgs) -> Result<()> {
     let mut run = TrainingRun::new(trainer, corpus, run_cfg)?;
     let mut sink = Progress::new(&a, run.trainer.is_root());
     let split = pipewright_runtime::kernels::blas_lib::split_threads();
+    if procs.is_none() {
+        use pipewright_runtime::kernels::{blas_lib::SPLIT_VAR, env_switch};
+        if let (_, Some(note)) = env_switch(SPLIT_VAR, "products are split as by default") {
+            eprintln!("{note}");
+        }
+    }
     if procs.is_none() && split > 1 {
         sink.placement = Some(format!(
             "workers: threads of this process; large products split over {split} threads by pipewright, BLAS 1 thread each"

@@ -421,6 +421,9 @@ impl Drop for SingleThreaded {
 /// single-threaded (0: the library's own threading). See [`split_products`].
 static SPLIT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
+/// `0` keeps the library's own threading ([`split_products`]).
+pub const SPLIT_VAR: &str = "PIPEWRIGHT_SPLIT";
+
 /// The most threads [`split_products`] takes over from the library. Each part packs the whole
 /// right operand again, which the library's threads share: 2 is what was measured.
 const MAX_SPLIT: usize = 4;
@@ -438,7 +441,7 @@ pub fn split_products() -> usize {
     use std::sync::atomic::Ordering;
     let s = SINGLE.lock().unwrap_or_else(|e| e.into_inner());
     let done = SPLIT.load(Ordering::Relaxed);
-    if done > 0 || s.0 > 0 || std::env::var_os("PIPEWRIGHT_SPLIT").is_some_and(|v| v == "0") {
+    if done > 0 || s.0 > 0 || !super::env_switch(SPLIT_VAR, "").0 {
         return done;
     }
     let Some(threads) = blas().ok().and_then(|b| b.threads) else {
