@@ -224,9 +224,9 @@ fn give_ranks_mkl(cmd: &mut std::process::Command, cores_per_rank: usize) {
 /// creates the file and removes it after the job. `PIPEWRIGHT_LEND=0` turns lending off.
 fn lend_board(cmd: &mut std::process::Command, workers: usize) -> Option<PathBuf> {
     use pipewright_runtime::kernels::lend;
-    let (on, note) = pipewright_runtime::kernels::env_switch(LEND, "idle cores are lent");
+    let (on, note) = pipewright_runtime::kernels::env_switch(LEND);
     if let Some(note) = note {
-        eprintln!("{note}");
+        eprintln!("{note}: idle cores are lent");
     }
     let off = !on;
     // A board named in this environment (not by this launcher) is no rank's to join.

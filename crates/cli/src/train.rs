@@ -717,15 +717,13 @@ fn train(a: TrainArgs) -> Result<()> {
     trainer.run_settings = Some(serde_json::to_value(crate::runtable::RunTable::of(&a))?);
     let mut run = TrainingRun::new(trainer, corpus, run_cfg)?;
     let mut sink = Progress::new(&a, run.trainer.is_root());
-    let split = pipewright_runtime::kernels::blas_lib::split_threads();
     if procs.is_none() {
-        use pipewright_runtime::kernels::{blas_lib::SPLIT_VAR, env_switch};
-        if let (_, Some(note)) = env_switch(SPLIT_VAR, "products are split as by default") {
-            eprintln!("{note}");
+        use pipewright_runtime::kernels::{blas_lib, env_switch};
+        if let (_, Some(note)) = env_switch(blas_lib::SPLIT_VAR) {
+            eprintln!("{note}: products are split as by default");
         }
-    }
-    if procs.is_none() && split > 1 {
-        sink.placement = Some(format!(
+        let split = blas_lib::split_threads();
+        sink.placement = (split > 1).then(|| format!(
             "workers: threads of this process; large products split over {split} threads by pipewright, BLAS 1 thread each"
         ));
     }
@@ -971,7 +969,8 @@ struct Progress {
     tensorboard: Option<crate::tensorboard::EventFile>,
     /// Log lines every this many steps, when stderr is no terminal (the root only).
     log_every: Option<u64>,
-    /// How the worker processes were placed (the root of an MPI job).
+    /// How the workers run: the processes' placement (the root of an MPI job), or who splits
+    /// the products of in-process workers.
     placement: Option<String>,
 }
 

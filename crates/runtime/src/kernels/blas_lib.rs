@@ -441,7 +441,7 @@ pub fn split_products() -> usize {
     use std::sync::atomic::Ordering;
     let s = SINGLE.lock().unwrap_or_else(|e| e.into_inner());
     let done = SPLIT.load(Ordering::Relaxed);
-    if done > 0 || s.0 > 0 || !super::env_switch(SPLIT_VAR, "").0 {
+    if done > 0 || s.0 > 0 || !super::env_switch(SPLIT_VAR).0 {
         return done;
     }
     let Some(threads) = blas().ok().and_then(|b| b.threads) else {
