@@ -273,7 +273,7 @@ pub fn join_lending() {
 fn mkl_hint(cores: usize) -> &'static str {
     use pipewright_runtime::kernels::{blas_lib, coretype::CpuFeatures};
     let user_named = std::env::var_os("PIPEWRIGHT_BLAS").is_some();
-    match launched() && blas_lib::rank_wants_mkl(&CpuFeatures::detect(), user_named, cores) {
+    match launched() && blas_lib::wants_mkl(&CpuFeatures::detect(), user_named, cores) {
         true => "; MKL ran such ranks up to 17% faster on an Intel CPU: `scripts/install-deps --mkl` installs it (PIPEWRIGHT_BLAS=system keeps OpenBLAS)",
         false => "",
     }

@@ -722,10 +722,8 @@ fn train(a: TrainArgs) -> Result<()> {
         if let (_, Some(note)) = env_switch(blas_lib::SPLIT_VAR) {
             eprintln!("{note}: products are split as by default");
         }
-        let split = blas_lib::split_threads();
-        sink.placement = (split > 1).then(|| format!(
-            "workers: threads of this process; large products split over {split} threads by pipewright, BLAS 1 thread each"
-        ));
+        sink.placement =
+            blas_lib::split_note().map(|n| format!("workers: threads of this process; {n}"));
     }
     #[cfg(feature = "mpi")]
     if let Some(m) = procs.as_ref().filter(|_| run.trainer.is_root()) {

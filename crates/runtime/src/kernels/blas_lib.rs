@@ -126,7 +126,8 @@ pub fn find_mkl() -> Option<std::path::PathBuf> {
 }
 
 /// The library pipewright gives the ranks it starts itself, where it can do better than the
-/// system OpenBLAS: MKL, run sequentially, for ranks bound to one core each of an Intel CPU.
+/// system OpenBLAS: MKL, run sequentially, for ranks bound to one core each of an Intel CPU
+/// (and, by [`split_products`], for in-process workers, whose products are split instead).
 /// Measured on a 2-core Intel Xeon (Sapphire Rapids): the default 2-stage run at 4,437 /
 /// 4,386 / 4,302 tokens/s on MKL against 3,739 / 4,334 / 3,566 on Debian's OpenBLAS 0.3.21,
 /// whose SkylakeX kernels reach 188 GFLOP/s there where MKL reaches 284. Not on AMD, where
@@ -139,18 +140,20 @@ pub fn rank_library(
     cores_per_rank: usize,
     mkl: Option<std::path::PathBuf>,
 ) -> Option<std::path::PathBuf> {
-    rank_wants_mkl(cpu, user_named, cores_per_rank)
+    wants_mkl(cpu, user_named, cores_per_rank)
         .then_some(mkl)
         .flatten()
 }
 
-/// Whether [`rank_library`] would give such ranks MKL, were it installed.
-pub fn rank_wants_mkl(
+/// Whether pipewright would run a process's products on MKL, were it installed: on an Intel
+/// CPU, where the library runs each product on `threads_per_product` threads (1: ranks of a
+/// core each, or products split by [`split_products`]), unless the user named a library.
+pub fn wants_mkl(
     cpu: &super::coretype::CpuFeatures,
     user_named: bool,
-    cores_per_rank: usize,
+    threads_per_product: usize,
 ) -> bool {
-    cpu.x86_64 && cpu.intel && !user_named && cores_per_rank == 1
+    cpu.x86_64 && cpu.intel && !user_named && threads_per_product == 1
 }
 
 /// Set in a process that pipewright restarted with `OPENBLAS_CORETYPE` of its choosing (its
@@ -213,8 +216,9 @@ pub fn kernel_fit() -> KernelFit {
 }
 
 /// Loads the library at `path` and finds its `cblas_sgemm`; if found, it stays loaded for the
-/// process (unloaded again if not).
-fn load(path: &str) -> Result<Blas, String> {
+/// process (unloaded again if not). `sequential`: an MKL runs each product in its calling
+/// thread, whatever `MKL_THREADING_LAYER` says (pipewright's own choice for split products).
+fn load(path: &str, sequential: bool) -> Result<Blas, String> {
     // SAFETY: loading runs the library's initialisers; a BLAS's start its thread pool.
     let lib = unsafe { libloading::Library::new(path) }.map_err(|e| e.to_string())?;
     let find = |names: &[&str]| {
@@ -234,6 +238,12 @@ fn load(path: &str) -> Result<Blas, String> {
     // names one, and a named one whose runtime cannot be loaded is refused.
     let mkl_layer = match find(&["MKL_Set_Threading_Layer"]) {
         None => "",
+        Some(f) if sequential => {
+            // SAFETY: `int MKL_Set_Threading_Layer(int)`; 1 is MKL_THREADING_SEQUENTIAL.
+            let f: unsafe extern "C" fn(i32) -> i32 = unsafe { std::mem::transmute(f) };
+            unsafe { f(1) };
+            ", threading: sequential"
+        }
         Some(f) => match std::env::var("MKL_THREADING_LAYER") {
             Err(std::env::VarError::NotPresent) => {
                 // SAFETY: `int MKL_Set_Threading_Layer(int)`; 3 is MKL_THREADING_GNU.
@@ -347,7 +357,7 @@ fn choose() -> Result<Blas, BlasError> {
             why: "not a UTF-8 path".to_string(),
         });
     }
-    match load(&path) {
+    match load(&path, false) {
         Ok(b) => Ok(b),
         // pipewright's own choice ([`rank_library`]) must not stop a run the system library
         // can train: a damaged MKL falls back, and says so.
@@ -366,8 +376,15 @@ static CHOSEN: OnceLock<Result<Blas, BlasError>> = OnceLock::new();
 /// The library in use, or why the one `PIPEWRIGHT_BLAS` names cannot be. Commands call this
 /// first, so that a bad setting stops them with a clear message before any work.
 pub fn blas() -> Result<&'static Blas, &'static BlasError> {
-    CHOSEN.get_or_init(choose).as_ref()
+    match SWITCHED.get() {
+        Some(b) => Ok(b),
+        None => CHOSEN.get_or_init(choose).as_ref(),
+    }
 }
+
+/// The library [`split_products`] moved this process's products to (MKL on an Intel CPU); from
+/// then on [`blas`] returns it.
+static SWITCHED: OnceLock<Blas> = OnceLock::new();
 
 /// The `cblas_sgemm` the kernels call: the chosen library's (the system one if the choice
 /// failed, which [`blas`] reports before any product runs).
@@ -436,12 +453,22 @@ const MAX_SPLIT: usize = 4;
 /// in 28, with the same median (its fast runs a few percent slower: each part packs the right
 /// operand again, which the library's threads share). Kept to the library's threading
 /// where it already runs one thread (MPI ranks given a core each) or more than [`MAX_SPLIT`],
-/// and where `PIPEWRIGHT_SPLIT=0`. Returns the threads products are split over (0: not split).
+/// and where `PIPEWRIGHT_SPLIT=0`. On an Intel CPU the products then move to MKL, run
+/// sequentially, where it is installed ([`wants_mkl`]; MKL's threads competing with rayon's were
+/// why it lost there before). Returns the threads products are split over (0: not split).
 pub fn split_products() -> usize {
+    split_products_with(mkl_for_split)
+}
+
+/// [`split_products`], with `library` naming the library to move the products to, if any (for
+/// tests; [`split_products`] asks [`mkl_for_split`]).
+#[doc(hidden)]
+pub fn split_products_with(library: impl FnOnce() -> Option<std::path::PathBuf>) -> usize {
     use std::sync::atomic::Ordering;
     let s = SINGLE.lock().unwrap_or_else(|e| e.into_inner());
     let done = SPLIT.load(Ordering::Relaxed);
-    if done > 0 || s.0 > 0 || !super::env_switch(SPLIT_VAR).0 {
+    let decided = done > 0 || SWITCHED.get().is_some() || SWITCH_FAILED.get().is_some();
+    if decided || s.0 > 0 || !super::env_switch(SPLIT_VAR).0 {
         return done;
     }
     let Some(threads) = blas().ok().and_then(|b| b.threads) else {
@@ -450,14 +477,79 @@ pub fn split_products() -> usize {
     // SAFETY: the library's thread-count calls take and return plain ints.
     let lib = unsafe { (threads.get)() }.max(1) as usize;
     let n = lib.min(rayon::current_num_threads());
-    if !(2..=MAX_SPLIT).contains(&n) {
+    // A product's own threads are given up where they are split, or where there was one.
+    if !(n == 1 && lib == 1 || (2..=MAX_SPLIT).contains(&n)) {
         return 0;
     }
-    // SAFETY: as above.
-    unsafe { (threads.set)(1) };
+    let threads = match library().and_then(|p| switch_to(&p)) {
+        Some(b) => b.threads,
+        None => Some(threads),
+    };
+    if let Some(t) = threads {
+        // SAFETY: as above.
+        unsafe { (t.set)(1) };
+    }
+    if n < 2 {
+        return 0;
+    }
     SPLIT.store(n, Ordering::Relaxed);
     n
 }
+
+/// MKL, where [`split_products`] moves the products to it ([`wants_mkl`]) and it is installed.
+fn mkl_for_split() -> Option<std::path::PathBuf> {
+    let user_named = std::env::var_os("PIPEWRIGHT_BLAS").is_some();
+    wants_mkl(&super::coretype::CpuFeatures::detect(), user_named, 1)
+        .then(find_mkl)
+        .flatten()
+}
+
+/// Why the library [`split_products`] chose could not be loaded (the products stay where they
+/// were), for the run header.
+static SWITCH_FAILED: OnceLock<String> = OnceLock::new();
+
+/// Loads `path` to run this process's products from now on, sequentially; None (and a reason
+/// for the header) if it cannot be used.
+fn switch_to(path: &std::path::Path) -> Option<&'static Blas> {
+    let shown = path.display().to_string();
+    match load(&shown, true) {
+        Ok(mut b) => {
+            b.description += "; chosen by pipewright for in-process workers on an Intel CPU, PIPEWRIGHT_BLAS=system overrides";
+            SWITCHED.set(b).ok()?;
+            SWITCHED.get()
+        }
+        Err(why) => {
+            let _ = SWITCH_FAILED.set(format!(
+                "the MKL pipewright chose, {shown}, could not be used: {why}"
+            ));
+            None
+        }
+    }
+}
+
+/// How [`split_products`] runs this process's products, for a run header: None where the
+/// library's own threading runs them.
+pub fn split_note() -> Option<String> {
+    let n = split_threads();
+    let split = (n > 1).then(|| {
+        format!("large products split over {n} threads by pipewright, BLAS 1 thread each")
+    });
+    let library = match (SWITCHED.get(), SWITCH_FAILED.get()) {
+        (Some(_), _) => Some("MKL runs them (sequential), chosen for this Intel CPU; PIPEWRIGHT_BLAS=system keeps OpenBLAS".to_string()),
+        (None, Some(why)) => Some(why.clone()),
+        (None, None) if n > 1 && wants_mkl(&super::coretype::CpuFeatures::detect(), std::env::var_os("PIPEWRIGHT_BLAS").is_some(), 1) => {
+            Some(MKL_HINT.to_string())
+        }
+        _ => None,
+    };
+    match (split, library) {
+        (Some(s), Some(l)) => Some(format!("{s}; {l}")),
+        (s, l) => s.or(l),
+    }
+}
+
+/// What MKL would give an Intel CPU where it is not installed, for run headers.
+pub const MKL_HINT: &str = "MKL ran products 1.5x faster than Debian's OpenBLAS on an Intel Xeon (284 against 188 GFLOP/s): `scripts/install-deps --mkl` installs it";
 
 /// Threads a large product is split over by pipewright (0: none; see [`split_products`]).
 pub fn split_threads() -> usize {
@@ -512,7 +604,7 @@ mod tests {
         .into_iter()
         .find(|p| std::path::Path::new(p).exists());
         let Some(path) = path else { return };
-        let b = load(path).expect("OpenBLAS loads");
+        let b = load(path, false).expect("OpenBLAS loads");
         assert_eq!(product(&b), [58.0, 64.0, 139.0, 154.0]);
         assert!(b.description.contains(path), "{}", b.description);
     }
@@ -539,7 +631,9 @@ mod tests {
 
     #[test]
     fn unusable_libraries_say_why() {
-        let e = load("/nonexistent/libblas.so").err().expect("no such file");
+        let e = load("/nonexistent/libblas.so", false)
+            .err()
+            .expect("no such file");
         assert!(e.contains("/nonexistent/libblas.so"), "{e}");
         // A real library without CBLAS: the C maths library.
         let libm = [
@@ -549,7 +643,7 @@ mod tests {
         .into_iter()
         .find(|p| std::path::Path::new(p).exists());
         if let Some(p) = libm {
-            let e = load(p).err().expect("libm has no sgemm");
+            let e = load(p, true).err().expect("libm has no sgemm");
             assert!(e.contains("exports no cblas_sgemm"), "{e}");
         }
     }
