@@ -185,15 +185,24 @@ fn warn_slow_kernels() {
 /// `--version` also says which BLAS library runs the matrix products (see blas_lib), and the
 /// threads it and this process have.
 fn long_version() -> String {
-    let blas = match pipewright_runtime::kernels::blas_lib::blas() {
+    use pipewright_runtime::kernels::blas_lib;
+    let blas = match blas_lib::blas() {
         Ok(b) => b.description.clone(),
         Err(e) => format!("unusable: {e}"),
     };
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     let threads = pipewright_runtime::kernels::blas_lib::blas_threads()
         .map_or("?".to_string(), |t| t.to_string());
+    // In-process workers may move their products to MKL (blas_lib::split_products).
+    let moved = match pipewright_runtime::kernels::blas_lib::mkl_for_split() {
+        Some(p) if pipewright_runtime::kernels::env_switch(blas_lib::SPLIT_VAR).0 => format!(
+            "\nin-process workers: MKL ({}, sequential; chosen for this Intel CPU, PIPEWRIGHT_BLAS=system overrides)",
+            p.display()
+        ),
+        _ => String::new(),
+    };
     format!(
-        "{}\nBLAS: {blas}\nthreads: BLAS {threads}, cores this process may use {cores}",
+        "{}\nBLAS: {blas}{moved}\nthreads: BLAS {threads}, cores this process may use {cores}",
         env!("CARGO_PKG_VERSION")
     )
 }

@@ -497,7 +497,7 @@ pub fn split_products_with(library: impl FnOnce() -> Option<std::path::PathBuf>)
 }
 
 /// MKL, where [`split_products`] moves the products to it ([`wants_mkl`]) and it is installed.
-fn mkl_for_split() -> Option<std::path::PathBuf> {
+pub fn mkl_for_split() -> Option<std::path::PathBuf> {
     let user_named = std::env::var_os("PIPEWRIGHT_BLAS").is_some();
     wants_mkl(&super::coretype::CpuFeatures::detect(), user_named, 1)
         .then(find_mkl)
