@@ -115,13 +115,22 @@ pub fn mkl_dirs() -> Vec<std::path::PathBuf> {
     dirs
 }
 
-/// The first `libmkl_rt` (newest soname first) in [`mkl_dirs`].
+/// The first `libmkl_rt` (newest soname first) in [`mkl_dirs`] that is whole ([`mkl_in`]).
 pub fn find_mkl() -> Option<std::path::PathBuf> {
-    mkl_dirs().iter().find_map(|d| {
-        ["libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so"]
+    mkl_dirs().iter().find_map(|d| mkl_in(d))
+}
+
+/// The newest `libmkl_rt` in `dir` whose core and threading layers (sequential, GNU OpenMP)
+/// lie beside it. `libmkl_rt` loads them only at its first product, and a missing one then ends
+/// the process with MKL's own fatal error, past any fallback: a partial install is passed over.
+pub fn mkl_in(dir: &std::path::Path) -> Option<std::path::PathBuf> {
+    ["so.3", "so.2", "so"].iter().find_map(|suffix| {
+        let rt = dir.join(format!("libmkl_rt.{suffix}"));
+        let parts = ["core", "sequential", "gnu_thread"];
+        let whole = parts
             .iter()
-            .map(|n| d.join(n))
-            .find(|p| p.is_file())
+            .all(|p| dir.join(format!("libmkl_{p}.{suffix}")).is_file());
+        (rt.is_file() && whole).then_some(rt)
     })
 }
 
@@ -345,7 +354,7 @@ fn choose() -> Result<Blas, BlasError> {
             return Err(BlasError {
                 path,
                 why: format!(
-                    "no MKL found (looked for libmkl_rt in {}); `scripts/install-deps --mkl` installs one",
+                    "no whole MKL found (looked for libmkl_rt with its core and threading layers beside it in {}); `scripts/install-deps --mkl` installs one",
                     mkl_dirs().iter().map(|d| d.display().to_string()).collect::<Vec<_>>().join(", ")
                 ),
             });
@@ -632,6 +641,31 @@ mod tests {
             assert_eq!(get(), Some(s.1));
             assert!(s.1 >= 1);
         }
+    }
+
+    #[test]
+    fn only_a_whole_mkl_is_found() {
+        let dir = std::env::temp_dir().join(format!("pw-mkl-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let touch = |n: &str| std::fs::write(dir.join(n), b"").unwrap();
+        assert_eq!(mkl_in(&dir), None, "nothing there");
+        touch("libmkl_rt.so.2");
+        assert_eq!(mkl_in(&dir), None, "no core, no layers");
+        touch("libmkl_core.so.2");
+        touch("libmkl_sequential.so.2");
+        assert_eq!(mkl_in(&dir), None, "no GNU OpenMP layer");
+        touch("libmkl_gnu_thread.so.2");
+        assert_eq!(mkl_in(&dir), Some(dir.join("libmkl_rt.so.2")));
+        // A newer runtime without its own core is passed over for the whole older one.
+        touch("libmkl_rt.so.3");
+        touch("libmkl_core.so.2");
+        assert_eq!(mkl_in(&dir), Some(dir.join("libmkl_rt.so.2")));
+        for p in ["core", "sequential", "gnu_thread"] {
+            touch(&format!("libmkl_{p}.so.3"));
+        }
+        assert_eq!(mkl_in(&dir), Some(dir.join("libmkl_rt.so.3")));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
