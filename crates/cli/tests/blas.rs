@@ -82,11 +82,16 @@ fn a_users_core_type_is_kept_and_a_run_on_narrow_kernels_says_so_once() {
 }
 
 /// `PIPEWRIGHT_BLAS=mkl` finds MKL where `scripts/install-deps --mkl` (or `$MKLROOT`) put it, or
-/// stops `train` with exit 2, naming where it looked and how to install it.
+/// stops `train` with exit 2, naming where it looked and how to install it; a partial install
+/// is passed over.
 #[test]
 fn mkl_by_name_is_found_or_refused_with_the_fix() {
     let home = std::env::temp_dir().join(format!("pw-mkl-home-{}", std::process::id()));
     std::fs::create_dir_all(&home).unwrap();
+    // A partial install (the runtime without its core and layers) is passed over.
+    let partial = home.join(".local/share/pipewright/mkl/lib");
+    std::fs::create_dir_all(&partial).unwrap();
+    std::fs::write(partial.join("libmkl_rt.so.3"), b"").unwrap();
     let home = home.to_str().unwrap();
     let none = [
         ("PIPEWRIGHT_BLAS", "mkl"),
@@ -96,7 +101,7 @@ fn mkl_by_name_is_found_or_refused_with_the_fix() {
     if pipewright_runtime::kernels::blas_lib::mkl_dirs()
         .iter()
         .filter(|d| !d.starts_with(std::env::var("HOME").unwrap_or_default()))
-        .any(|d| d.join("libmkl_rt.so").is_file() || d.join("libmkl_rt.so.2").is_file())
+        .any(|d| pipewright_runtime::kernels::blas_lib::mkl_in(d).is_some())
     {
         eprintln!("skipped: a system MKL is installed here");
         return;
@@ -105,7 +110,7 @@ fn mkl_by_name_is_found_or_refused_with_the_fix() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(
-        err.contains("PIPEWRIGHT_BLAS=mkl: no MKL found")
+        err.contains("PIPEWRIGHT_BLAS=mkl: no whole MKL found")
             && err.contains(&format!("{home}/.local/share/pipewright/mkl/lib"))
             && err.contains("scripts/install-deps --mkl"),
         "{err}"
