@@ -206,7 +206,7 @@ fn mpirun_command(mpirun: &std::path::Path, workers: usize) -> std::process::Com
 /// give ([`placement_note`]).
 fn give_ranks_mkl(cmd: &mut std::process::Command, cores_per_rank: usize) {
     use pipewright_runtime::kernels::{blas_lib, coretype::CpuFeatures};
-    let user_named = std::env::var_os("PIPEWRIGHT_BLAS").is_some();
+    let user_named = blas_lib::user_named();
     let cpu = CpuFeatures::detect();
     if let Some(mkl) =
         blas_lib::rank_library(&cpu, user_named, cores_per_rank, blas_lib::find_mkl())
@@ -272,7 +272,7 @@ pub fn join_lending() {
 #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 fn mkl_hint(cores: usize) -> &'static str {
     use pipewright_runtime::kernels::{blas_lib, coretype::CpuFeatures};
-    let user_named = std::env::var_os("PIPEWRIGHT_BLAS").is_some();
+    let user_named = blas_lib::user_named();
     match launched() && blas_lib::wants_mkl(&CpuFeatures::detect(), user_named, cores) {
         true => "; MKL ran such ranks up to 17% faster on an Intel CPU: `scripts/install-deps --mkl` installs it (PIPEWRIGHT_BLAS=system keeps OpenBLAS)",
         false => "",

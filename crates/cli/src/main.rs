@@ -191,15 +191,14 @@ fn long_version() -> String {
         Err(e) => format!("unusable: {e}"),
     };
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
-    let threads = pipewright_runtime::kernels::blas_lib::blas_threads()
-        .map_or("?".to_string(), |t| t.to_string());
+    let threads = blas_lib::blas_threads().map_or("?".to_string(), |t| t.to_string());
     // In-process workers may move their products to MKL (blas_lib::split_products).
-    let moved = match pipewright_runtime::kernels::blas_lib::mkl_for_split() {
-        Some(p) if pipewright_runtime::kernels::env_switch(blas_lib::SPLIT_VAR).0 => format!(
+    let moved = match blas_lib::mkl_for_split() {
+        Some(p) => format!(
             "\nin-process workers: MKL ({}, sequential; chosen for this Intel CPU, PIPEWRIGHT_BLAS=system overrides)",
             p.display()
         ),
-        _ => String::new(),
+        None => String::new(),
     };
     format!(
         "{}\nBLAS: {blas}{moved}\nthreads: BLAS {threads}, cores this process may use {cores}",

@@ -505,12 +505,19 @@ pub fn split_products_with(library: impl FnOnce() -> Option<std::path::PathBuf>)
     n
 }
 
-/// MKL, where [`split_products`] moves the products to it ([`wants_mkl`]) and it is installed.
+/// MKL, where [`split_products`] moves the products to it ([`wants_mkl`], and not with
+/// `PIPEWRIGHT_SPLIT=0`) and it is installed.
 pub fn mkl_for_split() -> Option<std::path::PathBuf> {
-    let user_named = std::env::var_os("PIPEWRIGHT_BLAS").is_some();
-    wants_mkl(&super::coretype::CpuFeatures::detect(), user_named, 1)
+    let on = super::env_switch(SPLIT_VAR).0;
+    (on && wants_mkl(&super::coretype::CpuFeatures::detect(), user_named(), 1))
         .then(find_mkl)
         .flatten()
+}
+
+/// Whether the user named a library (`PIPEWRIGHT_BLAS`, `system` included): pipewright then
+/// chooses none itself.
+pub fn user_named() -> bool {
+    std::env::var_os("PIPEWRIGHT_BLAS").is_some()
 }
 
 /// Why the library [`split_products`] chose could not be loaded (the products stay where they
@@ -543,8 +550,7 @@ pub fn split_note() -> Option<String> {
     let split = (n > 1).then(|| {
         format!("large products split over {n} threads by pipewright, BLAS 1 thread each")
     });
-    let user_named = std::env::var_os("PIPEWRIGHT_BLAS").is_some();
-    let could = n > 1 && wants_mkl(&super::coretype::CpuFeatures::detect(), user_named, 1);
+    let could = n > 1 && wants_mkl(&super::coretype::CpuFeatures::detect(), user_named(), 1);
     let library = match (SWITCHED.get(), SWITCH_FAILED.get()) {
         (Some(_), _) => Some(MKL_CHOSEN.to_string()),
         (None, Some(why)) => Some(why.clone()),
