@@ -72,7 +72,9 @@ fn subsets(items: &[usize], k: usize, limit: usize) -> Option<Vec<Vec<usize>>> {
 
 pub fn cmd_eval(a: EvalArgs) -> Result<()> {
     check_args(&a)?;
-    let (mut cfg, per, step) = match a.model.resolve()? {
+    let brought = a.model.resolve()?;
+    let from_checkpoint = brought.is_none();
+    let (mut cfg, per, step) = match brought {
         Some(m) => {
             let cfg = TrainConfig {
                 pretrained: m.weights,
@@ -89,15 +91,20 @@ pub fn cmd_eval(a: EvalArgs) -> Result<()> {
     let st = Stages::of(&per, cfg.model.num_blocks());
     st.check_omit(&a.omit)?;
     let corpus = eval_corpus(&a, &mut cfg)?;
+    if from_checkpoint {
+        // The checkpoint holds every weight: a run fine-tuned from `--model DIR` records DIR
+        // (for its tokenizer, read above), and starting from it would score DIR's weights.
+        cfg.pretrained = None;
+    }
     // Evaluation needs the weights only: one worker, one stage.
     (cfg.stages, cfg.replicas, cfg.chunks) = (1, 1, 1);
     cfg.schedule = pipewright_core::schedule::ScheduleKind::OneFOneB;
     let one = cfg.plan()?;
     let mut trainer = Trainer::in_process(cfg.clone(), one, None, Duration::from_secs(60))?;
     let source = match &cfg.pretrained {
+        _ if from_checkpoint => trainer.load_checkpoint(&a.checkpoint_dir)?.path,
         Some(dir) => dir.clone(),
-        None if a.model.model_config.is_some() || a.model.model.is_some() => "fresh weights".into(),
-        None => trainer.load_checkpoint(&a.checkpoint_dir)?.path,
+        None => "fresh weights".into(),
     };
     let eval = |stages: &[usize]| trainer.validate(&corpus, a.batches, &st.blocks_of(stages));
     let scores = eval(&[])?;

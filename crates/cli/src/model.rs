@@ -103,26 +103,75 @@ pub struct ExportArgs {
     /// Directory to write config.json and model.safetensors into (created if missing).
     #[arg(long)]
     out: PathBuf,
+    /// Replace the model a directory already holds (its weights, config and shards; its other
+    /// files, a tokenizer say, stay). The directory the run read its weights from is never
+    /// replaced.
+    #[arg(long)]
+    overwrite: bool,
+}
+
+/// Files of a Hugging Face model directory that describe its model: what `export` writes,
+/// and what a model beside them would mix with.
+fn is_model_file(name: &str) -> bool {
+    name == "config.json"
+        || name.ends_with(".safetensors")
+        || name == "model.safetensors.index.json"
+        || name.starts_with("pytorch_model")
+}
+
+/// Refuse an `export --out` that would replace what the user did not ask to: the model the
+/// run was fine-tuned from, the checkpoint directory, or (without --overwrite) any model.
+fn check_export_dir(a: &ExportArgs, source: Option<&Path>) -> Result<()> {
+    let out = &a.out;
+    let refuse = |why: String| -> Result<()> {
+        Err(BadInput(format!("--out {}: {why}", out.display())).into())
+    };
+    if out.exists() && !out.is_dir() {
+        return refuse("exists and is not a directory".into());
+    }
+    if let Some(src) = source.filter(|s| crate::files::same_file(s, out)) {
+        return refuse(format!(
+            "is {}, the model this checkpoint's run was fine-tuned from; export elsewhere (it is never replaced)",
+            src.display()
+        ));
+    }
+    let inside = |d: &Path| {
+        let (o, d) = (out.canonicalize(), d.canonicalize());
+        matches!((o, d), (Ok(o), Ok(d)) if o.starts_with(&d) || d.starts_with(&o))
+    };
+    if inside(&a.checkpoint_dir) {
+        return refuse("holds, or is inside, the checkpoint directory; export elsewhere".into());
+    }
+    let Ok(entries) = std::fs::read_dir(out) else {
+        return Ok(());
+    };
+    let mut model = Vec::new();
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !e.file_type().is_ok_and(|t| t.is_file()) {
+            return refuse(format!(
+                "holds {name}, which is not a regular file; export into a new or empty directory"
+            ));
+        }
+        if is_model_file(&name) {
+            model.push(name);
+        }
+    }
+    model.sort();
+    match model.is_empty() || a.overwrite {
+        true => Ok(()),
+        false => refuse(format!(
+            "already holds a model ({}); pass --overwrite to replace it, or export into a new directory",
+            model.join(", ")
+        )),
+    }
 }
 
 /// `export`: a checkpoint, whatever plan trained it, as a Hugging Face model directory.
 pub fn cmd_export(a: ExportArgs) -> Result<()> {
     let (mut cfg, _, step) = checkpoint_config(&a.checkpoint_dir)?;
     let config = config_to_hf(&cfg.model).map_err(BadInput)?;
-    crate::files::output_dir(&a.out)?;
-    let index = a.out.join("model.safetensors.index.json");
-    if index.exists() {
-        // Its shards would stay beside the new weights: a directory of two models.
-        return Err(BadInput(format!(
-            "--out {}: holds a sharded model ({}); export into a new or empty directory",
-            a.out.display(),
-            index.display()
-        ))
-        .into());
-    }
-    let (w, c) = (a.out.join("model.safetensors"), a.out.join("config.json"));
-    check_output(&w)?;
-    check_output(&c)?;
+    check_export_dir(&a, cfg.pretrained.as_deref())?;
     // The weights alone: one worker holds every layer block.
     (cfg.stages, cfg.replicas, cfg.chunks, cfg.pretrained) = (1, 1, 1, None);
     let plan = cfg.plan()?;
@@ -130,12 +179,22 @@ pub fn cmd_export(a: ExportArgs) -> Result<()> {
     let loaded = trainer.load_checkpoint(&a.checkpoint_dir)?;
     let params = hf_params(&cfg.model, &trainer.layer_blocks()?, None);
     let n: usize = params.iter().map(|(_, _, v)| v.len()).sum();
-    write_safetensors(
-        &w,
-        params.into_iter().map(|(k, s, v)| (k, s, F32(v))).collect(),
-    )?;
     let text = serde_json::to_string_pretty(&config).expect("json") + "\n";
-    crate::files::write_file(&c, &text)?;
+    // The model's files are written whole into a new directory that then takes --out's
+    // place; the old directory's other files (a tokenizer, a README) are carried over.
+    crate::files::replace_dir(
+        &a.out,
+        |name| !is_model_file(name),
+        |dir| {
+            let bytes = safetensors_bytes(
+                &dir.join("model.safetensors"),
+                params.into_iter().map(|(k, s, v)| (k, s, F32(v))).collect(),
+            )?;
+            std::fs::write(dir.join("model.safetensors"), bytes)?;
+            std::fs::write(dir.join("config.json"), text)?;
+            Ok(())
+        },
+    )?;
     println!(
         "exported {} (step {step}): {} model, {n} parameters, to {}",
         loaded.path.display(),
@@ -153,6 +212,12 @@ use Values::F32;
 
 /// Write named tensors as one safetensors file (atomically, as every output).
 pub fn write_safetensors(path: &Path, tensors: Vec<(String, Vec<usize>, Values)>) -> Result<()> {
+    let bytes = safetensors_bytes(path, tensors)?;
+    write_with(path, |w| w.write_all(&bytes))
+}
+
+/// Named tensors as the bytes of a safetensors file (`path` names it in errors).
+fn safetensors_bytes(path: &Path, tensors: Vec<(String, Vec<usize>, Values)>) -> Result<Vec<u8>> {
     let entries: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = tensors
         .into_iter()
         .map(|(k, s, v)| match v {
@@ -171,8 +236,7 @@ pub fn write_safetensors(path: &Path, tensors: Vec<(String, Vec<usize>, Values)>
         })
         .collect::<std::result::Result<Vec<_>, _>>()
         .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-    let bytes = safetensors::serialize(views, None).map_err(|e| anyhow::anyhow!("{e}"))?;
-    write_with(path, |w| w.write_all(&bytes))
+    safetensors::serialize(views, None).map_err(|e| anyhow::anyhow!("{e}"))
 }
 
 #[derive(Args)]
@@ -284,10 +348,9 @@ pub fn cmd_forward(a: ForwardArgs) -> Result<()> {
 /// A regular file's bytes (a FIFO or directory is refused, not waited on).
 fn read_bytes(path: &Path) -> Result<Vec<u8>> {
     let bad = |m: String| BadInput(format!("{}: {m}", path.display()));
-    match std::fs::metadata(path) {
-        Ok(m) if !m.is_file() => Err(bad("not a regular file".into()).into()),
+    match pipewright_core::inputs::regular_file(path) {
         Ok(_) => Ok(std::fs::read(path).map_err(|e| bad(format!("cannot read: {e}")))?),
-        Err(e) => Err(bad(format!("cannot read: {e}")).into()),
+        Err(e) => Err(BadInput(e.to_string()).into()),
     }
 }
 

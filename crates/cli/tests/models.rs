@@ -379,11 +379,172 @@ fn the_single_weights_file_wins_and_export_leaves_shards_alone() {
         "--out",
         dir.to_str().unwrap(),
     ]);
-    exits_2_saying(&o, "holds a sharded model");
+    exits_2_saying(&o, "already holds a model (config.json, model.safetensors, model.safetensors.index.json); pass --overwrite");
     assert_eq!(
         std::fs::read_to_string(dir.join("model.safetensors.index.json")).unwrap(),
         stale
     );
+    // Asked to, it replaces the model whole: no stale index beside the new weights, the
+    // directory's other files kept.
+    std::fs::write(dir.join("README.md"), "mine\n").unwrap();
+    let (ck_s, dir_s) = (ck.to_str().unwrap(), dir.to_str().unwrap());
+    ok(&[
+        "export",
+        "--checkpoint-dir",
+        ck_s,
+        "--out",
+        dir_s,
+        "--overwrite",
+    ]);
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["README.md", "config.json", "model.safetensors"]);
+    assert!(std::fs::read_to_string(dir.join("config.json"))
+        .unwrap()
+        .contains("\"hidden_size\": 16"));
+    // Nothing left beside it.
+    let stray: Vec<_> = std::fs::read_dir(dir.parent().unwrap())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("tmp~"))
+        .collect();
+    assert!(stray.is_empty(), "{stray:?}");
+}
+
+/// The bytes of a model directory's config and weights.
+fn model_files(dir: &Path) -> (Vec<u8>, Vec<u8>) {
+    let read = |n: &str| std::fs::read(dir.join(n)).unwrap_or_default();
+    (read("config.json"), read("model.safetensors"))
+}
+
+/// `export` never replaces the model a run was fine-tuned from, --overwrite or not; and killed
+/// at any moment while it replaces another model, it leaves the old model or the new one
+/// whole, never a mix.
+#[test]
+fn export_keeps_its_source_and_a_kill_leaves_one_model_whole() {
+    let work = fresh_dir("m-export-kill");
+    // A base model of its own: a fresh LLaMA, exported.
+    let cfg = work.join("config.json");
+    std::fs::write(
+        &cfg,
+        r#"{"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 48,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64}"#,
+    )
+    .unwrap();
+    let (ck0, src) = (work.join("ck0"), work.join("base"));
+    let tiny = ["--seq-len", "16", "--eval-batches", "1", "--steps", "1"];
+    let ck0_s = ck0.to_str().unwrap();
+    ok(&[
+        &[
+            "train",
+            "--model-config",
+            cfg.to_str().unwrap(),
+            "--checkpoint-dir",
+            ck0_s,
+        ][..],
+        &tiny,
+    ]
+    .concat());
+    ok(&[
+        "export",
+        "--checkpoint-dir",
+        ck0_s,
+        "--out",
+        src.to_str().unwrap(),
+    ]);
+    // Fine-tuned from it.
+    let (ck, src_s) = (work.join("ck"), src.to_str().unwrap().to_string());
+    let ck_s = ck.to_str().unwrap();
+    ok(&[
+        &["train", "--model", &src_s, "--checkpoint-dir", ck_s][..],
+        &tiny,
+    ]
+    .concat());
+    let before = model_files(&src);
+    for extra in [&[][..], &["--overwrite"][..]] {
+        let o = pw(&[
+            &["export", "--checkpoint-dir", ck_s, "--out", &src_s][..],
+            extra,
+        ]
+        .concat());
+        exits_2_saying(&o, "the model this checkpoint's run was fine-tuned from");
+        assert!(model_files(&src) == before, "the source model changed");
+    }
+    // A symlink to it is the same directory.
+    let link = work.join("link");
+    std::os::unix::fs::symlink(&src, &link).unwrap();
+    let o = pw(&[
+        "export",
+        "--checkpoint-dir",
+        ck_s,
+        "--out",
+        link.to_str().unwrap(),
+        "--overwrite",
+    ]);
+    exits_2_saying(&o, "fine-tuned from");
+    // Another model directory, replaced under kills at spread-out moments.
+    let other = work.join("other");
+    let fresh = work.join("fresh");
+    ok(&[
+        "export",
+        "--checkpoint-dir",
+        ck_s,
+        "--out",
+        fresh.to_str().unwrap(),
+    ]);
+    let new = model_files(&fresh);
+    assert!(new != before);
+    let t0 = std::time::Instant::now();
+    ok(&[
+        "export",
+        "--checkpoint-dir",
+        ck_s,
+        "--out",
+        work.join("timed").to_str().unwrap(),
+    ]);
+    let whole = t0.elapsed();
+    let mut seen = (0, 0);
+    for k in 0..8u32 {
+        let _ = std::fs::remove_dir_all(&other);
+        std::fs::create_dir_all(&other).unwrap();
+        for f in ["config.json", "model.safetensors"] {
+            std::fs::copy(src.join(f), other.join(f)).unwrap();
+        }
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_pipewright"))
+            .args([
+                "export",
+                "--checkpoint-dir",
+                ck_s,
+                "--out",
+                other.to_str().unwrap(),
+                "--overwrite",
+            ])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(whole * k / 5);
+        let _ = child.kill();
+        let _ = child.wait();
+        let now = model_files(&other);
+        assert!(
+            now == before || now == new,
+            "kill {k}: a mix of the old model and the new"
+        );
+        if now == new {
+            seen.1 += 1
+        } else {
+            seen.0 += 1
+        }
+    }
+    eprintln!(
+        "kills that left the old model: {}, the new: {}",
+        seen.0, seen.1
+    );
+    assert!(seen.1 > 0, "no export finished even unkilled");
 }
 
 /// BERT and ViT through `forward`: segments and padding, or images, from the input file; class
@@ -680,6 +841,45 @@ fn llama_learns_to_classify_text_and_exports_a_classifier() {
     .concat();
     let out = ok(&again);
     assert!(out.contains("accuracy 1.000 ->"), "{out}");
+    // Fine-tuned from the export with a checkpoint: `eval` scores the checkpoint's weights,
+    // the run's own last validation, not the directory it started from.
+    let (ck2, m2) = (dir.join("ck2"), dir.join("m2.jsonl"));
+    let (ck2_s, m2_s) = (s(&ck2), s(&m2));
+    let tuned = [
+        &args[..7],
+        &["--model", &hf_dir, "--steps", "4", "--eval-every", "4"],
+        &["--checkpoint-dir", &ck2_s, "--metrics", &m2_s],
+    ]
+    .concat();
+    ok(&tuned);
+    let last_val = std::fs::read_to_string(&m2)
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["val_loss"].as_f64())
+        .last()
+        .unwrap();
+    let eval = |model: &[&str]| -> serde_json::Value {
+        let out = ok(&[&["eval", "--checkpoint-dir", &ck2_s, "--json"], model].concat());
+        serde_json::from_str(out.lines().last().unwrap()).unwrap()
+    };
+    let of_ck = eval(&[]);
+    let of_start = eval(&[&["--model", &hf_dir][..], &args[1..7]].concat());
+    let (got, start) = (
+        of_ck["val_loss"].as_f64().unwrap(),
+        of_start["val_loss"].as_f64().unwrap(),
+    );
+    assert!(
+        (got - last_val).abs() <= 1e-6 * last_val.abs(),
+        "eval of the checkpoint {got} against the run's last validation {last_val}"
+    );
+    assert!(
+        (got - start).abs() > 1e-4,
+        "4 steps left the loss at {start}: the test cannot tell"
+    );
+    assert!(
+        of_ck["checkpoint"].as_str().unwrap().contains("ck2"),
+        "{of_ck}"
+    );
     // The same records' texts, as documents to model (--task lm); a missing field is named.
     let lm = [
         "train",

@@ -140,16 +140,7 @@ fn line_col(text: &str, offset: usize) -> (usize, usize) {
 
 /// Read a file, naming it in the error.
 pub fn read_file(path: &std::path::Path) -> Result<String> {
-    let name = || path.display().to_string();
-    // A FIFO or device would block the read (or never end): only regular files are read.
-    match std::fs::metadata(path) {
-        Ok(m) if !m.is_file() => {
-            return Err(Error::input(
-                name(),
-                "cannot read: not a regular file (a directory, FIFO or device)",
-            ))
-        }
-        _ => {}
-    }
-    std::fs::read_to_string(path).map_err(|e| Error::input(name(), format!("cannot read: {e}")))
+    crate::inputs::regular_file(path)?;
+    std::fs::read_to_string(path)
+        .map_err(|e| Error::input(path.display().to_string(), format!("cannot read: {e}")))
 }

@@ -1,7 +1,7 @@
 //! pipewright-core: plain data and pure functions for pipeline-parallel training.
 //!
 //! Layers, lowest first (each uses only those above it in this list):
-//! - `error`, `rng`, `limits`: leaves.
+//! - `error`, `inputs`, `rng`, `limits`: leaves (`inputs` checks and remembers the files read).
 //! - `profile`, `cluster`: what the work costs and where it runs.
 //! - `plan`: the IR ([`plan::ir::Plan`]), its schedule kind and its validator.
 //! - `schedule`: closed-form and list-scheduled generators (GPipe, 1F1B, interleaved, ZB).
@@ -13,6 +13,7 @@
 pub mod cluster;
 pub mod error;
 pub mod fuzz;
+pub mod inputs;
 pub mod job;
 pub mod limits;
 pub mod plan;
