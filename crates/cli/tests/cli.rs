@@ -1403,6 +1403,33 @@ fn report_draws_a_runs_metrics() {
         "bad.jsonl:2: not a metrics row",
     );
     bad(&["report", dir.to_str().unwrap()], "not a regular file");
+    // Its own input as --out, by name or by a hard link: refused, the metrics kept (a
+    // symlink is refused as every output symlink is).
+    let before = std::fs::read(&m).unwrap();
+    let (hard, link) = (dir.join("hard.jsonl"), dir.join("link.jsonl"));
+    std::fs::hard_link(&m, &hard).unwrap();
+    std::os::unix::fs::symlink(&m, &link).unwrap();
+    for out in [m_s, hard.to_str().unwrap()] {
+        bad(&["report", m_s, "--out", out], "an input of this command");
+    }
+    bad(&["report", m_s, "--out", link.to_str().unwrap()], "refusing to replace it");
+    assert_eq!(std::fs::read(&m).unwrap(), before);
+    // Absurd values are listed, not drawn: every coordinate is a number.
+    let mut rows: String = (0..10)
+        .map(|i| format!("{{\"step\": {i}, \"loss\": {}}}\n", 3.0 - 0.1 * i as f64))
+        .collect();
+    rows += "{\"step\": 10, \"loss\": 1e308}\n{\"step\": 11, \"loss\": -1e308}\n";
+    let absurd = tmp("absurd.jsonl", &rows);
+    let o = pw(&["report", &absurd, "--out", svg_s]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("loss: not drawn (outside the scale): training 1e308 at step 10, training -1e308 at step 11"),
+        "{out}"
+    );
+    let text = std::fs::read_to_string(&svg).unwrap();
+    assert!(!text.contains("NaN") && !text.contains("inf"), "{text}");
+    assert!(text.contains("not drawn"), "{text}");
 }
 
 /// A run records its data: `--print-config` writes it as `[data]`, `--config` reads it back,
