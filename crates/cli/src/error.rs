@@ -65,9 +65,16 @@ fn link_text(e: &(dyn std::error::Error + 'static), flags: Flags) -> String {
     }
 }
 
+/// Characters of one link of an error chain in the line a user reads: a library's message
+/// may quote a whole bad value (46,000 characters of a non-UTF-8 Parquet string).
+const LINK_CHARS: usize = 600;
+
 /// The whole error as one line.
 pub fn message(e: &anyhow::Error, flags: Flags) -> String {
-    let links: Vec<String> = e.chain().map(|c| link_text(c, flags)).collect();
+    let links: Vec<String> = e
+        .chain()
+        .map(|c| pipewright_runtime::guard::capped(&link_text(c, flags), LINK_CHARS))
+        .collect();
     links.join(": ")
 }
 

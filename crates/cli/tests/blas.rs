@@ -136,3 +136,40 @@ fn a_damaged_mkl_of_pipewrights_choosing_falls_back_to_openblas() {
     let named = pw(&train, &chosen[..1]);
     assert_eq!(named.status.code(), Some(2));
 }
+
+/// A FIFO (or a directory) named as the library is refused before the loader opens it (which
+/// would block on the FIFO for ever): exit 2, one line naming it.
+#[test]
+fn a_fifo_as_the_library_is_refused_not_waited_on() {
+    let dir = std::env::temp_dir().join(format!("pw-blas-fifo-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let fifo = dir.join("libfake.so");
+    assert!(Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .is_ok_and(|s| s.success()));
+    for lib in [&fifo, &dir] {
+        let lib = lib.to_str().unwrap();
+        let mut c = Command::new("timeout");
+        c.args([
+            "20",
+            env!("CARGO_BIN_EXE_pipewright"),
+            "train",
+            "--steps",
+            "1",
+        ])
+        .args(["--no-checkpoint"])
+        .env("PIPEWRIGHT_BLAS", lib);
+        let o = c.output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{lib}: {err}");
+        assert!(
+            err.contains(&format!(
+                "PIPEWRIGHT_BLAS={lib}: cannot read: not a regular file"
+            )),
+            "{err}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -55,13 +55,6 @@ impl Part {
         }
     }
 
-    fn id_bound(&self) -> usize {
-        match self {
-            Part::Text(t) => t.id_bound(),
-            Part::Examples(e) => e.id_bound(),
-        }
-    }
-
     /// A micro-batch of the fixed samples `samples` (numbered as [`Part::samples`] counts).
     pub fn batch(&self, seq_len: usize, samples: Vec<u64>) -> MicroBatch {
         match self {
@@ -142,12 +135,7 @@ pub fn synthetic_text(bytes: usize, seed: u64) -> String {
 /// A UTF-8 text file's contents. A FIFO or device would block the read: only regular files
 /// are read.
 fn read_text(path: &Path) -> Result<String, String> {
-    if std::fs::metadata(path).is_ok_and(|m| !m.is_file()) {
-        return Err(format!(
-            "{}: cannot read data file: not a regular file (a directory, FIFO or device)",
-            path.display()
-        ));
-    }
+    crate::labelled::regular(path)?;
     let bytes = std::fs::read(path)
         .map_err(|e| format!("{}: cannot read data file: {e}", path.display()))?;
     String::from_utf8(bytes).map_err(|e| format!("{}: not UTF-8 text: {e}", path.display()))
@@ -236,13 +224,15 @@ impl Corpus {
     }
 
     /// The same with the last `val_fraction` (0..=1) held out.
+    /// `ids` is what the tokenizer claims; the tokens' own largest id bounds it from below,
+    /// so that no id past the model's vocabulary reaches a gather.
     fn split_tokens(name: &str, tokens: Tokens, ids: usize, val_fraction: f64) -> Self {
         let cut = tokens.len() - (tokens.len() as f64 * val_fraction) as usize;
         Corpus {
+            ids: ids.max(tokens.id_bound()),
             train: Part::Text(tokens.slice(0..cut)),
             val: Part::Text(tokens.slice(cut..tokens.len())),
             name: name.into(),
-            ids,
         }
     }
 
@@ -333,17 +323,18 @@ impl Corpus {
         };
         let (val, train): (Vec<_>, Vec<_>) = shards.iter().cloned().partition(is_val);
         let train_tokens = Tokens::shards(&train)?;
-        let mut corpus = match val.is_empty() {
+        Ok(match val.is_empty() {
             true => Self::split_tokens(name, train_tokens, 0, val_fraction),
-            false => Corpus {
-                train: Part::Text(train_tokens),
-                val: Part::Text(Tokens::shards(&val)?),
-                name: name.into(),
-                ids: 0,
-            },
-        };
-        corpus.ids = corpus.train.id_bound().max(corpus.val.id_bound());
-        Ok(corpus)
+            false => {
+                let val = Tokens::shards(&val)?;
+                Corpus {
+                    ids: train_tokens.id_bound().max(val.id_bound()),
+                    train: Part::Text(train_tokens),
+                    val: Part::Text(val),
+                    name: name.into(),
+                }
+            }
+        })
     }
 
     /// A task's corpus: labelled examples for training and for validation, of a tokenizer

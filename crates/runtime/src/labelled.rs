@@ -81,13 +81,9 @@ enum Label {
 
 /// Refuse what is not a regular file: reading a FIFO or device would block.
 pub fn regular(path: &Path) -> Result<(), String> {
-    match std::fs::metadata(path) {
-        Ok(m) if !m.is_file() => Err(format!(
-            "{}: not a regular file (a directory, FIFO or device)",
-            path.display()
-        )),
-        _ => Ok(()),
-    }
+    pipewright_core::inputs::regular_file(path)
+        .map(|_| ())
+        .map_err(|e| e.to_string())
 }
 
 /// Texts and labels of a JSONL or CSV file (by extension: `.csv` is CSV, anything else JSON
@@ -170,6 +166,10 @@ fn csv_records(name: &str, text: &str, f: &Fields) -> Result<Vec<(String, Label,
 /// The `f.text` and `f.label` columns of a Parquet file's rows (a label column of whole
 /// numbers or strings), each with where it was read (row group and row).
 fn parquet_records(path: &Path, f: &Fields) -> Result<Vec<(String, Label, String)>, String> {
+    crate::guard::reader(path, "Parquet file", || parquet_rows(path, f))
+}
+
+fn parquet_rows(path: &Path, f: &Fields) -> Result<Vec<(String, Label, String)>, String> {
     use parquet::file::reader::{FileReader, SerializedFileReader};
     use parquet::record::Field;
     let name = path.display().to_string();
@@ -487,11 +487,14 @@ impl Examples {
 
 /// One image file as `[channels, size, size]` values, scaled to [-1, 1].
 fn image_values(file: &Path, size: usize, channels: usize) -> Result<Vec<f32>, String> {
-    let img = image::ImageReader::open(file)
-        .and_then(|r| r.with_guessed_format())
-        .map_err(|e| format!("{}: cannot read: {e}", file.display()))?
-        .decode()
-        .map_err(|e| format!("{}: not an image that decodes: {e}", file.display()))?;
+    regular(file)?;
+    let img = crate::guard::reader(file, "image", || {
+        image::ImageReader::open(file)
+            .and_then(|r| r.with_guessed_format())
+            .map_err(|e| format!("{}: cannot read: {e}", file.display()))?
+            .decode()
+            .map_err(|e| format!("{}: not an image that decodes: {e}", file.display()))
+    })?;
     scaled_values(&img, size, channels)
 }
 

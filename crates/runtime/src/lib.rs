@@ -6,6 +6,7 @@ pub mod data;
 pub mod error;
 pub mod exec;
 pub mod grads;
+pub mod guard;
 pub mod kernels;
 pub mod labelled;
 pub mod model;

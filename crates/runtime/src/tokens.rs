@@ -155,6 +155,8 @@ impl Tokens {
 /// Map one shard file and find its tokens.
 fn map_shard(path: &Path, first: usize) -> Result<Shard, String> {
     let name = path.display();
+    // Checked before the open, which would block on a FIFO.
+    crate::labelled::regular(path)?;
     let file = std::fs::File::open(path).map_err(|e| format!("{name}: cannot read shard: {e}"))?;
     if !file.metadata().is_ok_and(|m| m.is_file()) {
         return Err(format!("{name}: not a regular file"));

@@ -228,6 +228,14 @@ pub fn kernel_fit() -> KernelFit {
 /// process (unloaded again if not). `sequential`: an MKL runs each product in its calling
 /// thread, whatever `MKL_THREADING_LAYER` says (pipewright's own choice for split products).
 fn load(path: &str, sequential: bool) -> Result<Blas, String> {
+    // A path (not a name for the loader's search) must be a regular file: dlopen blocks on a
+    // FIFO and reads a device forever.
+    if path.contains('/') {
+        pipewright_core::inputs::regular_file(std::path::Path::new(path)).map_err(|e| match e {
+            pipewright_core::Error::Input { msg, .. } => msg,
+            e => e.to_string(),
+        })?;
+    }
     // SAFETY: loading runs the library's initialisers; a BLAS's start its thread pool.
     let lib = unsafe { libloading::Library::new(path) }.map_err(|e| e.to_string())?;
     let find = |names: &[&str]| {

@@ -306,6 +306,7 @@ fn read_regular(p: &Path, max: u64) -> Result<Vec<u8>> {
             "is not a regular file (a FIFO, device, link or directory)",
         ));
     }
+    pipewright_core::inputs::note_input(p);
     if m.len() > max {
         return Err(Error::checkpoint(
             p,
