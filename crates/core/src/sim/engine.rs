@@ -388,7 +388,10 @@ impl<'a> State<'a> {
 
 /// Every message a route sends must arrive in finite time: an infinite link time (bandwidth 0, a
 /// latency past f64) is refused naming the link, not simulated into a plan that never ends.
-fn check_link_times(plan: &Plan, stages: &[StageCost], cluster: &Cluster) -> Result<()> {
+/// So is a plan whose compute (`work`) and messages, one after another, overflow f64 seconds
+/// (a latency of 1e308 s is finite once, not twice): the makespan is at most that sum.
+fn check_link_times(plan: &Plan, stages: &[StageCost], cluster: &Cluster, work: f64) -> Result<()> {
+    let (mut total, mut slowest) = (work, (0.0, 0, 0, 0));
     for route in &plan.routes {
         for hop in route.windows(2) {
             let (a, b) = (hop[0].worker, hop[1].worker);
@@ -400,7 +403,19 @@ fn check_link_times(plan: &Plan, stages: &[StageCost], cluster: &Cluster) -> Res
                     cluster.devices[a].name, cluster.devices[b].name
                 )));
             }
+            // The activation forward, its gradient back.
+            total += 2.0 * secs;
+            if secs > slowest.0 {
+                slowest = (secs, a, b, bytes);
+            }
         }
+    }
+    if !total.is_finite() {
+        let (secs, a, b, bytes) = slowest;
+        return Err(Error::Invalid(format!(
+            "the plan's messages take more seconds than f64 holds: the link from worker {a} ({}) to worker {b} ({}) takes {secs:e} s for {bytes} bytes (check latency, overhead and bandwidth)",
+            cluster.devices[a].name, cluster.devices[b].name
+        )));
     }
     Ok(())
 }
@@ -499,7 +514,7 @@ fn check_simulable(setup: &SimSetup) -> Result<()> {
             "the plan's total compute time overflows ({work} s): stage costs too large for f64 seconds"
         )));
     }
-    check_link_times(plan, stages, cluster)
+    check_link_times(plan, stages, cluster, work)
 }
 
 /// Simulate the plan's own worker orders under `options` (its dispatch aside).
@@ -817,6 +832,31 @@ mod tests {
             cluster: &Cluster::uniform(p),
         })
         .unwrap()
+    }
+
+    #[test]
+    fn links_whose_messages_together_overflow_are_refused_naming_the_link() {
+        let plan = generate(ScheduleKind::OneFOneB, 2, 2, 1).unwrap();
+        let stages = vec![StageCost::uniform(1.0, 1.0, 1.0); 2];
+        let run = |latency: f64| {
+            let toml = format!(
+                "[defaults]\nlatency = {latency:e}\n[[devices]]\nname = \"a\"\n[[devices]]\nname = \"b\"\n"
+            );
+            let cluster = Cluster::parse("c.toml", &toml).unwrap();
+            simulate(&SimSetup {
+                plan: &plan,
+                stages: &stages,
+                cluster: &cluster,
+            })
+        };
+        // Each message is finite, four of them are not.
+        let err = run(1e308).unwrap_err().to_string();
+        assert!(
+            err.contains("more seconds than f64 holds")
+                && err.contains("worker 0 (a) to worker 1 (b)"),
+            "{err}"
+        );
+        assert!(run(1e300).unwrap().makespan.is_finite());
     }
 
     #[test]
