@@ -27,10 +27,12 @@ pub enum Tokenizer {
         bpe: &'static tiktoken_rs::CoreBPE,
         vocab: usize,
     },
-    /// A Hugging Face `tokenizer.json`.
+    /// A Hugging Face `tokenizer.json`, and one past its largest id (its ids may be sparse:
+    /// the count of tokens is no bound).
     Hf {
         path: String,
         tok: Box<tokenizers::Tokenizer>,
+        ids: usize,
     },
 }
 
@@ -69,9 +71,16 @@ impl Tokenizer {
         }
         let tok = tokenizers::Tokenizer::from_file(&file)
             .map_err(|e| format!("{}: not a Hugging Face tokenizer.json: {e}", file.display()))?;
+        let ids = tok
+            .get_vocab(true)
+            .values()
+            .map(|&i| i as usize + 1)
+            .max()
+            .unwrap_or(0);
         Ok(Tokenizer::Hf {
             path: file.display().to_string(),
             tok: Box::new(tok),
+            ids,
         })
     }
 
@@ -89,12 +98,13 @@ impl Tokenizer {
         }
     }
 
-    /// Ids the tokenizer can produce: its vocabulary (special tokens included).
+    /// One past the largest id the tokenizer can produce (special tokens included): the rows
+    /// an embedding needs for it.
     pub fn vocab_size(&self) -> usize {
         match self {
             Tokenizer::Bytes => 256,
             Tokenizer::Bpe { vocab, .. } => *vocab,
-            Tokenizer::Hf { tok, .. } => tok.get_vocab_size(true),
+            Tokenizer::Hf { ids, .. } => *ids,
         }
     }
 
@@ -102,7 +112,7 @@ impl Tokenizer {
         Ok(match self {
             Tokenizer::Bytes => text.bytes().map(u32::from).collect(),
             Tokenizer::Bpe { bpe, .. } => bpe.encode_ordinary(text),
-            Tokenizer::Hf { tok, path } => tok
+            Tokenizer::Hf { tok, path, .. } => tok
                 .encode(text, false)
                 .map_err(|e| format!("{path}: {e}"))?
                 .get_ids()
@@ -114,7 +124,7 @@ impl Tokenizer {
     /// Hugging Face tokenizer adds around a sequence (BERT's [CLS] and [SEP]).
     pub fn encode_example(&self, text: &str) -> Result<Vec<u32>, String> {
         match self {
-            Tokenizer::Hf { tok, path } => Ok(tok
+            Tokenizer::Hf { tok, path, .. } => Ok(tok
                 .encode(text, true)
                 .map_err(|e| format!("{path}: {e}"))?
                 .get_ids()
@@ -132,7 +142,7 @@ impl Tokenizer {
         question: &str,
         context: &str,
     ) -> Result<(Vec<u32>, Vec<u32>, Vec<Option<(usize, usize)>>), String> {
-        if let Tokenizer::Hf { tok, path } = self {
+        if let Tokenizer::Hf { tok, path, .. } = self {
             let e = tok
                 .encode((question, context), true)
                 .map_err(|e| format!("{path}: {e}"))?;
@@ -167,7 +177,7 @@ impl Tokenizer {
                 .decode_bytes(ids)
                 .map(|b| String::from_utf8_lossy(&b).into_owned())
                 .map_err(|e| format!("{name}: {e}")),
-            Tokenizer::Hf { tok, path } => {
+            Tokenizer::Hf { tok, path, .. } => {
                 tok.decode(ids, false).map_err(|e| format!("{path}: {e}"))
             }
         }
@@ -195,6 +205,7 @@ impl Tokenizer {
         let parts: Vec<Vec<u32>> = files
             .par_iter()
             .map(|f| {
+                crate::labelled::regular(f)?;
                 let bytes =
                     std::fs::read(f).map_err(|e| format!("{}: cannot read: {e}", f.display()))?;
                 let text = String::from_utf8(bytes)
@@ -217,9 +228,9 @@ impl Tokenizer {
     pub fn check_fits(&self, model_vocab: usize) -> Result<(), String> {
         if self.vocab_size() > model_vocab {
             return Err(format!(
-                "tokenizer {} has {} tokens, more than the model's vocabulary of {model_vocab}",
+                "tokenizer {}'s ids reach {}, past the model's vocabulary of {model_vocab} (its embedding's rows)",
                 self.name(),
-                self.vocab_size()
+                self.vocab_size() - 1
             ));
         }
         Ok(())

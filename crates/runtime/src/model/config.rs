@@ -148,7 +148,7 @@ impl Default for ModelConfig {
 impl ModelConfig {
     /// Layer blocks a plan can cut: embedding, the transformer blocks, the head.
     pub fn num_blocks(&self) -> usize {
-        self.layers + 2
+        self.layers.saturating_add(2)
     }
     /// Classes of a classification head (0 without one).
     pub fn classes(&self) -> usize {
@@ -176,7 +176,7 @@ impl ModelConfig {
         self.d_model / self.heads.max(1)
     }
     pub fn ffn(&self) -> usize {
-        self.ffn.unwrap_or(4 * self.d_model)
+        self.ffn.unwrap_or(self.d_model.saturating_mul(4))
     }
     pub fn rope_theta(&self) -> f64 {
         self.rope_theta.unwrap_or(10000.0)
@@ -195,7 +195,7 @@ impl ModelConfig {
     }
     /// Patches of an image (vit): the sequence is these and the class token.
     pub fn patches(&self) -> usize {
-        (self.image() / self.patch()).pow(2)
+        (self.image() / self.patch()).saturating_pow(2)
     }
     pub fn type_vocab(&self) -> usize {
         self.type_vocab.unwrap_or(2)
@@ -285,6 +285,7 @@ impl ModelConfig {
 
     /// Shape rules every family shares, then the family's own.
     pub fn check(&self) -> Result<(), String> {
+        self.check_sizes()?;
         if self.d_model == 0 || self.heads == 0 || !self.d_model.is_multiple_of(self.heads) {
             return Err(format!(
                 "d_model {} must be a positive multiple of heads {}",
@@ -343,6 +344,45 @@ impl ModelConfig {
             ));
         }
         Ok(())
+    }
+
+    /// Every size within a bound far past any published model and small enough that each
+    /// size derived from them (parameters, patches, bytes) fits in 64 bits: an image of 2^32
+    /// pixels is refused here, naming the field, not wrapped to 0 patch pixels.
+    fn check_sizes(&self) -> Result<(), String> {
+        let original = self
+            .rope_scaling
+            .as_ref()
+            .map(|s| s.original_max_position_embeddings);
+        let sizes = [
+            ("image", self.image, 1 << 16),
+            ("patch", self.patch, 1 << 16),
+            ("channels", self.channels, 1 << 12),
+            ("vocab", Some(self.vocab), 1 << 24),
+            ("d_model", Some(self.d_model), 1 << 20),
+            ("heads", Some(self.heads), 1 << 16),
+            ("kv_heads", self.kv_heads, 1 << 16),
+            ("layers", Some(self.layers), 1 << 16),
+            ("ffn", self.ffn, 1 << 24),
+            ("max_positions", self.max_positions, 1 << 24),
+            ("seq_len", Some(self.seq_len), 1 << 24),
+            ("type_vocab", self.type_vocab, 1 << 16),
+            ("classes", Some(self.classes()), 1 << 24),
+            (
+                "rope_scaling.original_max_position_embeddings",
+                original,
+                1 << 24,
+            ),
+        ];
+        match sizes
+            .into_iter()
+            .find_map(|(name, v, max)| Some((name, v?, max)).filter(|(_, v, max)| v > max))
+        {
+            Some((name, v, max)) => Err(format!(
+                "{name} {v} is past the largest pipewright takes ({max}): sizes derived from it would overflow"
+            )),
+            None => Ok(()),
+        }
     }
 
     fn check_gpt(&self) -> Result<(), String> {
@@ -523,8 +563,13 @@ impl ModelConfig {
                 self.out_width().checked_mul(d)?.checked_add(2 * d)?,
             ),
             Family::Vit => {
-                let pixels = self.channels() * self.patch() * self.patch();
-                let emb = (pixels + self.patches() + 3).checked_mul(d)?;
+                let pixels = self
+                    .channels()
+                    .checked_mul(self.patch().checked_mul(self.patch())?)?;
+                let emb = pixels
+                    .checked_add(self.patches())?
+                    .checked_add(3)?
+                    .checked_mul(d)?;
                 let classes = self.classes();
                 let head = d.checked_mul(classes)?.checked_add(classes + 2 * d)?;
                 (emb, self.block_params()?, head)

@@ -141,7 +141,7 @@ fn llama_config(v: &Value) -> Result<ModelConfig, String> {
     refuse_unless(v, "pretraining_tp", |x| x == 1)?;
     let (d, heads) = (need(v, "hidden_size")?, need(v, "num_attention_heads")?);
     if let Some(hd) = usize_field(v, "head_dim")? {
-        if heads == 0 || hd * heads != d {
+        if heads == 0 || hd.checked_mul(heads) != Some(d) {
             return Err(format!(
                 "head_dim {hd} x num_attention_heads {heads} must equal hidden_size {d}"
             ));
@@ -219,7 +219,8 @@ fn vit_config(v: &Value) -> Result<ModelConfig, String> {
         d_model: need(v, "hidden_size")?,
         heads: need(v, "num_attention_heads")?,
         layers: need(v, "num_hidden_layers")?,
-        seq_len: (image / patch).pow(2) + 1,
+        // Saturated: check() then refuses the image by name.
+        seq_len: (image / patch).saturating_pow(2).saturating_add(1),
         ffn: Some(need(v, "intermediate_size")?),
         norm_eps: Some(f64_field(v, "layer_norm_eps")?.unwrap_or(1e-12)),
         head: Some(TaskHead::Classify { classes }),
@@ -286,7 +287,7 @@ fn gpt2_config(v: &Value) -> Result<ModelConfig, String> {
         heads: need(v, "n_head")?,
         layers: need(v, "n_layer")?,
         seq_len: positions.clamp(1, 64),
-        ffn: Some(usize_field(v, "n_inner")?.unwrap_or(4 * d)),
+        ffn: Some(usize_field(v, "n_inner")?.unwrap_or(d.saturating_mul(4))),
         norm_eps: f64_field(v, "layer_norm_epsilon")?,
         max_positions: Some(positions),
         tie_embeddings: bool_field(v, "tie_word_embeddings", true)?,
@@ -602,6 +603,7 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, String> {
 }
 
 fn read(p: &Path) -> Result<String, String> {
+    crate::labelled::regular(p)?;
     std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))
 }
 
@@ -609,9 +611,12 @@ fn read(p: &Path) -> Result<String, String> {
 pub fn read_weights(dir: &Path) -> Result<HashMap<String, HfTensor>, String> {
     let mut out = HashMap::new();
     for file in weight_files(dir)? {
+        crate::labelled::regular(&file)?;
         let bytes = std::fs::read(&file).map_err(|e| format!("{}: {e}", file.display()))?;
-        let st = safetensors::SafeTensors::deserialize(&bytes)
-            .map_err(|e| format!("{}: not a valid safetensors file ({e})", file.display()))?;
+        let st = crate::guard::reader(&file, "safetensors file", || {
+            safetensors::SafeTensors::deserialize(&bytes)
+                .map_err(|e| format!("{}: not a valid safetensors file ({e})", file.display()))
+        })?;
         for (name, view) in st.tensors() {
             let values = to_f32(view.dtype(), view.data())
                 .map_err(|e| format!("{}: tensor {name}: {e}", file.display()))?;
