@@ -174,6 +174,7 @@ fn documents(input: &Input, field: &str) -> Result<Vec<String>, String> {
     match path.extension().and_then(|x| x.to_str()) {
         Some("jsonl" | "parquet") => crate::labelled::read_texts(path, field),
         _ => {
+            crate::labelled::regular(path)?;
             let bytes =
                 std::fs::read(path).map_err(|e| format!("{}: cannot read: {e}", path.display()))?;
             let text = String::from_utf8(bytes)
@@ -240,6 +241,12 @@ pub fn run(
             resumed,
         });
     }
+    if !resumed {
+        // Before the first shard: a run killed inside its first batch leaves shards that an
+        // unfinished manifest claims (so training refuses them and a rerun resumes), never
+        // shards without one.
+        write_manifest(out, &m)?;
+    }
     let inputs = &settings.inputs;
     let total: u64 = inputs.iter().map(|i| i.bytes).sum();
     let boundary = total - (total as f64 * settings.val_fraction) as u64;
@@ -295,8 +302,7 @@ pub fn run(
         val.flush(out, settings.shard_tokens, last, next)?;
         (m.train, m.val, m.complete) = (train.stream.clone(), val.stream.clone(), last);
         m.files_done = m.files_done.max(next);
-        let json = serde_json::to_string_pretty(&m).expect("a manifest serialises");
-        write_atomic(&out.join(MANIFEST), json.as_bytes())?;
+        write_manifest(out, &m)?;
         progress(starts.get(next).copied().unwrap_or(total));
         batches += 1;
         if stop_after.is_some_and(|n| batches >= n) && !last {
@@ -307,6 +313,11 @@ pub fn run(
         manifest: m,
         resumed,
     })
+}
+
+fn write_manifest(out: &Path, m: &Manifest) -> Result<(), String> {
+    let json = serde_json::to_string_pretty(m).expect("a manifest serialises");
+    write_atomic(&out.join(MANIFEST), json.as_bytes())
 }
 
 /// Why `out`'s manifest cannot be resumed with `now`.
