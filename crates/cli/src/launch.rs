@@ -82,9 +82,10 @@ static MPIRUN: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(
 /// Stop requests seen (SIGTERM, SIGUSR1).
 static STOPS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
-/// A stop request for the job. `mpirun` ends the whole job on SIGTERM, but passes SIGUSR1 on
-/// to every rank, which stops there at the next step boundary with a checkpoint: the first
-/// request goes on as SIGUSR1, a second as SIGTERM (end now), as in a run of threads.
+/// A stop request for the job (SIGTERM, SIGUSR1, or a terminal's Ctrl-C). `mpirun` ends the
+/// whole job on SIGTERM, but passes SIGUSR1 on to every rank, which stops there at the next
+/// step boundary with a checkpoint: the first request goes on as SIGUSR1, a second as SIGTERM
+/// (end now), as in a run of threads.
 extern "C" fn forward_stop(_sig: libc::c_int) {
     let pid = MPIRUN.load(std::sync::atomic::Ordering::SeqCst);
     let first = STOPS.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0;
@@ -114,13 +115,22 @@ pub fn relaunch(workers: usize) -> String {
         .args(std::env::args_os().skip(1))
         .env(LAUNCHED, "1")
         .env(MARK, &mark);
-    // SAFETY: the handler only reads and writes atomics and calls kill. A Ctrl-C reaches
-    // mpirun and the ranks from the terminal itself: this process waits for them.
+    // mpirun and the ranks in a process group of their own: a signal to this command's whole
+    // group (`timeout`, a batch script's stop, Ctrl-C) reaches this process alone, which
+    // passes it on as a stop at a step boundary; mpirun would end the job on it at once.
+    // Nothing reads the terminal (a background group reading it would be stopped).
+    {
+        use std::os::unix::process::CommandExt;
+        cmd.process_group(0).stdin(std::process::Stdio::null());
+    }
+    // SAFETY: the handler only reads and writes atomics and calls kill.
     unsafe {
         let handler = forward_stop as *const () as libc::sighandler_t;
         libc::signal(libc::SIGTERM, handler);
         libc::signal(libc::SIGUSR1, handler);
-        libc::signal(libc::SIGINT, libc::SIG_IGN);
+        libc::signal(libc::SIGINT, handler);
+        // A closed terminal hangs up this process only: the job must not outlive it unasked.
+        libc::signal(libc::SIGHUP, handler);
     }
     let mut job = match cmd.spawn() {
         Ok(job) => job,
@@ -152,6 +162,7 @@ pub fn relaunch(workers: usize) -> String {
         // SAFETY: back to the default handlers for the run in threads.
         unsafe {
             libc::signal(libc::SIGINT, libc::SIG_DFL);
+            libc::signal(libc::SIGHUP, libc::SIG_DFL);
         }
         crate::ranks::stop_on_signals();
         return format!(

@@ -96,6 +96,7 @@ run_table! {
     device: DeviceArg = device;
     gpus_per_node: usize = gpus_per_node;
     peer_timeout: f64 = peer_timeout;
+    startup_timeout: f64 = startup_timeout;
     global_batch: usize = global_batch;
     eval_every: u64 = eval_every;
     eval_batches: usize = eval_batches;

@@ -5,7 +5,7 @@ use crate::BadInput;
 use anyhow::Result;
 use clap::Args;
 use pipewright_core::cluster::Cluster;
-use pipewright_core::job::{build, JobSpec, Routes, SkipRoutes};
+use pipewright_core::job::{JobSpec, Routes, SkipRoutes};
 use pipewright_core::plan::ir::Plan;
 use pipewright_core::schedule::ScheduleKind;
 use pipewright_core::sim::devices_for_plan;
@@ -229,6 +229,11 @@ pub struct TrainArgs {
     /// Seconds a worker waits for a peer's message before it gives up and names the peer.
     #[arg(long, default_value_t = 60.0)]
     pub(crate) peer_timeout: f64,
+    /// Seconds a worker waits for a peer during a first step (of the run, or after a plan
+    /// switch), which compiles kernels, autotunes and faults memory in: on a GPU, or beside a
+    /// busy CPU, far longer than a later step.
+    #[arg(long, default_value_t = 600.0)]
+    pub(crate) startup_timeout: f64,
     /// Without a terminal (nohup, Slurm, CI), a timestamped log line every N steps (and the
     /// last); on a terminal the progress bar shows the same.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
@@ -582,13 +587,18 @@ type Procs = Option<std::convert::Infallible>;
 
 /// Start MPI if asked (before anything that may fail, so errors can be printed by rank 0 only).
 fn start_transport(a: &TrainArgs) -> Result<Procs> {
-    if !(a.peer_timeout.is_finite() && a.peer_timeout > 0.0 && a.peer_timeout <= 1e6) {
-        return Err(BadInput(format!(
-            "--peer-timeout {:?}: expected seconds between 0 and 1000000",
-            a.peer_timeout
-        ))
-        .into());
+    for (flag, secs) in [
+        ("--peer-timeout", a.peer_timeout),
+        ("--startup-timeout", a.startup_timeout),
+    ] {
+        if !(secs.is_finite() && secs > 0.0 && secs <= 1e6) {
+            return Err(BadInput(format!(
+                "{flag} {secs:?}: expected seconds between 0 and 1000000"
+            ))
+            .into());
+        }
     }
+    pipewright_runtime::transport::set_startup_timeout(Duration::from_secs_f64(a.startup_timeout));
     let launched = crate::ranks::launcher_tasks().is_some();
     if a.transport == TransportKind::Auto && !launched {
         return Ok(None);
@@ -1227,9 +1237,15 @@ fn skip_train_plan(cfg: &TrainConfig, skip: f64, cluster: Option<&Path>) -> Resu
         }),
         ..cfg.job_spec(&profile)
     };
-    let plan = build(&spec)?;
-    cfg.check_plan(&plan)?;
-    Ok(plan)
+    let r = pipewright_core::job::build_skip(&spec)?;
+    if r.time_limit_hit {
+        eprintln!(
+            "note: the route search stopped at its 30 s cap after {} moves: this plan depends on the machine's speed",
+            r.moves
+        );
+    }
+    cfg.check_plan(&r.plan)?;
+    Ok(r.plan)
 }
 
 /// Create `dir` if needed and make sure files can be written there, before any training.

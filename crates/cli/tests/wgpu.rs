@@ -120,3 +120,55 @@ fn gpus_per_node_is_checked() {
         assert!(err.contains(want), "{flags:?}: {err}");
     }
 }
+
+/// A 2-stage wgpu run in worker processes beside a busy CPU: the first step compiles shaders
+/// (on lavapipe, on the CPU) for longer than the short peer timeout given here, and the run
+/// still passes, as the startup timeout bounds the first step's waits.
+#[test]
+fn a_two_process_wgpu_run_beside_a_busy_cpu_waits_out_the_first_steps_compile() {
+    let dir = fresh_dir("wgpu-busy");
+    let busy: Vec<std::process::Child> = (0..2)
+        .map(|_| {
+            Command::new("sh")
+                .args(["-c", "while :; do :; done"])
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let metrics = dir.join("m.jsonl");
+    let o = Command::new(env!("CARGO_BIN_EXE_pipewright"))
+        .args(["train", "--device", "wgpu", "--stages", "2", "--steps", "3"])
+        .args([
+            "--peer-timeout",
+            "5",
+            "--eval-batches",
+            "1",
+            "--no-checkpoint",
+            "--metrics",
+        ])
+        .arg(&metrics)
+        .args(TINY)
+        .output()
+        .unwrap();
+    for mut b in busy {
+        let _ = b.kill();
+        let _ = b.wait();
+    }
+    let err = String::from_utf8_lossy(&o.stderr);
+    if !o.status.success()
+        && err.contains("device did not start")
+        && std::env::var_os("PIPEWRIGHT_REQUIRE_WGPU").is_none()
+    {
+        eprintln!("no wgpu device here, skipped: {err}");
+        return;
+    }
+    assert!(o.status.success(), "{err}");
+    let first: f64 = std::fs::read_to_string(&metrics)
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|r| r["step"] == 1)
+        .and_then(|r| r["seconds"].as_f64())
+        .unwrap();
+    eprintln!("first step {first:.1} s beside the busy CPU (peer timeout 5 s)");
+}

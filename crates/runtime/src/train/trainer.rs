@@ -153,6 +153,9 @@ pub struct Trainer {
     /// Settings of the program driving the run that it wants back on a resume (the CLI's
     /// `[run]` table), written into checkpoints as they are.
     pub run_settings: Option<serde_json::Value>,
+    /// The next step is a first one (of this trainer, or after a plan switch): its waits for
+    /// peers are bounded by the startup timeout ([`crate::transport::Patience`]).
+    first_step: bool,
 }
 
 impl Trainer {
@@ -240,6 +243,7 @@ impl Trainer {
             keep_checkpoints: 3,
             workers_at_start: plan_workers,
             run_settings: None,
+            first_step: true,
         })
     }
 
@@ -416,6 +420,7 @@ impl Trainer {
         self.tied = Tied::of(&self.cfg.model, &plan);
         self.plan = plan;
         self.set_layer_state(&state);
+        self.first_step = true;
         Ok(ReplanReport {
             before,
             after: describe(&self.plan),
@@ -451,6 +456,7 @@ impl Trainer {
         let lr = self.cfg.lr_at(self.step) * self.lr_scale;
         let clip = self.cfg.clip;
         let batches = self.batches(corpus, self.step)?;
+        self.transport.set_first_step(self.first_step);
         let clock = Instant::now();
         let (plan, routes, topo) = (&self.plan, &self.routes, &self.topo);
         let transport = self.transport.as_ref();
@@ -533,6 +539,8 @@ impl Trainer {
             return Err(ExecError::NonFinite(loss));
         }
         self.step += 1;
+        self.first_step = false;
+        self.transport.set_first_step(false);
         let tokens = (n * self.cfg.rows * self.cfg.model.seq_len) as u64;
         Ok(StepReport {
             step: self.step,

@@ -44,7 +44,7 @@ pub struct InProcess {
     rounds: Mutex<HashMap<(usize, Vec<usize>), u64>>,
     exchanged: Condvar,
     aborted: AtomicBool,
-    timeout: Duration,
+    patience: super::Patience,
 }
 
 impl InProcess {
@@ -75,7 +75,7 @@ impl InProcess {
             rounds: Mutex::new(HashMap::new()),
             exchanged: Condvar::new(),
             aborted: AtomicBool::new(false),
-            timeout,
+            patience: super::Patience::new(timeout),
         }
     }
 
@@ -96,7 +96,8 @@ impl InProcess {
             *c
         };
         let key = (group.to_vec(), round);
-        let deadline = Instant::now() + self.timeout;
+        let (timeout, bound) = self.patience.bound();
+        let deadline = Instant::now() + timeout;
         let mut ex = self.exchanges.lock().unwrap();
         {
             let slot = ex.entry(key.clone()).or_default();
@@ -136,7 +137,8 @@ impl InProcess {
                     at: rank,
                     what,
                     group: group.to_vec(),
-                    secs: self.timeout.as_secs_f64(),
+                    secs: timeout.as_secs_f64(),
+                    bound,
                 });
             }
             ex = self
@@ -161,7 +163,7 @@ impl Transport for InProcess {
                 let end = Duration::try_from_secs_f64(secs)
                     .ok()
                     .and_then(|d| start.checked_add(d))
-                    .unwrap_or(start + self.timeout.saturating_mul(2));
+                    .unwrap_or(start + self.patience.bound().0.saturating_mul(2));
                 free.insert((from, to), end);
                 end
             }
@@ -174,7 +176,8 @@ impl Transport for InProcess {
 
     fn recv(&self, at: usize, from: usize, tag: Tag) -> Result<Payload, TransportError> {
         let mb = &self.boxes[at];
-        let deadline = Instant::now() + self.timeout;
+        let (timeout, bound) = self.patience.bound();
+        let deadline = Instant::now() + timeout;
         let mut msgs = mb.messages.lock().unwrap();
         loop {
             if self.aborted.load(Ordering::SeqCst) {
@@ -197,7 +200,8 @@ impl Transport for InProcess {
                     at,
                     from,
                     tag,
-                    secs: self.timeout.as_secs_f64(),
+                    secs: timeout.as_secs_f64(),
+                    bound,
                 });
             }
             msgs = mb
@@ -247,15 +251,17 @@ impl Transport for InProcess {
         if let Some((cluster, _)) = &self.links {
             let bytes = std::mem::size_of_val(data) as u64;
             let secs = pipewright_core::sim::ring_allreduce_time(cluster, group, bytes);
+            let (timeout, bound) = self.patience.bound();
             match Duration::try_from_secs_f64(secs) {
-                Ok(d) if d <= self.timeout => std::thread::sleep(d),
+                Ok(d) if d <= timeout => std::thread::sleep(d),
                 _ => {
                     return Err(TransportError::Collective {
                         unit: "worker",
                         at: rank,
                         what: "the emulated gradient all-reduce",
                         group: group.to_vec(),
-                        secs: self.timeout.as_secs_f64(),
+                        secs: timeout.as_secs_f64(),
+                        bound,
                     })
                 }
             }
@@ -281,5 +287,9 @@ impl Transport for InProcess {
             b.ready.notify_all();
         }
         self.exchanged.notify_all();
+    }
+
+    fn set_first_step(&self, first: bool) {
+        self.patience.set_first(first);
     }
 }

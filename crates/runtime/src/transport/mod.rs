@@ -3,6 +3,7 @@
 //! `latency + bytes / bandwidth + overhead` (FIFO per directed link), so a heterogeneous network
 //! can be reproduced on one machine. Worker processes use `mpi` (feature `mpi`).
 
+use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 mod inproc;
@@ -52,22 +53,24 @@ impl Payload {
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
 pub enum TransportError {
     /// A point-to-point message did not come: its sender died, hangs, or the plan is wrong.
-    #[error("{unit} {at}: waited {secs} s for the {tag} from {unit} {from}, in vain ({unit} {from} died or is stuck; the peer timeout bounds the wait)")]
+    #[error("{unit} {at}: waited {secs} s for the {tag} from {unit} {from}, in vain ({unit} {from} died or is stuck; {bound} bounds the wait)")]
     Timeout {
         unit: &'static str,
         at: usize,
         from: usize,
         tag: Tag,
         secs: f64,
+        bound: &'static str,
     },
     /// A collective did not complete: a member died or is stuck.
-    #[error("{unit} {at}: {what} over {unit}s {group:?} did not complete in {secs} s (one of them died or is stuck; the peer timeout bounds the wait)")]
+    #[error("{unit} {at}: {what} over {unit}s {group:?} did not complete in {secs} s (one of them died or is stuck; {bound} bounds the wait)")]
     Collective {
         unit: &'static str,
         at: usize,
         what: &'static str,
         group: Vec<usize>,
         secs: f64,
+        bound: &'static str,
     },
     #[error("aborted: another worker failed")]
     Aborted,
@@ -108,6 +111,63 @@ pub trait Transport: Send + Sync {
     }
     /// Tell everyone waiting that a worker failed, so nobody hangs.
     fn abort(&self);
+    /// Whether the step now starting is a first one (see [`Patience`]); every worker of a
+    /// process says so before each step.
+    fn set_first_step(&self, _first: bool) {}
+}
+
+/// How long to wait for the first step's peers by default: a GPU's first step compiles its
+/// shaders and autotunes (minutes on a software Vulkan beside a busy CPU).
+pub const DEFAULT_STARTUP_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// The startup timeout of this process's transports, in milliseconds.
+static STARTUP_MS: std::sync::atomic::AtomicU64 =
+    std::sync::atomic::AtomicU64::new(DEFAULT_STARTUP_TIMEOUT.as_millis() as u64);
+
+/// Set the startup timeout of the transports this process builds from now on.
+pub fn set_startup_timeout(d: Duration) {
+    STARTUP_MS.store(
+        d.as_millis().min(u64::MAX as u128) as u64,
+        std::sync::atomic::Ordering::SeqCst,
+    );
+}
+
+/// How long a wait for a peer may last. The peer timeout, except while a first step runs (of
+/// the run, or the first after a plan switch): that step compiles kernels, autotunes and faults
+/// pages in, so a peer that takes long is not dead, and the startup timeout bounds it instead.
+/// Steps are in lockstep (every step ends in the gradients' all-reduce), so a worker in its
+/// first step only ever waits for peers in theirs.
+#[derive(Debug)]
+pub struct Patience {
+    peer: Duration,
+    startup: Duration,
+    first: AtomicBool,
+}
+
+impl Patience {
+    pub fn new(peer: Duration) -> Self {
+        let startup = Duration::from_millis(STARTUP_MS.load(std::sync::atomic::Ordering::SeqCst));
+        Patience {
+            peer,
+            startup: startup.max(peer),
+            first: AtomicBool::new(true),
+        }
+    }
+
+    /// The bound on a wait that starts now, and what to call it in a message.
+    pub fn bound(&self) -> (Duration, &'static str) {
+        match self.first.load(std::sync::atomic::Ordering::SeqCst) {
+            true => (
+                self.startup,
+                "the startup timeout (--startup-timeout: a first step compiles and autotunes)",
+            ),
+            false => (self.peer, "the peer timeout"),
+        }
+    }
+
+    pub fn set_first(&self, first: bool) {
+        self.first.store(first, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 /// How long a worker waits for a peer by default.

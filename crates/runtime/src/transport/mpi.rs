@@ -81,7 +81,7 @@ pub fn waiting_for() -> Option<String> {
 pub struct Mpi {
     tx: Mutex<mpsc::Sender<Cmd>>,
     world: MpiWorld,
-    timeout: Duration,
+    patience: super::Patience,
     aborted: AtomicBool,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
@@ -102,7 +102,7 @@ impl Mpi {
         Ok(Mpi {
             tx: Mutex::new(tx),
             world,
-            timeout,
+            patience: super::Patience::new(timeout),
             aborted: AtomicBool::new(false),
             thread: Mutex::new(Some(thread)),
         })
@@ -125,7 +125,7 @@ impl Mpi {
         &self,
         rx: mpsc::Receiver<T>,
         what: String,
-        on_timeout: impl FnOnce(f64) -> TransportError,
+        on_timeout: impl FnOnce(f64, &'static str) -> TransportError,
     ) -> Result<T, TransportError> {
         if let Ok(v) = rx.try_recv() {
             return Ok(v);
@@ -134,6 +134,7 @@ impl Mpi {
         // This rank's cores are idle meanwhile: a peer on this machine may run on them.
         let _lent = crate::kernels::lend::waiting();
         let step = Duration::from_millis(100);
+        let (timeout, bound) = self.patience.bound();
         let mut waited = Duration::ZERO;
         let r = loop {
             if self.aborted.load(Ordering::SeqCst) {
@@ -143,8 +144,8 @@ impl Mpi {
                 Ok(v) => break Ok(v),
                 Err(mpsc::RecvTimeoutError::Timeout) => {
                     waited += step;
-                    if waited >= self.timeout {
-                        break Err(on_timeout(self.timeout.as_secs_f64()));
+                    if waited >= timeout {
+                        break Err(on_timeout(timeout.as_secs_f64(), bound));
                     }
                 }
                 Err(mpsc::RecvTimeoutError::Disconnected) => {
@@ -179,13 +180,14 @@ impl Transport for Mpi {
     fn recv(&self, at: usize, from: usize, tag: Tag) -> Result<Payload, TransportError> {
         let (reply, rx) = mpsc::channel();
         self.post(Cmd::Recv { from, tag, reply })?;
-        self.wait(rx, format!("the {tag} from rank {from}"), |secs| {
+        self.wait(rx, format!("the {tag} from rank {from}"), |secs, bound| {
             TransportError::Timeout {
                 unit: "rank",
                 at,
                 from,
                 tag,
                 secs,
+                bound,
             }
         })
     }
@@ -205,15 +207,18 @@ impl Transport for Mpi {
             data: data.to_vec(),
             reply,
         })?;
-        let sum = self.wait(rx, format!("the all-reduce over ranks {group:?}"), |secs| {
-            TransportError::Collective {
+        let sum = self.wait(
+            rx,
+            format!("the all-reduce over ranks {group:?}"),
+            |secs, bound| TransportError::Collective {
                 unit: "rank",
                 at: rank,
                 what: "all-reduce",
                 group: group.to_vec(),
                 secs,
-            }
-        })?;
+                bound,
+            },
+        )?;
         data.copy_from_slice(&sum);
         Ok(())
     }
@@ -225,15 +230,18 @@ impl Transport for Mpi {
             *m = (0..self.world.size).filter(|&r| r != rank).collect();
         }
         self.post(Cmd::AllGather { part, reply })?;
-        self.wait(rx, "the all-gather over every rank".into(), |secs| {
-            TransportError::Collective {
+        self.wait(
+            rx,
+            "the all-gather over every rank".into(),
+            |secs, bound| TransportError::Collective {
                 unit: "rank",
                 at: rank,
                 what: "all-gather (still without the parts of these)",
                 group: GATHER_MISSING.lock().map(|m| m.clone()).unwrap_or_default(),
                 secs,
-            }
-        })
+                bound,
+            },
+        )
     }
 
     fn prepare(&self, groups: &[Vec<usize>]) -> Result<(), TransportError> {
@@ -247,18 +255,23 @@ impl Transport for Mpi {
         self.wait(
             rx,
             "every rank to set up the plan's stage groups".into(),
-            |secs| TransportError::Collective {
+            |secs, bound| TransportError::Collective {
                 unit: "rank",
                 at: rank,
                 what: "setting up stage groups",
                 group: everyone,
                 secs,
+                bound,
             },
         )
     }
 
     fn abort(&self) {
         self.aborted.store(true, Ordering::SeqCst);
+    }
+
+    fn set_first_step(&self, first: bool) {
+        self.patience.set_first(first);
     }
 }
 
