@@ -271,6 +271,8 @@ fn bad_input_is_one_line_and_exit_2() {
             &geo,
             "--moves",
             "10",
+            "--polish-moves",
+            "10",
         ]
         .iter()
         .chain(extra)
@@ -1412,7 +1414,10 @@ fn report_draws_a_runs_metrics() {
     for out in [m_s, hard.to_str().unwrap()] {
         bad(&["report", m_s, "--out", out], "an input of this command");
     }
-    bad(&["report", m_s, "--out", link.to_str().unwrap()], "refusing to replace it");
+    bad(
+        &["report", m_s, "--out", link.to_str().unwrap()],
+        "refusing to replace it",
+    );
     assert_eq!(std::fs::read(&m).unwrap(), before);
     // Absurd values are listed, not drawn: every coordinate is a number.
     let mut rows: String = (0..10)

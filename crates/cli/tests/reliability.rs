@@ -207,6 +207,8 @@ fn impossible_links_are_refused_up_front() {
             "1",
             "--moves",
             "50",
+            "--polish-moves",
+            "50",
         ],
         "too slow for any time to be finite",
     );
@@ -229,6 +231,8 @@ fn impossible_links_are_refused_up_front() {
             "--skip",
             "1",
             "--moves",
+            "50",
+            "--polish-moves",
             "50",
         ],
         "does not fit device memory",
@@ -289,7 +293,7 @@ fn eval_defaults_fit_the_checkpoints_plan() {
 /// boundary, writes that step's checkpoint and exits 0; `--resume` continues from it.
 #[test]
 fn sigterm_stops_a_threads_run_at_a_step_with_its_checkpoint() {
-    sigterm_stops_at_a_step("threads", 2);
+    sigterm_stops_at_a_step("threads", 2, libc::SIGTERM, false);
 }
 
 /// The same for the worker processes pipewright starts under mpirun by default: the signal
@@ -297,27 +301,43 @@ fn sigterm_stops_a_threads_run_at_a_step_with_its_checkpoint() {
 #[cfg(feature = "mpi")]
 #[test]
 fn sigterm_stops_a_run_of_worker_processes_at_a_step_with_its_checkpoint() {
-    sigterm_stops_at_a_step("auto", 5);
+    sigterm_stops_at_a_step("auto", 5, libc::SIGTERM, false);
 }
 
-fn sigterm_stops_at_a_step(transport: &str, after_s: u64) {
-    let d = scratch(&format!("sigterm-{transport}"));
+/// The same when the signal reaches the whole process group, as `timeout`'s SIGTERM, a batch
+/// script's stop or a terminal's Ctrl-C (SIGINT) do: the mpirun that pipewright starts is not
+/// hit, the ranks stop at a step with its checkpoint, and the run exits 0.
+#[cfg(feature = "mpi")]
+#[test]
+fn a_stop_sent_to_the_whole_process_group_exits_0_with_a_checkpoint() {
+    sigterm_stops_at_a_step("auto", 5, libc::SIGTERM, true);
+    sigterm_stops_at_a_step("auto", 5, libc::SIGINT, true);
+}
+
+fn sigterm_stops_at_a_step(transport: &str, after_s: u64, sig: i32, group: bool) {
+    let d = scratch(&format!("sigterm-{transport}-{sig}-{group}"));
     let ck = d.join("ck");
-    let job = train(&[
+    let mut cmd = train(&[
         "--steps",
         "100000",
         "--transport",
         transport,
         "--checkpoint-dir",
         ck.to_str().unwrap(),
-    ])
-    .stdout(Stdio::null())
-    .stderr(Stdio::piped())
-    .spawn()
-    .unwrap();
+    ]);
+    if group {
+        use std::os::unix::process::CommandExt;
+        cmd.process_group(0);
+    }
+    let job = cmd
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     std::thread::sleep(std::time::Duration::from_secs(after_s));
-    // SAFETY: signals the child this test started.
-    unsafe { libc::kill(job.id() as i32, libc::SIGTERM) };
+    let pid = job.id() as i32;
+    // SAFETY: signals the child this test started (or its process group, which it leads).
+    unsafe { libc::kill(if group { -pid } else { pid }, sig) };
     let o = job.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(0), "{err}");
@@ -782,4 +802,208 @@ fn a_full_disk_fails_the_run_and_leaves_no_partial_checkpoint() {
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.contains("No space left on device"), "{err}");
     assert!(!names.iter().any(|n| n.ends_with(".partial")), "{names:?}");
+}
+
+/// A tokenizer whose ids are sparse (3 tokens, the largest id 5000) is bounded by its largest
+/// id, not its count: train and generate refuse it against a 256-token model (they panicked in
+/// the embedding's gather), naming the id; a model that holds it trains.
+#[test]
+fn a_sparse_tokenizer_is_bounded_by_its_largest_id() {
+    let d = scratch("sparse-tok");
+    let tok = d.join("tokenizer.json");
+    std::fs::write(
+        &tok,
+        r#"{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+            "decoder": null, "model": {"type": "WordLevel", "vocab": {"a": 0, "b": 1, "[UNK]": 5000},
+            "unk_token": "[UNK]"}}"#,
+    )
+    .unwrap();
+    let text = d.join("t.txt");
+    std::fs::write(&text, "a b zz ".repeat(400)).unwrap();
+    let (tok, text) = (tok.to_str().unwrap(), text.to_str().unwrap());
+    let run = [
+        "--tokenizer",
+        tok,
+        "--data",
+        text,
+        "--steps",
+        "1",
+        "--no-checkpoint",
+    ];
+    refused(
+        &[&["train"][..], &TINY[..8], &run].concat(),
+        "ids reach 5000, past the model's vocabulary of 256",
+    );
+    let model = d.join("m.toml");
+    std::fs::write(
+        &model,
+        "family = \"llama\"\nvocab = 256\nd_model = 16\nheads = 2\nlayers = 1\nseq_len = 16\n",
+    )
+    .unwrap();
+    let m = model.to_str().unwrap();
+    refused(
+        &[
+            "generate",
+            "--model",
+            m,
+            "--tokenizer",
+            tok,
+            "--prompt",
+            "a b",
+        ],
+        "ids reach 5000",
+    );
+    // A vocabulary of 5001 holds every id.
+    std::fs::write(
+        &model,
+        "family = \"llama\"\nvocab = 5001\nd_model = 16\nheads = 2\nlayers = 1\nseq_len = 16\n",
+    )
+    .unwrap();
+    let o = pw(&[&["train", "--model", m][..], &run].concat());
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// A tokenize killed (SIGKILL) inside its first batch, as soon as its first shard is on disk,
+/// leaves a manifest that says so: training refuses the partial shards, and the same command
+/// run again resumes to shards byte-identical to an uninterrupted run's.
+#[test]
+fn a_tokenize_killed_in_its_first_batch_resumes_to_the_same_shards() {
+    let d = scratch("tokenize-kill");
+    let text = d.join("corpus.txt");
+    let body: String = (0..60_000)
+        .map(|i| format!("line {i} of the corpus\n"))
+        .collect();
+    std::fs::write(&text, body).unwrap();
+    let args = |out: &std::path::Path| -> Vec<String> {
+        [
+            "tokenize",
+            "--tokenizer",
+            "bytes",
+            "--shard-tokens",
+            "20000",
+            "--data",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([
+            text.display().to_string(),
+            "--out".into(),
+            out.display().to_string(),
+        ])
+        .collect()
+    };
+    let whole = d.join("whole");
+    let o = Command::new(env!("CARGO_BIN_EXE_pipewright"))
+        .args(args(&whole))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let part = d.join("part");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_pipewright"))
+        .args(args(&part))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let first = part.join("train_000000.bin");
+    let t0 = std::time::Instant::now();
+    while !first.exists() && t0.elapsed().as_secs() < 60 {
+        std::thread::sleep(std::time::Duration::from_micros(200));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let manifest = std::fs::read_to_string(part.join("tokenize.json"))
+        .expect("a manifest beside the first shard");
+    assert!(manifest.contains("\"complete\": false"), "{manifest}");
+    refused(
+        &[
+            "train",
+            "--data",
+            part.to_str().unwrap(),
+            "--steps",
+            "1",
+            "--no-checkpoint",
+        ],
+        "its tokenize has not finished",
+    );
+    let o = Command::new(env!("CARGO_BIN_EXE_pipewright"))
+        .args(args(&part))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let files = |dir: &std::path::Path| -> Vec<(String, Vec<u8>)> {
+        let mut v: Vec<_> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|x| x == "bin"))
+            .map(|p| {
+                (
+                    p.file_name().unwrap().to_string_lossy().into_owned(),
+                    std::fs::read(&p).unwrap(),
+                )
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    let (want, got) = (files(&whole), files(&part));
+    assert!(want.len() > 20, "{} shards", want.len());
+    assert!(got == want, "{} shards against {}", got.len(), want.len());
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// `skip-plan` depends on its inputs, seed and move budgets alone: the same command beside two
+/// busy loops (every core taken) writes the same plan, byte for byte, and says its time limit
+/// did not cut it.
+#[test]
+fn skip_plan_gives_the_same_plan_beside_a_busy_cpu() {
+    let d = scratch("skip-busy");
+    let ex = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/");
+    let run = |out: &std::path::Path| -> serde_json::Value {
+        let o = pw(&[
+            "skip-plan",
+            "--profile",
+            &format!("{ex}llama500m_skippipe.toml"),
+            "--cluster",
+            &format!("{ex}geo20_skippipe.toml"),
+            "--stages",
+            "6",
+            "--skip",
+            "0.33",
+            "--moves",
+            "3000",
+            "--polish-moves",
+            "300",
+            "--json",
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let quiet = run(&d.join("quiet.json"));
+    let busy: Vec<std::process::Child> = (0..2)
+        .map(|_| {
+            Command::new("sh")
+                .args(["-c", "while :; do :; done"])
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let loaded = run(&d.join("busy.json"));
+    for mut b in busy {
+        let _ = b.kill();
+        let _ = b.wait();
+    }
+    assert_eq!(quiet["time_limit_hit"], false);
+    assert_eq!(loaded["time_limit_hit"], false);
+    assert_eq!(quiet["skip_time"], loaded["skip_time"]);
+    assert_eq!(quiet["moves"], loaded["moves"]);
+    assert!(
+        std::fs::read(d.join("quiet.json")).unwrap() == std::fs::read(d.join("busy.json")).unwrap(),
+        "the plan files differ"
+    );
+    let _ = std::fs::remove_dir_all(&d);
 }

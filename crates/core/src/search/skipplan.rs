@@ -44,7 +44,9 @@ pub struct SkipSetup {
     pub max_swaps: usize,
     /// Local-search moves per search (the answer is deterministic for a seed within it).
     pub moves: usize,
-    /// Wall-clock cap on the searches (they stop early when it is reached).
+    /// Wall-clock cap on the searches: they stop early when it is reached, and the result
+    /// says so ([`SkipResult::time_limit_hit`]). Within it, the answer depends on the inputs,
+    /// the seed and the move budgets alone.
     pub time_limit: Duration,
     pub seed: u64,
     /// How candidates are priced: pipewright's simulator as it is, or with SkipPipe's
@@ -72,6 +74,9 @@ pub struct SkipResult {
     pub scheduler_seconds: f64,
     /// Local-search moves tried.
     pub moves: usize,
+    /// The time limit stopped a search before its move budget: the plan then depends on the
+    /// machine's speed and load, not only on the inputs and the seed.
+    pub time_limit_hit: bool,
     pub plan: Plan,
     pub full_plan: Plan,
     pub random_plan: Plan,
@@ -975,6 +980,7 @@ pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Res
         random_routes_time: aware_random_t,
         scheduler_seconds: t0.elapsed().as_secs_f64(),
         moves: m1 + m2 + m3,
+        time_limit_hit: m1 < setup.moves || m2 < setup.moves || m3 < setup.polish_moves,
         plan,
         full_plan,
         random_plan,
@@ -1037,9 +1043,17 @@ mod tests {
             // placement.
             assert!(r.random_skip_time.is_finite() && r.random_routes_time.is_finite());
             assert!(r.skip_time <= r.random_routes_time + 1e-9, "{r:?}");
-            // Deterministic for a seed.
+            // Deterministic for a seed, and the budget, not the clock, ended it.
             let again = skip_plan(&profile, &cluster, &setup).unwrap();
             assert_eq!(again.plan, r.plan);
+            assert!(!r.time_limit_hit && r.moves == 2 * 200 + 100, "{r:?}");
+            // A time limit that cuts the search says so.
+            let cut = SkipSetup {
+                moves: 1 << 30,
+                time_limit: Duration::from_millis(20),
+                ..setup
+            };
+            assert!(skip_plan(&profile, &cluster, &cut).unwrap().time_limit_hit);
         }
     }
 
