@@ -112,6 +112,9 @@ pub fn replace_dir(
     keep: impl Fn(&str) -> bool,
     fill: impl FnOnce(&Path) -> Result<()>,
 ) -> Result<()> {
+    // `.`, `..` or a trailing slash name no directory to rename: the real path does.
+    let real = dir.canonicalize();
+    let dir = real.as_deref().unwrap_or(dir);
     let parent = dir
         .parent()
         .filter(|p| !p.as_os_str().is_empty())

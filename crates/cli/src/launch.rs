@@ -26,7 +26,7 @@ pub fn placement(workers: usize, cores: usize) -> Vec<String> {
 pub fn physical_cores() -> usize {
     let logical = std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut cores = std::collections::BTreeSet::new();
-    for cpu in pipewright_runtime::kernels::lend::allowed_cpus() {
+    for cpu in pipewright_runtime::machine::lend::allowed_cpus() {
         let siblings = format!("/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list");
         match std::fs::read_to_string(siblings) {
             Ok(s) => cores.insert(s.trim().to_string()),
@@ -216,7 +216,7 @@ fn mpirun_command(mpirun: &std::path::Path, workers: usize) -> std::process::Com
 /// (`blas_lib::rank_library` says why); where it is not, the run header says what it would
 /// give ([`placement_note`]).
 fn give_ranks_mkl(cmd: &mut std::process::Command, cores_per_rank: usize) {
-    use pipewright_runtime::kernels::{blas_lib, coretype::CpuFeatures};
+    use pipewright_runtime::machine::{blas_lib, coretype::CpuFeatures};
     let user_named = blas_lib::user_named();
     let cpu = CpuFeatures::detect();
     if let Some(mkl) =
@@ -231,11 +231,11 @@ fn give_ranks_mkl(cmd: &mut std::process::Command, cores_per_rank: usize) {
 }
 
 /// Names the board on which the ranks lend each other their idle cores
-/// ([`pipewright_runtime::kernels::lend`]) when `workers` ranks get a core each. The launcher
+/// ([`pipewright_runtime::machine::lend`]) when `workers` ranks get a core each. The launcher
 /// creates the file and removes it after the job. `PIPEWRIGHT_LEND=0` turns lending off.
 fn lend_board(cmd: &mut std::process::Command, workers: usize) -> Option<PathBuf> {
-    use pipewright_runtime::kernels::lend;
-    let (on, note) = pipewright_runtime::kernels::env_switch(LEND);
+    use pipewright_runtime::machine::lend;
+    let (on, note) = pipewright_runtime::machine::env_switch(LEND);
     if let Some(note) = note {
         eprintln!("{note}: idle cores are lent");
     }
@@ -266,7 +266,7 @@ const LEND_BOARD: &str = "PIPEWRIGHT_LEND_BOARD";
 /// the board (see [`lend_board`]).
 #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 pub fn join_lending() {
-    use pipewright_runtime::kernels::{blas_lib, lend};
+    use pipewright_runtime::machine::{blas_lib, lend};
     let Some(path) = std::env::var_os(LEND_BOARD).filter(|_| launched()) else {
         return;
     };
@@ -282,7 +282,7 @@ pub fn join_lending() {
 /// give, for the run header.
 #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 fn mkl_hint(cores: usize) -> &'static str {
-    use pipewright_runtime::kernels::{blas_lib, coretype::CpuFeatures};
+    use pipewright_runtime::machine::{blas_lib, coretype::CpuFeatures};
     let user_named = blas_lib::user_named();
     match launched() && blas_lib::wants_mkl(&CpuFeatures::detect(), user_named, cores) {
         true => "; MKL ran such ranks up to 17% faster on an Intel CPU: `scripts/install-deps --mkl` installs it (PIPEWRIGHT_BLAS=system keeps OpenBLAS)",
@@ -315,7 +315,7 @@ pub fn share_cores() {
         .iter()
         .any(|v| std::env::var_os(v).is_some());
     if let Some(local) = crate::ranks::local_ranks().filter(|&n| n > 1 && cores >= online && !set) {
-        pipewright_runtime::kernels::blas_lib::set_blas_threads((online / local).max(1) as i32);
+        pipewright_runtime::machine::blas_lib::set_blas_threads((online / local).max(1) as i32);
     }
 }
 
@@ -341,9 +341,9 @@ pub fn placement_note(ranks: usize) -> String {
         _ if cores < online => mkl_hint(cores),
         _ => "",
     };
-    let threads = pipewright_runtime::kernels::blas_lib::blas_threads()
+    let threads = pipewright_runtime::machine::blas_lib::blas_threads()
         .map_or("?".to_string(), |t| t.to_string());
-    let lent = match pipewright_runtime::kernels::lend::joined() {
+    let lent = match pipewright_runtime::machine::lend::joined() {
         true => "; a rank's large products also run on the cores of ranks that wait",
         false => "",
     };

@@ -150,7 +150,7 @@ impl Format {
 /// back to SSE3 on x86-64, to its generic ARMV8 kernels on aarch64), run this same command again with `OPENBLAS_CORETYPE` set to
 /// the kernels that fit: the library reads it only as it initialises, before `main`.
 fn fit_blas_kernels() {
-    use pipewright_runtime::kernels::blas_lib::{kernel_fit, KernelFit, CHOSEN_CORETYPE};
+    use pipewright_runtime::machine::blas_lib::{kernel_fit, KernelFit, CHOSEN_CORETYPE};
     let KernelFit::Restart(core) = kernel_fit() else {
         return;
     };
@@ -171,7 +171,7 @@ fn fit_blas_kernels() {
 
 /// Say once when the matrix products run on kernels below the CPU's, and the fix.
 fn warn_slow_kernels() {
-    use pipewright_runtime::kernels::blas_lib::{kernel_fit, KernelFit};
+    use pipewright_runtime::machine::blas_lib::{kernel_fit, KernelFit};
     if let KernelFit::Slow { core, best } = kernel_fit() {
         let fix = if std::env::var_os("OPENBLAS_CORETYPE").is_some() {
             format!("unset OPENBLAS_CORETYPE, or set it to {best}")
@@ -185,7 +185,7 @@ fn warn_slow_kernels() {
 /// `--version` also says which BLAS library runs the matrix products (see blas_lib), and the
 /// threads it and this process have.
 fn long_version() -> String {
-    use pipewright_runtime::kernels::blas_lib;
+    use pipewright_runtime::machine::blas_lib;
     let blas = match blas_lib::blas() {
         Ok(b) => b.description.clone(),
         Err(e) => format!("unusable: {e}"),
@@ -305,7 +305,7 @@ fn run(cli: Cli) -> Result<()> {
     ) {
         // A PIPEWRIGHT_BLAS that cannot be used stops the commands that multiply matrices
         // before any work, rather than quietly running on another library.
-        pipewright_runtime::kernels::blas_lib::blas().map_err(|e| BadInput(e.to_string()))?;
+        pipewright_runtime::machine::blas_lib::blas().map_err(|e| BadInput(e.to_string()))?;
         // Once per run: not in the ranks pipewright started (it said so itself), and of a
         // launcher's tasks only in task 0.
         let first = ranks::launcher_tasks().is_none_or(|(_, _, me)| me == 0);

@@ -728,7 +728,7 @@ fn train(a: TrainArgs) -> Result<()> {
     let mut run = TrainingRun::new(trainer, corpus, run_cfg)?;
     let mut sink = Progress::new(&a, run.trainer.is_root());
     if procs.is_none() {
-        use pipewright_runtime::kernels::{blas_lib, env_switch};
+        use pipewright_runtime::machine::{blas_lib, env_switch};
         if let (_, Some(note)) = env_switch(blas_lib::SPLIT_VAR) {
             eprintln!("{note}: products are split as by default");
         }

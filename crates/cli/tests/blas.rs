@@ -3,7 +3,7 @@
 //! a user's own `OPENBLAS_CORETYPE` is respected, and a run on narrow kernels says so once,
 //! with the fix.
 
-use pipewright_runtime::kernels::coretype::{core_in_config, core_level, CpuFeatures};
+use pipewright_runtime::machine::coretype::{core_in_config, core_level, CpuFeatures};
 use std::process::{Command, Output};
 
 fn pw(args: &[&str], env: &[(&str, &str)]) -> Output {
@@ -98,10 +98,10 @@ fn mkl_by_name_is_found_or_refused_with_the_fix() {
         ("HOME", home),
         ("MKLROOT", home),
     ];
-    if pipewright_runtime::kernels::blas_lib::mkl_dirs()
+    if pipewright_runtime::machine::blas_lib::mkl_dirs()
         .iter()
         .filter(|d| !d.starts_with(std::env::var("HOME").unwrap_or_default()))
-        .any(|d| pipewright_runtime::kernels::blas_lib::mkl_in(d).is_some())
+        .any(|d| pipewright_runtime::machine::blas_lib::mkl_in(d).is_some())
     {
         eprintln!("skipped: a system MKL is installed here");
         return;

@@ -194,6 +194,19 @@ fn bad_input_is_one_line_and_exit_2() {
         ),
         (
             vec!["train", "--layers", huge, "--no-checkpoint"],
+            "layers 18446744073709551615 is past the largest pipewright takes (65536)",
+        ),
+        (
+            vec![
+                "train",
+                "--layers",
+                "60000",
+                "--d-model",
+                "4096",
+                "--heads",
+                "32",
+                "--no-checkpoint",
+            ],
             "more than 2^34 parameters",
         ),
         (vec!["profile", "--rows", huge], "more than 2^31 values"),

@@ -984,19 +984,10 @@ fn skip_plan_gives_the_same_plan_beside_a_busy_cpu() {
         serde_json::from_slice(&o.stdout).unwrap()
     };
     let quiet = run(&d.join("quiet.json"));
-    let busy: Vec<std::process::Child> = (0..2)
-        .map(|_| {
-            Command::new("sh")
-                .args(["-c", "while :; do :; done"])
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    let loaded = run(&d.join("busy.json"));
-    for mut b in busy {
-        let _ = b.kill();
-        let _ = b.wait();
-    }
+    let loaded = {
+        let _busy = common::Busy::cores(2);
+        run(&d.join("busy.json"))
+    };
     assert_eq!(quiet["time_limit_hit"], false);
     assert_eq!(loaded["time_limit_hit"], false);
     assert_eq!(quiet["skip_time"], loaded["skip_time"]);

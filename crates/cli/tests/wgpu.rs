@@ -127,14 +127,7 @@ fn gpus_per_node_is_checked() {
 #[test]
 fn a_two_process_wgpu_run_beside_a_busy_cpu_waits_out_the_first_steps_compile() {
     let dir = fresh_dir("wgpu-busy");
-    let busy: Vec<std::process::Child> = (0..2)
-        .map(|_| {
-            Command::new("sh")
-                .args(["-c", "while :; do :; done"])
-                .spawn()
-                .unwrap()
-        })
-        .collect();
+    let busy = common::Busy::cores(2);
     let metrics = dir.join("m.jsonl");
     let o = Command::new(env!("CARGO_BIN_EXE_pipewright"))
         .args(["train", "--device", "wgpu", "--stages", "2", "--steps", "3"])
@@ -150,10 +143,7 @@ fn a_two_process_wgpu_run_beside_a_busy_cpu_waits_out_the_first_steps_compile() 
         .args(TINY)
         .output()
         .unwrap();
-    for mut b in busy {
-        let _ = b.kill();
-        let _ = b.wait();
-    }
+    drop(busy);
     let err = String::from_utf8_lossy(&o.stderr);
     if !o.status.success()
         && err.contains("device did not start")

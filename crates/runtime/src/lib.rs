@@ -9,6 +9,7 @@ pub mod grads;
 pub mod guard;
 pub mod kernels;
 pub mod labelled;
+pub mod machine;
 pub mod model;
 pub mod profile;
 pub mod shardwriter;

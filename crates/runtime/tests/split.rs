@@ -3,7 +3,8 @@
 //! A test binary of its own: the takeover changes the process's BLAS thread count.
 
 use burn::tensor::{Distribution, Tensor};
-use pipewright_runtime::kernels::{blas_lib, matmul};
+use pipewright_runtime::kernels::matmul;
+use pipewright_runtime::machine::blas_lib;
 
 #[test]
 fn split_products_equal_the_librarys_to_the_bit() {

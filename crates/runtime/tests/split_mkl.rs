@@ -5,7 +5,8 @@
 //! process-wide.
 
 use burn::tensor::{Distribution, Tensor};
-use pipewright_runtime::kernels::{blas_lib, matmul};
+use pipewright_runtime::kernels::matmul;
+use pipewright_runtime::machine::blas_lib;
 
 #[test]
 fn products_move_to_mkl_or_stay_and_say_why() {

@@ -78,3 +78,32 @@ pub fn pids_with_arg(program: &str, arg: &std::path::Path) -> Vec<i32> {
     }
     out
 }
+
+/// Busy loops on `n` cores while it lives: the machine's load as a user's other work makes it.
+#[allow(dead_code)]
+pub struct Busy(Vec<std::process::Child>);
+
+#[allow(dead_code)]
+impl Busy {
+    pub fn cores(n: usize) -> Busy {
+        Busy(
+            (0..n)
+                .map(|_| {
+                    std::process::Command::new("sh")
+                        .args(["-c", "while :; do :; done"])
+                        .spawn()
+                        .expect("sh starts")
+                })
+                .collect(),
+        )
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}

@@ -4,7 +4,7 @@
 //! so the block above the diagonal is never computed (at t = 128, 3 of 4 tiles: a quarter of
 //! the products' work saved, more at longer t). Each head's `t x t` weights stay in cache from
 //! one step to the next, and the heads run over rayon's threads with the library
-//! single-threaded (see [`super::blas_lib::single_threaded`]).
+//! single-threaded (see [`crate::machine::blas_lib::single_threaded`]).
 
 use super::blas::{gemm, Operand, View};
 use super::cpu::{softmax_backward_row, softmax_row};
@@ -46,9 +46,9 @@ fn dims(q: &FlexTensor, k: &FlexTensor, v: &FlexTensor) -> (usize, usize, usize,
 
 /// Some (holding the library single-threaded) when the heads should run over rayon's threads:
 /// several heads and threads, and a library that can be made single-threaded.
-fn parallel(heads: usize) -> Option<super::blas_lib::SingleThreaded> {
+fn parallel(heads: usize) -> Option<crate::machine::blas_lib::SingleThreaded> {
     (heads >= 2 && rayon::current_num_threads() > 1)
-        .then(super::blas_lib::single_threaded)
+        .then(crate::machine::blas_lib::single_threaded)
         .flatten()
 }
 

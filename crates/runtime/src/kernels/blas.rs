@@ -194,7 +194,7 @@ unsafe fn call(
     // SAFETY: `checked` checked that each view holds its matrix at its leading dimension, and
     // the caller that `out` holds `len` writable slots, of which m rows of n at ldc are used.
     unsafe {
-        super::blas_lib::sgemm()(
+        crate::machine::blas_lib::sgemm()(
             cblas_sys::CblasRowMajor,
             tr(a.trans),
             tr(b.trans),
@@ -241,12 +241,12 @@ fn sgemm(
 const SMALL: usize = 1 << 22;
 
 /// Products at least this big (m x k x n) are split with idle peers' cores
-/// ([`super::lend`]): a part then takes 80 us or more, beside a helper's wake-up of tens. The
+/// ([`crate::machine::lend`]): a part then takes 80 us or more, beside a helper's wake-up of tens. The
 /// README's model (products of 4M multiply-adds) ran no faster lending at 2M (3 alternating
 /// runs of 60 steps: 45,082-48,645 tokens/s lending, 44,813-50,875 not).
 const LENT_SIZE: usize = 1 << 23;
 /// Products at least this big (m x k x n) are split over rayon's threads where pipewright
-/// took over the library's threading ([`super::blas_lib::split_products`]): a part then takes
+/// took over the library's threading ([`crate::machine::blas_lib::split_products`]): a part then takes
 /// 10 us or more, beside rayon's dispatch of a few.
 const SPLIT_SIZE: usize = 1 << 20;
 /// Each part of a split product has at least this many rows.
@@ -269,11 +269,11 @@ impl Rows {
 
 /// All the products of a batch into `out` (`m x n` each). A batch of small ones (attention's,
 /// one per sequence and head) runs over rayon's threads with the library single-threaded
-/// ([`super::blas_lib::single_threaded`]): 4-8% more tokens/s on 1 stage of gpt_bench
+/// ([`crate::machine::blas_lib::single_threaded`]): 4-8% more tokens/s on 1 stage of gpt_bench
 /// (steps alternating between the two ways in one run). Larger ones run one after the other:
 /// split by rows over rayon's threads where pipewright took over the library's threading
-/// ([`super::blas_lib::split_products`]; splitting by columns where the output is wider than
-/// tall was no faster), over idle MPI peers' cores where lent ([`super::lend`]), else on the
+/// ([`crate::machine::blas_lib::split_products`]; splitting by columns where the output is wider than
+/// tall was no faster), over idle MPI peers' cores where lent ([`crate::machine::lend`]), else on the
 /// library's own threads.
 fn gemm_batches(
     a: &Operand,
@@ -287,7 +287,7 @@ fn gemm_batches(
     }
     let batches = out.len() / (m * n);
     if batches >= 2 && m * k * n <= SMALL && rayon::current_num_threads() > 1 {
-        if let Some(_single) = super::blas_lib::single_threaded() {
+        if let Some(_single) = crate::machine::blas_lib::single_threaded() {
             use rayon::prelude::*;
             out.par_chunks_mut(m * n)
                 .enumerate()
@@ -304,7 +304,7 @@ fn gemm_batches(
             sgemm((a, i, r0), (b, i), (r1 - r0, k, n), beta, o);
         }
     };
-    let parts = super::blas_lib::split_threads();
+    let parts = crate::machine::blas_lib::split_threads();
     if parts > 1 && m * k * n >= SPLIT_SIZE && m >= parts * LENT_ROWS {
         use rayon::prelude::*;
         (0..parts)
@@ -312,7 +312,7 @@ fn gemm_batches(
             .for_each(|p| part(m * p / parts, m * (p + 1) / parts));
         return;
     }
-    if m * k * n >= LENT_SIZE && super::lend::split_rows(&part, m, LENT_ROWS) {
+    if m * k * n >= LENT_SIZE && crate::machine::lend::split_rows(&part, m, LENT_ROWS) {
         return;
     }
     part(0, m);

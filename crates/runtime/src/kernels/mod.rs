@@ -21,27 +21,10 @@ use burn::tensor::{Tensor, TensorData};
 mod attention;
 mod blas;
 pub use blas::measured_peak_flops;
-pub mod blas_lib;
-pub mod coretype;
 mod cpu;
 mod generic;
-pub mod lend;
 pub(crate) use generic::repeat_kv;
 mod llama;
-
-/// A 0/1 switch in the environment (`PIPEWRIGHT_LEND`, `PIPEWRIGHT_SPLIT`): whether it is on
-/// (only `0` turns it off), and for a value that is neither 0 nor 1 the start of a note saying
-/// so, to which the caller adds what still happens.
-pub fn env_switch(var: &str) -> (bool, Option<String>) {
-    match std::env::var(var).as_deref().map(str::trim) {
-        Ok("0") => (false, None),
-        Err(_) | Ok("1" | "") => (true, None),
-        Ok(v) => (
-            true,
-            Some(format!("note: {var}={v:?} is neither 0 (off) nor 1 (on)")),
-        ),
-    }
-}
 
 #[backend_extension(Flex, Autodiff)]
 pub trait Kernels: Backend {

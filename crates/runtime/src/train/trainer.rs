@@ -178,7 +178,7 @@ impl Trainer {
 
     /// Every worker a thread of this process; a worker waits at most `timeout` for a peer.
     /// Products then run on rayon's threads, the BLAS single-threaded, for the whole process
-    /// ([`crate::kernels::blas_lib::split_products`]).
+    /// ([`crate::machine::blas_lib::split_products`]).
     pub fn in_process(
         cfg: TrainConfig,
         plan: Plan,
@@ -186,7 +186,7 @@ impl Trainer {
         timeout: Duration,
     ) -> Result<Self> {
         let transport = transport_for(&plan, links.as_ref(), timeout)?;
-        crate::kernels::blas_lib::split_products();
+        crate::machine::blas_lib::split_products();
         Self::build(cfg, plan, None, links, transport, timeout)
     }
 

@@ -132,7 +132,7 @@ impl Mpi {
         }
         *WAITING.lock().unwrap() = Some(what);
         // This rank's cores are idle meanwhile: a peer on this machine may run on them.
-        let _lent = crate::kernels::lend::waiting();
+        let _lent = crate::machine::lend::waiting();
         let step = Duration::from_millis(100);
         let (timeout, bound) = self.patience.bound();
         let mut waited = Duration::ZERO;

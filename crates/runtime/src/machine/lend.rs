@@ -430,9 +430,9 @@ mod tests {
             burn::tensor::Distribution::Default,
             &dev,
         );
-        let split = super::super::matmul(a.clone(), b.clone()).into_data();
+        let split = crate::kernels::matmul(a.clone(), b.clone()).into_data();
         peer.idle.store(0, Ordering::Release);
-        let whole = super::super::matmul(a, b).into_data();
+        let whole = crate::kernels::matmul(a, b).into_data();
         assert_eq!(split, whole);
     }
 

@@ -309,7 +309,7 @@ mod tests {
 
     #[test]
     fn mkl_goes_only_to_one_core_ranks_of_an_intel_cpu_that_has_it() {
-        use crate::kernels::blas_lib::rank_library;
+        use crate::machine::blas_lib::rank_library;
         let mkl = || Some(std::path::PathBuf::from("/x/libmkl_rt.so.2"));
         assert_eq!(rank_library(&SPR, false, 1, mkl()), mkl());
         // An AVX2-only Intel too: MKL knows its own CPUs.
