@@ -136,6 +136,25 @@ pub struct Plan {
     pub devices: Vec<String>,
 }
 
+impl Plan {
+    /// A plan that no generator made (searched routes, list-scheduled orders): its stages,
+    /// one route per micro-batch and each worker's actions, on the cluster's first devices.
+    pub fn custom(
+        stages: Vec<StagePlan>,
+        routes: Vec<Vec<Hop>>,
+        workers: Vec<Vec<Action>>,
+    ) -> Plan {
+        Plan {
+            kind: ScheduleKind::Custom,
+            num_microbatches: routes.len(),
+            stages,
+            routes,
+            workers,
+            devices: Vec::new(),
+        }
+    }
+}
+
 /// Fast lookups along routes: hop before and after stage `s` on micro-batch `m`'s route.
 #[derive(Debug, Clone)]
 pub struct RouteIndex {

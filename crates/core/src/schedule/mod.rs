@@ -387,14 +387,7 @@ pub fn gpipe_routes(
             f
         })
         .collect();
-    Plan {
-        kind: ScheduleKind::Custom,
-        num_microbatches: routes.len(),
-        stages,
-        routes,
-        workers,
-        devices: Vec::new(),
-    }
+    Plan::custom(stages, routes, workers)
 }
 
 #[cfg(test)]

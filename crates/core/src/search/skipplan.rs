@@ -20,7 +20,6 @@ use crate::plan::ir::Topology;
 use crate::plan::ir::{Hop, Op, Plan, StagePlan};
 use crate::profile::Profile;
 use crate::rng::Lcg;
-use crate::schedule::ScheduleKind;
 use crate::search::partition::{min_max_split, prefix};
 use crate::search::skip::{check_skip_rules, neighbour_swaps, SkipRules};
 use crate::sim::dispatch::{route_schedule, Order, RouteSchedule};
@@ -230,16 +229,9 @@ impl Problem<'_> {
                 cost: Some(self.stage_costs[st]),
             })
             .collect();
-        Some(Plan {
-            kind: ScheduleKind::Custom,
-            num_microbatches: routes.len(),
-            stages,
-            routes,
-            workers,
-            // Named once for the plans returned (`skip_plan`), not for every scored candidate:
-            // worker w is the cluster's device w either way.
-            devices: Vec::new(),
-        })
+        // Devices are named once for the plans returned (`skip_plan`), not for every scored
+        // candidate: worker w is the cluster's device w either way.
+        Some(Plan::custom(stages, routes, workers))
     }
 
     /// The worker orders a plan may take, the first being the one the search scores with:

@@ -4,10 +4,10 @@
 //! times. The skip scheduler scores its candidates with it, and `simulate --dispatch arrival`
 //! replays a plan as SkipPipe's simulator dispatches (each node runs what arrived first).
 
+use super::setup::{SimOptions, SimSetup};
 use crate::error::{Error, Result};
 use crate::plan::deps::{need_count, unblocks, Pending, Waiter};
 use crate::plan::ir::{Action, Hop, Op, Plan};
-use crate::sim::{SimOptions, SimSetup};
 
 /// How an idle worker picks among the actions whose inputs are there.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -6,15 +6,17 @@
 //! directed link is a FIFO resource busy for `latency + bytes / bandwidth + overhead`; sends do
 //! not block compute.
 
+use super::setup::{Dispatch, SimOptions, SimSetup};
 use crate::cluster::Cluster;
 use crate::error::{Error, Result};
 use crate::plan::deps::{needs, Need};
 use crate::plan::ir::{Action, Hop, Op, Plan, RouteIndex, Topology};
 use crate::profile::static_bytes;
 use crate::profile::StageCost;
+use crate::schedule::Time;
 use crate::sim::timeline::{SpanKind, TimedAction, TimedSpan, TimedTransfer, Timeline};
 use serde::Serialize;
-use std::cmp::{Ordering, Reverse};
+use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
 /// In-flight activations of one worker at their peak.
@@ -123,29 +125,6 @@ pub struct SimResult {
     pub links: Vec<LinkUse>,
     #[serde(skip)]
     pub timeline: Timeline,
-}
-
-/// Costs and places a simulation needs: the stage costs and, for each worker, its device.
-pub struct SimSetup<'a> {
-    pub plan: &'a Plan,
-    /// One per stage, at speed 1.0.
-    pub stages: &'a [StageCost],
-    /// One device per worker, in worker order.
-    pub cluster: &'a Cluster,
-}
-
-#[derive(Clone, Copy, PartialEq)]
-struct Time(f64);
-impl Eq for Time {}
-impl PartialOrd for Time {
-    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
-        Some(self.cmp(o))
-    }
-}
-impl Ord for Time {
-    fn cmp(&self, o: &Self) -> Ordering {
-        self.0.total_cmp(&o.0)
-    }
 }
 
 const UNKNOWN: f64 = f64::INFINITY;
@@ -421,35 +400,6 @@ fn check_link_times(plan: &Plan, stages: &[StageCost], cluster: &Cluster, work: 
 }
 
 /// Simulate; the plan should have been validated (a stuck plan is still reported, not hung).
-/// How the workers' compute is arranged beyond the cluster's devices.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct SimOptions {
-    /// All workers share one compute resource that runs one action (and one optimizer step) at
-    /// a time: what in-process worker threads are while burn's autodiff is serialised
-    /// (crates/runtime/src/backend.rs). Each action takes the earliest free slot at or after
-    /// the time it could start; messages and waits stay concurrent.
-    pub shared_compute: bool,
-    /// Seconds a worker rests after each action before it starts its next (SkipPipe's
-    /// simulator waits 0.13 s). The pipeline's makespan still ends with the last action.
-    pub idle_gap: f64,
-    /// Messages on a link do not queue behind each other: each travels from the moment it is
-    /// sent (SkipPipe's simulator).
-    pub no_link_queue: bool,
-    /// Whether workers run the plan's order or whatever became ready first.
-    pub dispatch: Dispatch,
-}
-
-/// How a worker picks its next action.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum Dispatch {
-    /// In the plan's order.
-    #[default]
-    Plan,
-    /// Whatever became ready first, forward or backward, within the devices' in-flight caps
-    /// (SkipPipe's simulator); the plan's routes stay, its orders are replaced.
-    Arrival,
-}
-
 pub fn simulate(setup: &SimSetup) -> Result<SimResult> {
     simulate_with(setup, SimOptions::default())
 }
