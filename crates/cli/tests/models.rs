@@ -744,7 +744,7 @@ fn tokenize_then_train_on_shards_then_generate() {
         "1",
         "--no-checkpoint",
     ]);
-    exits_2_saying(&o, "more than the model's vocabulary");
+    exits_2_saying(&o, "past the model's vocabulary of 1000");
 }
 
 /// Fine-tuning for a text task: a LLaMA given a classification head learns an easy two-class
