@@ -856,7 +856,7 @@ fn llama_learns_to_classify_text_and_exports_a_classifier() {
         .unwrap()
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["val_loss"].as_f64())
-        .last()
+        .next_back()
         .unwrap();
     let eval = |model: &[&str]| -> serde_json::Value {
         let out = ok(&[&["eval", "--checkpoint-dir", &ck2_s, "--json"], model].concat());
