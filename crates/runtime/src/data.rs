@@ -83,25 +83,8 @@ impl Part {
     }
 }
 
-/// SplitMix64: a tiny deterministic generator for data order (not for anything secret).
-#[derive(Debug, Clone)]
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Self {
-        Rng(seed)
-    }
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    pub fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
-    }
-}
+/// The data's generator (order, windows, the synthetic corpus): SplitMix64, from core.
+pub use pipewright_core::rng::SplitMix64 as Rng;
 
 /// Sentences from a small grammar plus sums, e.g. "the red fox sees a small dog. 3+4=7."
 pub fn synthetic_text(bytes: usize, seed: u64) -> String {

@@ -50,7 +50,7 @@ pub fn generate(
             LayerBlock::LlamaEmbed(_) | LayerBlock::LlamaBlock(_) | LayerBlock::LlamaHead(_)
         )
     });
-    let mut rng = crate::data::Rng::new(how.seed);
+    let mut rng = pipewright_core::rng::SplitMix64::new(how.seed);
     let mut caches: Vec<KvCache> = vec![None; model.layers.len()];
     let mut tokens = prompt.to_vec();
     let mut out = Vec::new();
@@ -99,7 +99,7 @@ fn forward_cached(model: &Stage, new: &[i64], start: usize, caches: &mut [KvCach
 }
 
 /// The next token: the arg-max, or a draw from the tempered (top-k) softmax.
-fn pick(logits: &[f32], how: &Sampling, rng: &mut crate::data::Rng) -> usize {
+fn pick(logits: &[f32], how: &Sampling, rng: &mut pipewright_core::rng::SplitMix64) -> usize {
     let argmax = || {
         logits
             .iter()

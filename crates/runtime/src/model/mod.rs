@@ -210,7 +210,7 @@ impl Layers {
         // weights are set here from our own generator: GPT-2 style N(0, 0.02)-like uniform for
         // matrices, zero biases, norms' ones and zeros as built.
         let mut layers = Layers { blocks }.map(&mut Init {
-            rng: crate::data::Rng::new(seed),
+            rng: pipewright_core::rng::SplitMix64::new(seed),
             seed,
             count: 0,
             path: Vec::new(),
@@ -351,7 +351,7 @@ pub fn fresh_copy<M: Module>(m: M) -> M {
 }
 
 struct Init {
-    rng: crate::data::Rng,
+    rng: pipewright_core::rng::SplitMix64,
     seed: u64,
     count: u64,
     path: Vec<String>,
