@@ -486,6 +486,13 @@ fn export_keeps_its_source_and_a_kill_leaves_one_model_whole() {
     ]);
     exits_2_saying(&o, "fine-tuned from");
     // Another model directory, replaced under kills at spread-out moments.
+    kills_leave_one_model_whole(&work, &src, ck_s, &before);
+}
+
+/// Copies of the model in `src` (`before`, its files) replaced by `export --overwrite` of the
+/// checkpoint `ck`, killed at 8 moments spread over an export's time: each copy ends as the
+/// old model or the new one, never a mix.
+fn kills_leave_one_model_whole(work: &Path, src: &Path, ck_s: &str, before: &(Vec<u8>, Vec<u8>)) {
     let other = work.join("other");
     let fresh = work.join("fresh");
     ok(&[
@@ -496,7 +503,7 @@ fn export_keeps_its_source_and_a_kill_leaves_one_model_whole() {
         fresh.to_str().unwrap(),
     ]);
     let new = model_files(&fresh);
-    assert!(new != before);
+    assert!(new != *before);
     let t0 = std::time::Instant::now();
     ok(&[
         "export",
@@ -531,7 +538,7 @@ fn export_keeps_its_source_and_a_kill_leaves_one_model_whole() {
         let _ = child.wait();
         let now = model_files(&other);
         assert!(
-            now == before || now == new,
+            now == *before || now == new,
             "kill {k}: a mix of the old model and the new"
         );
         if now == new {
