@@ -3,11 +3,13 @@
 //! the same process replaces one (by device and inode: symlinks and hard links included).
 
 use crate::error::{Error, Result};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-/// (device, inode, the path it was read by) of every input so far.
-static READ: Mutex<Vec<(u64, u64, PathBuf)>> = Mutex::new(Vec::new());
+/// Every input so far: (device, inode) to the path it was read by. A set, not a list: an image
+/// folder notes one input per image.
+static READ: Mutex<Option<HashMap<(u64, u64), PathBuf>>> = Mutex::new(None);
 
 /// `path`'s metadata if it is a regular file (symlinks followed), noted as an input; else an
 /// error naming it.
@@ -35,18 +37,16 @@ pub fn note_input(path: &Path) {
 fn note(path: &Path, m: &std::fs::Metadata) {
     let id = file_id(m);
     let mut read = READ.lock().unwrap_or_else(|e| e.into_inner());
-    if !read.iter().any(|(d, i, _)| (*d, *i) == id) {
-        read.push((id.0, id.1, path.to_path_buf()));
-    }
+    read.get_or_insert_with(HashMap::new)
+        .entry(id)
+        .or_insert_with(|| path.to_path_buf());
 }
 
 /// The input that `path` is, if it is one: the same file, by any name.
 pub fn input_at(path: &Path) -> Option<PathBuf> {
     let id = file_id(&std::fs::metadata(path).ok()?);
     let read = READ.lock().unwrap_or_else(|e| e.into_inner());
-    read.iter()
-        .find(|(d, i, _)| (*d, *i) == id)
-        .map(|(_, _, p)| p.clone())
+    read.as_ref()?.get(&id).cloned()
 }
 
 #[cfg(unix)]
