@@ -1,6 +1,7 @@
 //! Cluster: what each device and link can do (docs/formats.md, "Cluster").
 
-use crate::error::{parse_toml, read_file, Error, Result};
+use crate::error::{parse_toml, Error, Result};
+use crate::inputs::read_file;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::Path;

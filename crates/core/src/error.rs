@@ -137,10 +137,3 @@ fn line_col(text: &str, offset: usize) -> (usize, usize) {
     let col = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
     (line, col)
 }
-
-/// Read a file, naming it in the error.
-pub fn read_file(path: &std::path::Path) -> Result<String> {
-    crate::inputs::regular_file(path)?;
-    std::fs::read_to_string(path)
-        .map_err(|e| Error::input(path.display().to_string(), format!("cannot read: {e}")))
-}

@@ -49,6 +49,13 @@ pub fn input_at(path: &Path) -> Option<PathBuf> {
     read.as_ref()?.get(&id).cloned()
 }
 
+/// Read a file, naming it in the error.
+pub fn read_file(path: &std::path::Path) -> Result<String> {
+    regular_file(path)?;
+    std::fs::read_to_string(path)
+        .map_err(|e| Error::input(path.display().to_string(), format!("cannot read: {e}")))
+}
+
 #[cfg(unix)]
 fn file_id(m: &std::fs::Metadata) -> (u64, u64) {
     use std::os::unix::fs::MetadataExt;

@@ -1,6 +1,7 @@
 //! Model profile: what each layer costs (docs/formats.md, "Model profile").
 
-use crate::error::{parse_toml, read_file, Error, Result};
+use crate::error::{parse_toml, Error, Result};
+use crate::inputs::read_file;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 

@@ -121,6 +121,17 @@ impl<'a> JobSpec<'a> {
     pub fn with_layers(self, layers: LayerCut<'a>) -> Self {
         JobSpec { layers, ..self }
     }
+
+    /// The workers [`build`]'s plan will have, known without building it (a launcher starts
+    /// that many processes, and a route search is not run twice): a worker per stage of each
+    /// replica (SkipPipe: of each data node). A skip job on a cluster places its stages on the
+    /// cluster's devices, so it has none to count here.
+    pub fn workers(&self) -> Option<usize> {
+        match (self.routes, self.cluster) {
+            (Routes::Skip(_), Some(_)) => None,
+            _ => self.shape.depth.checked_mul(self.shape.replicas),
+        }
+    }
 }
 
 /// The validated whole-job plan of `spec`.
@@ -267,5 +278,59 @@ fn devices(spec: &JobSpec, plan: &Plan) -> Result<Cluster> {
     match spec.cluster {
         Some(c) => devices_for_plan(plan, c),
         None => Ok(Cluster::uniform(plan.num_workers())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::profile::Profile;
+
+    /// The count a launcher uses is the count the plan has, for pipelines and skip routes.
+    #[test]
+    fn workers_are_known_before_the_plan_is_built() {
+        let mut toml = String::from("[model]\nname = \"m\"\n");
+        for i in 0..8 {
+            toml += &format!("[[layers]]\nname = \"l{i}\"\nforward = 1\nbackward = 2\nparams = 4000\nactivation = 100\n");
+        }
+        let profile = Profile::parse("m.toml", &toml).unwrap();
+        for (kind, depth, replicas) in [
+            (ScheduleKind::OneFOneB, 3, 2),
+            (ScheduleKind::GPipe, 2, 1),
+            (ScheduleKind::ZbH1, 3, 1),
+        ] {
+            let shape = PipelineShape {
+                depth,
+                chunks: 1,
+                replicas,
+                microbatches: 4,
+            };
+            let spec = JobSpec::new(kind, shape).with_layers(LayerCut::Profile(&profile));
+            assert_eq!(
+                spec.workers(),
+                Some(build(&spec).unwrap().num_workers()),
+                "{kind}"
+            );
+        }
+        let shape = PipelineShape {
+            depth: 4,
+            chunks: 1,
+            replicas: 2,
+            microbatches: 4,
+        };
+        let spec = JobSpec {
+            routes: Routes::Skip(SkipRoutes {
+                skip: 1,
+                max_swaps: 1,
+                moves: 50,
+                time_limit: std::time::Duration::from_secs(60),
+                seed: 3,
+                mechanics: Default::default(),
+                max_node_load: None,
+                polish_moves: 0,
+            }),
+            ..JobSpec::new(ScheduleKind::OneFOneB, shape).with_layers(LayerCut::Profile(&profile))
+        };
+        assert_eq!(spec.workers(), Some(build(&spec).unwrap().num_workers()));
     }
 }

@@ -26,7 +26,7 @@ impl Plan {
             let old: OldPlan = serde_json::from_value(v).map_err(|e| {
                 Error::input(
                     file,
-                    format!("looks like a 0.1 single-pipeline plan (has `placement`) but does not parse: {e}; regenerate it with `pipewright schedule --format json`"),
+                    format!("looks like a 0.1 single-pipeline plan (has `placement`) but does not parse: {e}; regenerate it as JSON with pipewright's schedule command"),
                 )
             })?;
             return old.convert(file);
