@@ -171,7 +171,7 @@ fn check_args(a: &EvalArgs) -> Result<()> {
 fn eval_corpus(a: &EvalArgs, cfg: &mut TrainConfig) -> Result<pipewright_runtime::data::Corpus> {
     let head = cfg.model.head;
     // Without --data, the data the checkpoint's run trained on.
-    let data = a.data.resolve(cfg.data.as_ref())?;
+    let data = a.data.resolve(cfg.data.as_ref());
     if a.data.data.is_none() && !a.json {
         match &data.data {
             Some(d) => println!("data: {} (recorded in the checkpoint)", d.display()),
@@ -187,10 +187,8 @@ fn eval_corpus(a: &EvalArgs, cfg: &mut TrainConfig) -> Result<pipewright_runtime
         .into());
     }
     if !corpus.is_task() {
-        corpus
-            .check(cfg.model.seq_len)
-            .and_then(|()| cfg.model.check_text(&corpus.name, corpus.ids))
-            .map_err(BadInput)?;
+        corpus.check(cfg.model.seq_len)?;
+        cfg.model.check_text(&corpus.name, corpus.ids)?;
     }
     Ok(corpus)
 }

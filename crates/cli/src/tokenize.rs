@@ -3,8 +3,10 @@
 use crate::BadInput;
 use anyhow::Result;
 use clap::Args;
-use pipewright_runtime::shardwriter::{self, read_manifest, Input, Outcome, Settings, MANIFEST};
-use pipewright_runtime::tokenizer::Tokenizer;
+use pipewright_runtime::data::shards::{
+    self as shardwriter, read_manifest, Input, Outcome, Settings, MANIFEST,
+};
+use pipewright_runtime::data::tokenizer::Tokenizer;
 use std::path::{Path, PathBuf};
 
 #[derive(Args)]
@@ -71,18 +73,17 @@ pub fn cmd_tokenize(a: TokenizeArgs) -> Result<()> {
         ))
         .into());
     }
-    let tok = Tokenizer::load(&a.tokenizer).map_err(BadInput)?;
+    let tok = Tokenizer::load(&a.tokenizer)?;
     let inputs = input_files(&a.data)?
         .iter()
         .map(|p| Input::of(p))
-        .collect::<Result<Vec<_>, String>>()
-        .map_err(BadInput)?;
+        .collect::<Result<Vec<_>, _>>()?;
     if inputs.iter().all(|i| i.bytes == 0) {
         return Err(BadInput(format!("--data {}: no text to tokenize", a.data.display())).into());
     }
     crate::files::output_dir(&a.out)?;
     let _lock = lock(&a.out)?;
-    let manifest = read_manifest(&a.out).map_err(BadInput)?;
+    let manifest = read_manifest(&a.out)?;
     if manifest.is_none() && holds_shards(&a.out) {
         return Err(BadInput(format!(
             "--out {}: already holds .bin shards (and no {MANIFEST} to resume); remove them or choose another directory",
@@ -109,8 +110,7 @@ pub fn cmd_tokenize(a: TokenizeArgs) -> Result<()> {
         BATCH_BYTES,
         &|b| bar.set_position(b),
         None,
-    )
-    .map_err(BadInput)?;
+    )?;
     bar.finish_and_clear();
     let Outcome::Done {
         manifest: m,

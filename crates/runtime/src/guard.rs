@@ -26,12 +26,12 @@ pub fn capped(text: &str, max: usize) -> String {
 }
 
 /// Run `read` (a third-party reader on `file`); a panic in it becomes an error naming the
-/// file and `what` it was read as, and any error's message is capped.
-pub fn reader<T>(
-    file: &Path,
-    what: &str,
-    read: impl FnOnce() -> Result<T, String>,
-) -> Result<T, String> {
+/// file and `what` it was read as, and an error whose message is too long becomes one with a
+/// capped message (a shorter one is returned as it is, keeping its type).
+pub fn reader<T, E>(file: &Path, what: &str, read: impl FnOnce() -> Result<T, E>) -> Result<T, E>
+where
+    E: From<String> + std::fmt::Display,
+{
     static HOOK: std::sync::Once = std::sync::Once::new();
     HOOK.call_once(|| {
         let previous = std::panic::take_hook();
@@ -45,18 +45,25 @@ pub fn reader<T>(
     let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(read));
     QUIET.with(|q| q.set(was));
     match out {
-        Ok(r) => r.map_err(|e| capped(&e, MESSAGE_CHARS + 2 * file.as_os_str().len())),
+        Ok(r) => r.map_err(|e| {
+            let max = MESSAGE_CHARS + 2 * file.as_os_str().len();
+            let text = e.to_string();
+            match text.chars().count() > max {
+                true => E::from(capped(&text, max)),
+                false => e,
+            }
+        }),
         Err(payload) => {
             let why = payload
                 .downcast_ref::<&str>()
                 .map(|s| s.to_string())
                 .or_else(|| payload.downcast_ref::<String>().cloned())
                 .unwrap_or_default();
-            Err(format!(
+            Err(E::from(format!(
                 "{}: not a {what} that reads: its reader failed ({})",
                 file.display(),
                 capped(&why, MESSAGE_CHARS)
-            ))
+            )))
         }
     }
 }
@@ -82,7 +89,7 @@ mod tests {
         })
         .unwrap_err();
         assert!(e.len() < 400 && e.ends_with("more characters)"), "{e}");
-        assert_eq!(reader(f, "Parquet file", || Ok(3)), Ok(3));
+        assert_eq!(reader(f, "Parquet file", || Ok::<_, String>(3)), Ok(3));
         assert_eq!(capped("héllo", 2), "hé... (3 more characters)");
     }
 }

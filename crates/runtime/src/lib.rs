@@ -1,6 +1,7 @@
 //! pipewright-runtime: trains a real model from a Plan IR with burn.
 
 pub mod backend;
+pub mod batch;
 pub mod cache;
 pub mod data;
 pub mod error;
@@ -8,14 +9,9 @@ pub mod exec;
 pub mod grads;
 pub mod guard;
 pub mod kernels;
-pub mod labelled;
 pub mod machine;
 pub mod model;
 pub mod profile;
-pub mod shardwriter;
-pub mod squad;
-pub mod tokenizer;
-pub mod tokens;
 pub mod train;
 pub mod transport;
 

@@ -485,7 +485,7 @@ fn cached_frozen_prefix_stays_exact() {
     use std::sync::Arc;
     // 40 samples of 8 bytes; 4 micro-batches of 2 a step: 5 steps an epoch.
     let text =
-        pipewright_runtime::tokens::Tokens::bytes(synthetic_text(8 * 40 + 1, 5).into_bytes());
+        pipewright_runtime::data::tokens::Tokens::bytes(synthetic_text(8 * 40 + 1, 5).into_bytes());
     let corpus = Corpus {
         train: Part::Text(text.clone()),
         val: Part::Text(text),

@@ -3,8 +3,8 @@
 //! file, never a panic, and no error line quotes the data (a fixed seed: the same cases on
 //! every run).
 
-use pipewright_runtime::labelled::{Examples, Fields};
-use pipewright_runtime::tokenizer::Tokenizer;
+use pipewright_runtime::data::tokenizer::Tokenizer;
+use pipewright_runtime::data::{examples::Examples, records::Fields};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed};
 use std::path::Path;
@@ -93,7 +93,7 @@ proptest! {
         std::fs::write(&p, mutated(&base, &e, keep)).unwrap();
         match Examples::load(&p, &Tokenizer::Bytes, &Fields::default(), 8, None) {
             Ok((x, _)) => prop_assert!(x.labels.len() <= 3),
-            Err(err) => check_error(&err, &p),
+            Err(err) => check_error(&err.to_string(), &p),
         }
     }
 
@@ -105,7 +105,7 @@ proptest! {
         std::fs::write(&p, mutated(&png_bytes(), &e, keep)).unwrap();
         match Examples::load_images(d.path(), 4, 3, 17, None) {
             Ok((x, _)) => prop_assert_eq!(x.labels.len(), 1),
-            Err(err) => check_error(&err, &p),
+            Err(err) => check_error(&err.to_string(), &p),
         }
     }
 }
@@ -120,6 +120,8 @@ fn a_long_non_utf8_parquet_value_gives_a_short_error() {
     let d = tempfile::tempdir().unwrap();
     let p = d.path().join("t.parquet");
     std::fs::write(&p, parquet_bytes(&[&bad], &[0])).unwrap();
-    let err = Examples::load(&p, &Tokenizer::Bytes, &Fields::default(), 8, None).unwrap_err();
+    let err = Examples::load(&p, &Tokenizer::Bytes, &Fields::default(), 8, None)
+        .unwrap_err()
+        .to_string();
     check_error(&err, &p);
 }

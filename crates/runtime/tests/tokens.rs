@@ -1,9 +1,9 @@
 //! Tokenizers and token shards: round trips, ids as their own libraries give them, shards
 //! read back as written (llm.c's and nanoGPT's), and damaged shards refused by name.
 
+use pipewright_runtime::data::tokenizer::Tokenizer;
+use pipewright_runtime::data::tokens::{shard_bytes, Tokens};
 use pipewright_runtime::data::Corpus;
-use pipewright_runtime::tokenizer::Tokenizer;
-use pipewright_runtime::tokens::{shard_bytes, Tokens};
 use std::path::{Path, PathBuf};
 
 const TEXT: &str = "Pipelines cut a model into stages; héllo wörld, 3+4=7.\n\tdone. 日本語";
@@ -40,11 +40,14 @@ fn every_tokenizer_round_trips_and_knows_its_vocabulary() {
         assert_eq!(ids, [83, 263, 293, 88, 290, 87, 11, 270, 265, 88, 270]);
         assert!(t.round_trips(TEXT).unwrap());
     }
-    let e = Tokenizer::load("no-such-tokenizer").err().unwrap();
+    let e = Tokenizer::load("no-such-tokenizer")
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains("no-such-tokenizer"), "{e}");
     let t = Tokenizer::load("gpt2").unwrap();
     assert!(t.check_fits(50257).is_ok());
-    let e = t.check_fits(256).unwrap_err();
+    let e = t.check_fits(256).unwrap_err().to_string();
     assert!(
         e.contains("ids reach 50256") && e.contains("vocabulary of 256"),
         "{e}"
@@ -90,19 +93,30 @@ fn shards_read_back_as_written() {
 fn damaged_shards_are_refused_by_name() {
     let d = scratch("bad");
     std::fs::write(d.join("odd.bin"), [1u8, 2, 3]).unwrap();
-    let e = Tokens::shards(&[d.join("odd.bin")]).err().unwrap();
+    let e = Tokens::shards(&[d.join("odd.bin")])
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains("odd.bin") && e.contains("whole number"), "{e}");
     let mut short = shard_bytes(&[1, 2, 3, 4]);
     short.truncate(short.len() - 2);
     std::fs::write(d.join("short.bin"), short).unwrap();
-    let e = Tokens::shards(&[d.join("short.bin")]).err().unwrap();
+    let e = Tokens::shards(&[d.join("short.bin")])
+        .err()
+        .unwrap()
+        .to_string();
     assert!(
         e.contains("short.bin") && e.contains("header says 4 tokens"),
         "{e}"
     );
-    let e = Tokens::shards(&[d.join("missing.bin")]).err().unwrap();
+    let e = Tokens::shards(&[d.join("missing.bin")])
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains("missing.bin"), "{e}");
-    let e = Corpus::open(&scratch("empty"), &Tokenizer::Bytes).unwrap_err();
+    let e = Corpus::open(&scratch("empty"), &Tokenizer::Bytes)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("no .txt or .bin files"), "{e}");
 }
 
@@ -125,7 +139,7 @@ fn files(dir: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
 /// token, the held-out part last; a changed input refuses the resume by name.
 #[test]
 fn tokenize_resumes_to_the_same_shards_and_round_trips() {
-    use pipewright_runtime::shardwriter::{run, Input, Outcome, Settings};
+    use pipewright_runtime::data::shards::{run, Input, Outcome, Settings};
     let src = scratch("tokenize-src");
     let mut texts = Vec::new();
     for i in 0..7 {
@@ -201,7 +215,9 @@ fn tokenize_resumes_to_the_same_shards_and_round_trips() {
         Outcome::Stopped
     );
     let before = files(&part);
-    let err = run(&changed, &tok, &part, batch, &|_| {}, None).unwrap_err();
+    let err = run(&changed, &tok, &part, batch, &|_| {}, None)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("3.txt") && err.contains("changed"), "{err}");
     assert!(files(&part) == before, "a refused resume changed files");
 }

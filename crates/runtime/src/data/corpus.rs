@@ -2,8 +2,10 @@
 //! examples for a task head; and a built-in deterministic synthetic corpus with learnable
 //! structure (so `pipewright train` works on a fresh machine).
 
-use crate::labelled::Examples;
-use crate::tokens::Tokens;
+use super::error::Result;
+use super::examples::Examples;
+use super::tokens::Tokens;
+pub use crate::batch::MicroBatch;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
@@ -60,7 +62,7 @@ impl Part {
         match self {
             Part::Text(t) => {
                 let offsets: Vec<usize> = samples.iter().map(|&s| s as usize * seq_len).collect();
-                MicroBatch::at(t, seq_len, &offsets, samples)
+                window_batch(t, seq_len, &offsets, samples)
             }
             Part::Examples(e) => {
                 let idx: Vec<usize> = samples.iter().map(|&s| s as usize).collect();
@@ -117,11 +119,11 @@ pub fn synthetic_text(bytes: usize, seed: u64) -> String {
 
 /// A UTF-8 text file's contents. A FIFO or device would block the read: only regular files
 /// are read.
-fn read_text(path: &Path) -> Result<String, String> {
-    crate::labelled::regular(path)?;
+fn read_text(path: &Path) -> Result<String> {
+    super::records::regular(path)?;
     let bytes = std::fs::read(path)
         .map_err(|e| format!("{}: cannot read data file: {e}", path.display()))?;
-    String::from_utf8(bytes).map_err(|e| format!("{}: not UTF-8 text: {e}", path.display()))
+    Ok(String::from_utf8(bytes).map_err(|e| format!("{}: not UTF-8 text: {e}", path.display()))?)
 }
 
 impl Corpus {
@@ -133,7 +135,7 @@ impl Corpus {
         )
     }
 
-    pub fn load(path: &Path) -> Result<Self, String> {
+    pub fn load(path: &Path) -> Result<Self> {
         let text = read_text(path)?;
         Ok(Self::from_bytes(
             &path.display().to_string(),
@@ -146,9 +148,9 @@ impl Corpus {
     pub fn from_documents(
         name: &str,
         docs: &[String],
-        tok: &crate::tokenizer::Tokenizer,
+        tok: &super::tokenizer::Tokenizer,
         val_fraction: f64,
-    ) -> Result<Self, String> {
+    ) -> Result<Self> {
         let mut ids = Vec::new();
         for d in docs {
             ids.extend(tok.eot());
@@ -167,8 +169,8 @@ impl Corpus {
     pub fn open_with_val(
         path: &Path,
         val: &Path,
-        tok: &crate::tokenizer::Tokenizer,
-    ) -> Result<Self, String> {
+        tok: &super::tokenizer::Tokenizer,
+    ) -> Result<Self> {
         let train = Self::open_split(path, tok, 0.0)?;
         let held = Self::open_split(val, tok, 1.0)?;
         Ok(Corpus {
@@ -183,8 +185,8 @@ impl Corpus {
     }
 
     /// The built-in corpus as `tok` reads it.
-    pub fn builtin_with(tok: &crate::tokenizer::Tokenizer) -> Result<Self, String> {
-        if matches!(tok, crate::tokenizer::Tokenizer::Bytes) {
+    pub fn builtin_with(tok: &super::tokenizer::Tokenizer) -> Result<Self> {
+        if matches!(tok, super::tokenizer::Tokenizer::Bytes) {
             return Ok(Self::builtin());
         }
         let ids = tok.encode(&synthetic_text(256 * 1024, 7))?;
@@ -222,7 +224,7 @@ impl Corpus {
     /// The data at `path` as `tok` sees it: a UTF-8 text file, a directory of them (`*.txt`,
     /// in name order), token shards (`*.bin`: llm.c's or nanoGPT's; those named `*val*` are
     /// the held-out part), or one shard.
-    pub fn open(path: &Path, tok: &crate::tokenizer::Tokenizer) -> Result<Self, String> {
+    pub fn open(path: &Path, tok: &super::tokenizer::Tokenizer) -> Result<Self> {
         Self::open_split(path, tok, 0.1)
     }
 
@@ -230,14 +232,14 @@ impl Corpus {
     /// validation).
     pub fn open_split(
         path: &Path,
-        tok: &crate::tokenizer::Tokenizer,
+        tok: &super::tokenizer::Tokenizer,
         val_fraction: f64,
-    ) -> Result<Self, String> {
+    ) -> Result<Self> {
         let name = path.display().to_string();
         if let Err(e) = std::fs::metadata(path) {
-            return Err(format!("{name}: cannot read data file: {e}"));
+            return Err(format!("{name}: cannot read data file: {e}").into());
         }
-        let listed = |ext: &str| -> Result<Vec<std::path::PathBuf>, String> {
+        let listed = |ext: &str| -> Result<Vec<std::path::PathBuf>> {
             let mut v: Vec<_> = std::fs::read_dir(path)
                 .map_err(|e| format!("{name}: cannot list: {e}"))?
                 .filter_map(|e| e.ok().map(|e| e.path()))
@@ -255,21 +257,21 @@ impl Corpus {
         };
         if !shards.is_empty() {
             if path.is_dir() {
-                match crate::shardwriter::read_manifest(path)? {
+                match super::shards::read_manifest(path)? {
                     Some(m) if !m.complete => return Err(format!(
                         "{name}: its tokenize has not finished ({} of {} files); run the same tokenize command again to resume it",
                         m.files_done,
                         m.settings.inputs.len()
-                    )),
+                    ).into()),
                     _ => {}
                 }
             }
             return Self::from_shards(&name, &shards, val_fraction);
         }
         if texts.is_empty() {
-            return Err(format!("{name}: no .txt or .bin files"));
+            return Err(format!("{name}: no .txt or .bin files").into());
         }
-        if !path.is_dir() && matches!(tok, crate::tokenizer::Tokenizer::Bytes) {
+        if !path.is_dir() && matches!(tok, super::tokenizer::Tokenizer::Bytes) {
             let bytes = read_text(path)?.into_bytes();
             return Ok(Self::split_tokens(
                 &name,
@@ -282,7 +284,8 @@ impl Corpus {
             return Err(format!(
                 "{}: cannot read data file: not a regular file (a directory, FIFO or device)",
                 f.display()
-            ));
+            )
+            .into());
         }
         let ids = tok.encode_files(&texts, &|| {})?;
         let ids = Tokens::ids(ids);
@@ -295,11 +298,7 @@ impl Corpus {
     }
 
     /// Shards, those named `*val*` held out (else the last `val_fraction`).
-    fn from_shards(
-        name: &str,
-        shards: &[std::path::PathBuf],
-        val_fraction: f64,
-    ) -> Result<Self, String> {
+    fn from_shards(name: &str, shards: &[std::path::PathBuf], val_fraction: f64) -> Result<Self> {
         let is_val = |p: &std::path::PathBuf| {
             p.file_name()
                 .is_some_and(|n| n.to_string_lossy().contains("val"))
@@ -370,17 +369,19 @@ impl Corpus {
     }
 
     /// Check the corpus is long enough for sequences of `seq_len`.
-    pub fn check(&self, seq_len: usize) -> Result<(), String> {
+    pub fn check(&self, seq_len: usize) -> Result<()> {
         if let (Part::Examples(t), Part::Examples(v)) = (&self.train, &self.val) {
             return match (t.seq_len == seq_len, t.is_empty() || v.is_empty()) {
                 (false, _) => Err(format!(
                     "{}: examples of {} tokens for a model of seq_len {seq_len}",
                     self.name, t.seq_len
-                )),
+                )
+                .into()),
                 (_, true) => Err(format!(
                     "{}: needs examples both to train on and to validate with",
                     self.name
-                )),
+                )
+                .into()),
                 _ => Ok(()),
             };
         }
@@ -390,7 +391,7 @@ impl Corpus {
                 self.name,
                 self.train.len() + self.val.len(),
                 seq_len + 1
-            ));
+            ).into());
         }
         Ok(())
     }
@@ -423,52 +424,6 @@ impl Corpus {
     }
 }
 
-/// One micro-batch: `rows` sequences of `seq_len` input bytes and their next bytes.
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct MicroBatch {
-    pub rows: usize,
-    pub seq_len: usize,
-    pub tokens: Vec<i64>,
-    /// `rows x target_len` targets (a negative one: none there).
-    pub targets: Vec<i64>,
-    /// Targets per row: `seq_len` for language modelling (the next token at each position), 1
-    /// for a class, 2 for an answer span's start and end.
-    pub target_len: usize,
-    /// BERT's segment of each token (empty: all 0).
-    pub token_types: Vec<i64>,
-    /// 1 for a real token, 0 for padding that attention must not see (empty: no padding).
-    pub mask: Vec<i64>,
-    /// Images instead of tokens (vit): `rows x c x h x w` values, and `[c, h, w]`.
-    pub pixels: Vec<f32>,
-    pub image: Option<[usize; 3]>,
-    /// The sample number of each row under [`Sampling::Epochs`] (empty for random windows):
-    /// what the frozen-prefix cache keys on.
-    pub samples: Vec<u64>,
-    /// Not read: a micro-batch of text that no worker of this process runs (its tokens and
-    /// targets stay empty; every one of its `rows x target_len` positions has a target).
-    pub unread: bool,
-}
-
-impl MicroBatch {
-    /// `values` (this micro-batch's tokens or targets) as a `[rows, seq_len]` tensor on the
-    /// training device.
-    pub fn ids(&self, values: &[i64]) -> burn::tensor::Tensor<2, burn::tensor::Int> {
-        self.ids_on(values, &crate::backend::train_device())
-    }
-
-    /// The same on `device` (evaluation runs on the plain device).
-    pub fn ids_on(
-        &self,
-        values: &[i64],
-        device: &burn::tensor::Device,
-    ) -> burn::tensor::Tensor<2, burn::tensor::Int> {
-        burn::tensor::Tensor::from_data(
-            burn::tensor::TensorData::new(values.to_vec(), [self.rows, self.seq_len]),
-            device,
-        )
-    }
-}
-
 /// Micro-batch number `index` of optimizer step `step`: random windows of the text, the same
 /// whichever worker or replica asks.
 pub fn micro_batch(
@@ -484,121 +439,26 @@ pub fn micro_batch(
     let offsets: Vec<usize> = (0..rows)
         .map(|_| r.below(text.len() - seq_len - 1))
         .collect();
-    MicroBatch::at(text, seq_len, &offsets, Vec::new())
+    window_batch(text, seq_len, &offsets, Vec::new())
 }
 
-impl MicroBatch {
-    /// A causal-LM batch as Hugging Face's models take one: `ids` of `rows x seq_len`, and
-    /// position i's target is `labels[i + 1]` (labels default to the ids); the last position,
-    /// and a negative label (-100), have no target.
-    pub fn causal_lm(ids: &[i64], labels: Option<&[i64]>, rows: usize, seq_len: usize) -> Self {
-        let labels = labels.unwrap_or(ids);
-        let targets = labels
-            .chunks(seq_len)
-            .flat_map(|row| row[1..].iter().map(|&l| l.max(-100)).chain([-100]))
-            .collect();
-        MicroBatch {
-            rows,
-            seq_len,
-            tokens: ids.to_vec(),
-            targets,
-            target_len: seq_len,
-            ..MicroBatch::default()
-        }
+/// The windows of `seq_len` inputs (and their next bytes) at `offsets` of `text`.
+fn window_batch(text: &Tokens, seq_len: usize, offsets: &[usize], samples: Vec<u64>) -> MicroBatch {
+    let mut tokens = Vec::with_capacity(offsets.len() * seq_len);
+    let mut targets = Vec::with_capacity(offsets.len() * seq_len);
+    for &o in offsets {
+        let w = text.window(o, seq_len + 1);
+        tokens.extend_from_slice(&w[..seq_len]);
+        targets.extend_from_slice(&w[1..]);
     }
-
-    /// A batch for a task head: `ids`, `token_types` and `mask` (each empty or `rows x
-    /// seq_len`) and `target_len` targets per row (a class: 1; an answer's start and end: 2).
-    pub fn labelled(
-        ids: &[i64],
-        token_types: &[i64],
-        mask: &[i64],
-        targets: Vec<i64>,
-        target_len: usize,
-        seq_len: usize,
-    ) -> Self {
-        MicroBatch {
-            rows: ids.len() / seq_len.max(1),
-            seq_len,
-            tokens: ids.to_vec(),
-            targets,
-            target_len,
-            token_types: token_types.to_vec(),
-            mask: mask.to_vec(),
-            ..MicroBatch::default()
-        }
-    }
-
-    /// A batch of images `[rows, c, h, w]` (`pixels`, row-major), one class target per row,
-    /// for a model that reads `seq_len` positions (vit: its patches and the class token).
-    pub fn images(pixels: Vec<f32>, image: [usize; 3], labels: Vec<i64>, seq_len: usize) -> Self {
-        MicroBatch {
-            rows: labels.len(),
-            seq_len,
-            targets: labels,
-            target_len: 1,
-            pixels,
-            image: Some(image),
-            ..MicroBatch::default()
-        }
-    }
-
-    /// The batch as `m` micro-batches of equal rows, in order.
-    pub fn split(&self, m: usize) -> Result<Vec<MicroBatch>, String> {
-        if m == 0 || !self.rows.is_multiple_of(m) {
-            return Err(format!(
-                "{} rows do not split into {m} micro-batches of equal size",
-                self.rows
-            ));
-        }
-        let r = self.rows / m;
-        let part = |v: &[i64], per_row: usize, i: usize| -> Vec<i64> {
-            if v.is_empty() {
-                return Vec::new();
-            }
-            v[i * r * per_row..(i + 1) * r * per_row].to_vec()
-        };
-        Ok((0..m)
-            .map(|i| MicroBatch {
-                rows: r,
-                seq_len: self.seq_len,
-                tokens: part(&self.tokens, self.seq_len, i),
-                targets: part(&self.targets, self.target_len, i),
-                target_len: self.target_len,
-                token_types: part(&self.token_types, self.seq_len, i),
-                mask: part(&self.mask, self.seq_len, i),
-                pixels: match self.image {
-                    Some([c, h, w]) => {
-                        let n = r * c * h * w;
-                        self.pixels[i * n..(i + 1) * n].to_vec()
-                    }
-                    None => Vec::new(),
-                },
-                image: self.image,
-                samples: Vec::new(),
-                unread: false,
-            })
-            .collect())
-    }
-
-    /// The windows of `seq_len` inputs (and their next bytes) at `offsets` of `text`.
-    fn at(text: &Tokens, seq_len: usize, offsets: &[usize], samples: Vec<u64>) -> Self {
-        let mut tokens = Vec::with_capacity(offsets.len() * seq_len);
-        let mut targets = Vec::with_capacity(offsets.len() * seq_len);
-        for &o in offsets {
-            let w = text.window(o, seq_len + 1);
-            tokens.extend_from_slice(&w[..seq_len]);
-            targets.extend_from_slice(&w[1..]);
-        }
-        MicroBatch {
-            rows: offsets.len(),
-            seq_len,
-            tokens,
-            targets,
-            target_len: seq_len,
-            samples,
-            ..MicroBatch::default()
-        }
+    MicroBatch {
+        rows: offsets.len(),
+        seq_len,
+        tokens,
+        targets,
+        target_len: seq_len,
+        samples,
+        ..MicroBatch::default()
     }
 }
 
@@ -671,7 +531,7 @@ impl Sampler {
     /// Steps in one epoch of `text` with `microbatches` micro-batches a step; an error naming
     /// the sizes when the text holds fewer samples than one step takes.
     /// (Random windows: the steps that draw as many bytes as the text holds.)
-    pub fn steps_per_epoch(&self, data: &Part, microbatches: usize) -> Result<u64, String> {
+    pub fn steps_per_epoch(&self, data: &Part, microbatches: usize) -> Result<u64> {
         let n = data.samples(self.seq_len);
         let batch = microbatches.saturating_mul(self.rows).max(1);
         if self.windows(data) {
@@ -682,11 +542,11 @@ impl Sampler {
                 "the training text holds {n} samples of {} tokens, fewer than one step's {batch} ({microbatches} micro-batches of {} sequences); use a longer text, fewer micro-batches or rows, or window sampling",
                 self.seq_len + 1,
                 self.rows
-            )),
+            ).into()),
             (0, Part::Examples(_)) => Err(format!(
                 "{n} training examples are fewer than one step's {batch} ({microbatches} micro-batches of {}); use fewer micro-batches or rows",
                 self.rows
-            )),
+            ).into()),
             (s, _) => Ok(s as u64),
         }
     }
@@ -702,7 +562,7 @@ impl Sampler {
         data: &Part,
         step: u64,
         microbatches: usize,
-    ) -> Result<Vec<MicroBatch>, String> {
+    ) -> Result<Vec<MicroBatch>> {
         self.batches_for(data, step, microbatches, &|_| true)
     }
 
@@ -716,7 +576,7 @@ impl Sampler {
         step: u64,
         microbatches: usize,
         need: &dyn Fn(usize) -> bool,
-    ) -> Result<Vec<MicroBatch>, String> {
+    ) -> Result<Vec<MicroBatch>> {
         let (seq_len, rows, seed) = (self.seq_len, self.rows, self.seed);
         let text = matches!(data, Part::Text(_));
         let unread = |samples: Vec<u64>| MicroBatch {
@@ -823,6 +683,7 @@ mod tests {
         assert!(s
             .steps_per_epoch(&text, 40)
             .unwrap_err()
+            .to_string()
             .contains("fewer than one step"));
         // A batch that grows mid-epoch (2, then 4 micro-batches of 3) continues where the
         // epoch stood, still without repeats; a fresh sampler resumes from the position.

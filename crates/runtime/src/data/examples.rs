@@ -6,7 +6,9 @@
 //! attend forward), and its classifier reads the last real token, as transformers'
 //! `*ForSequenceClassification` does; a bidirectional model (bert) masks the padding.
 
-use crate::tokenizer::Tokenizer;
+use super::error::Result;
+use super::records::{records, regular, Fields, Label, Record};
+use super::tokenizer::Tokenizer;
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -56,223 +58,9 @@ impl Classes {
     }
 }
 
-/// Which fields of a record hold the text and the label.
-#[derive(Debug, Clone)]
-pub struct Fields {
-    pub text: String,
-    pub label: String,
-}
-
-impl Default for Fields {
-    fn default() -> Self {
-        Fields {
-            text: "text".into(),
-            label: "label".into(),
-        }
-    }
-}
-
-/// A record's label as found: a whole number or a name.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-enum Label {
-    Number(u64),
-    Name(String),
-}
-
-/// Refuse what is not a regular file: reading a FIFO or device would block.
-pub fn regular(path: &Path) -> Result<(), String> {
-    pipewright_core::inputs::regular_file(path)
-        .map(|_| ())
-        .map_err(|e| e.to_string())
-}
-
-/// Texts and labels of a JSONL or CSV file (by extension: `.csv` is CSV, anything else JSON
-/// lines), each with where it was read ("file:line").
-fn records(path: &Path, f: &Fields) -> Result<Vec<(String, Label, String)>, String> {
-    let name = path.display().to_string();
-    regular(path)?;
-    let text = match path.extension().is_some_and(|x| x == "parquet") {
-        true => String::new(), // binary: read by its reader
-        false => std::fs::read_to_string(path).map_err(|e| format!("{name}: cannot read: {e}"))?,
-    };
-    let ext = path.extension().and_then(|x| x.to_str()).unwrap_or("");
-    let rows = match ext {
-        "csv" => csv_records(&name, &text, f)?,
-        "parquet" => parquet_records(path, f)?,
-        _ => jsonl_records(&name, &text, f)?,
-    };
-    if rows.is_empty() {
-        return Err(format!("{name}: no examples (an empty data set)"));
-    }
-    Ok(rows)
-}
-
-fn jsonl_records(
-    name: &str,
-    text: &str,
-    f: &Fields,
-) -> Result<Vec<(String, Label, String)>, String> {
-    let mut out = Vec::new();
-    for (i, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let at = format!("{name}:{}", i + 1);
-        let v: serde_json::Value =
-            serde_json::from_str(line).map_err(|e| format!("{at}: not a JSON object: {e}"))?;
-        let field = |k: &str| {
-            v.get(k).ok_or_else(|| {
-                format!("{at}: no \"{k}\" field (choose it with --text-field / --label-field)")
-            })
-        };
-        let text = field(&f.text)?
-            .as_str()
-            .ok_or_else(|| format!("{at}: \"{}\" is not a string", f.text))?;
-        let label = match field(&f.label)? {
-            serde_json::Value::String(s) => Label::Name(s.clone()),
-            n => Label::Number(n.as_u64().ok_or_else(|| {
-                format!("{at}: label {n} is neither a whole number >= 0 nor a string")
-            })?),
-        };
-        out.push((text.to_string(), label, at));
-    }
-    Ok(out)
-}
-
-fn csv_records(name: &str, text: &str, f: &Fields) -> Result<Vec<(String, Label, String)>, String> {
-    let mut r = csv::Reader::from_reader(text.as_bytes());
-    let header = r.headers().map_err(|e| format!("{name}: {e}"))?.clone();
-    let col = |k: &str| {
-        header.iter().position(|h| h == k).ok_or_else(|| {
-            format!("{name}: no \"{k}\" column in the header (choose it with --text-field / --label-field)")
-        })
-    };
-    let (t, l) = (col(&f.text)?, col(&f.label)?);
-    let mut out = Vec::new();
-    for row in r.records() {
-        let row = row.map_err(|e| format!("{name}: {e}"))?;
-        let line = row.position().map_or(0, |p| p.line());
-        let at = format!("{name}:{line}");
-        let label = &row[l];
-        let label = match label.trim().parse::<u64>() {
-            Ok(n) => Label::Number(n),
-            Err(_) => Label::Name(label.to_string()),
-        };
-        out.push((row[t].to_string(), label, at));
-    }
-    Ok(out)
-}
-
-/// The `f.text` and `f.label` columns of a Parquet file's rows (a label column of whole
-/// numbers or strings), each with where it was read (row group and row).
-fn parquet_records(path: &Path, f: &Fields) -> Result<Vec<(String, Label, String)>, String> {
-    crate::guard::reader(path, "Parquet file", || parquet_rows(path, f))
-}
-
-fn parquet_rows(path: &Path, f: &Fields) -> Result<Vec<(String, Label, String)>, String> {
-    use parquet::file::reader::{FileReader, SerializedFileReader};
-    use parquet::record::Field;
-    let name = path.display().to_string();
-    let file = std::fs::File::open(path).map_err(|e| format!("{name}: cannot read: {e}"))?;
-    let reader =
-        SerializedFileReader::new(file).map_err(|e| format!("{name}: not a Parquet file: {e}"))?;
-    let mut out = Vec::new();
-    for g in 0..reader.num_row_groups() {
-        let at = |r: usize| format!("{name}: row group {g}, row {r}");
-        let group = reader
-            .get_row_group(g)
-            .map_err(|e| format!("{name}: row group {g}: {e}"))?;
-        let rows = group
-            .get_row_iter(None)
-            .map_err(|e| format!("{name}: row group {g}: {e}"))?;
-        for (r, row) in rows.enumerate() {
-            let row = row.map_err(|e| format!("{}: {e}", at(r)))?;
-            let field = |k: &str| {
-                row.get_column_iter()
-                    .find(|(n, _)| n.as_str() == k)
-                    .map(|(_, v)| v.clone())
-                    .ok_or_else(|| {
-                        format!(
-                            "{}: no \"{k}\" column (choose it with --text-field / --label-field)",
-                            at(r)
-                        )
-                    })
-            };
-            let Field::Str(text) = field(&f.text)? else {
-                return Err(format!("{}: \"{}\" is not a string", at(r), f.text));
-            };
-            let label = match field(&f.label)? {
-                Field::Str(s) => Label::Name(s),
-                Field::Int(n) if n >= 0 => Label::Number(n as u64),
-                Field::Long(n) if n >= 0 => Label::Number(n as u64),
-                Field::UInt(n) => Label::Number(n as u64),
-                Field::ULong(n) => Label::Number(n),
-                other => {
-                    return Err(format!(
-                        "{}: label {other} is neither a whole number >= 0 nor a string",
-                        at(r)
-                    ))
-                }
-            };
-            out.push((text, label, at(r)));
-        }
-    }
-    Ok(out)
-}
-
-/// The texts of a JSON-lines or Parquet file's `field` (for language modelling: each a
-/// document).
-pub fn read_texts(path: &Path, field: &str) -> Result<Vec<String>, String> {
-    regular(path)?;
-    let f = Fields {
-        text: field.into(),
-        label: field.into(),
-    };
-    let name = path.display().to_string();
-    match path.extension().is_some_and(|x| x == "parquet") {
-        true => parquet_texts(path, field),
-        false => {
-            let text =
-                std::fs::read_to_string(path).map_err(|e| format!("{name}: cannot read: {e}"))?;
-            let mut out = Vec::new();
-            for (i, line) in text
-                .lines()
-                .enumerate()
-                .filter(|(_, l)| !l.trim().is_empty())
-            {
-                let v: serde_json::Value = serde_json::from_str(line)
-                    .map_err(|e| format!("{name}:{}: not a JSON object: {e}", i + 1))?;
-                match v.get(&f.text).and_then(|t| t.as_str()) {
-                    Some(t) => out.push(t.to_string()),
-                    None => {
-                        return Err(format!(
-                            "{name}:{}: no \"{field}\" string field (choose it with --text-field)",
-                            i + 1
-                        ))
-                    }
-                }
-            }
-            Ok(out)
-        }
-    }
-}
-
-/// A Parquet file's string column `field`, row by row.
-fn parquet_texts(path: &Path, field: &str) -> Result<Vec<String>, String> {
-    let f = Fields {
-        text: field.into(),
-        label: field.into(),
-    };
-    // A text column read as its own label: the records' texts.
-    Ok(parquet_records(path, &f)?
-        .into_iter()
-        .map(|(t, _, _)| t)
-        .collect())
-}
-
 /// The classes labels of `rows` make: the largest number + 1, or the names sorted. Numbers and
 /// names mixed are refused.
-fn classes_of(rows: &[(String, Label, String)]) -> Result<Classes, String> {
+fn classes_of(rows: &[Record]) -> Result<Classes> {
     let names: BTreeMap<&str, &str> = rows
         .iter()
         .filter_map(|(_, l, at)| match l {
@@ -294,7 +82,8 @@ fn classes_of(rows: &[(String, Label, String)]) -> Result<Classes, String> {
                 true => Ok(Classes::Numbered(n as usize + 1)),
                 false => Err(format!(
                     "{at}: label {n} asks for more classes than a head can hold (2^20)"
-                )),
+                )
+                .into()),
             }
         }
         (false, None) => Ok(Classes::Named(
@@ -304,7 +93,8 @@ fn classes_of(rows: &[(String, Label, String)]) -> Result<Classes, String> {
             "{at}: a numbered label where others are names (e.g. {:?} at {}); use one kind",
             names.keys().next().unwrap_or(&""),
             names.values().next().unwrap_or(&"")
-        )),
+        )
+        .into()),
     }
 }
 
@@ -318,7 +108,7 @@ impl Examples {
         fields: &Fields,
         seq_len: usize,
         classes: Option<&Classes>,
-    ) -> Result<(Examples, Classes), String> {
+    ) -> Result<(Examples, Classes)> {
         let rows = records(path, fields)?;
         let found = classes_of(&rows)?;
         let classes = classes.cloned().unwrap_or(found);
@@ -344,12 +134,13 @@ impl Examples {
                             Classes::Numbered(c) => format!("0..{}", c.saturating_sub(1)),
                             Classes::Named(v) => v.join(", "),
                         }
-                    ))
+                    )
+                    .into())
                 }
             };
             let ids = tok.encode_example(&text)?;
             if ids.is_empty() {
-                return Err(format!("{at}: the text is empty"));
+                return Err(format!("{at}: the text is empty").into());
             }
             ex.truncated += (ids.len() > seq_len) as usize;
             let n = ids.len().min(seq_len);
@@ -429,9 +220,9 @@ impl Examples {
         channels: usize,
         seq_len: usize,
         classes: Option<&Classes>,
-    ) -> Result<(Examples, Classes), String> {
+    ) -> Result<(Examples, Classes)> {
         let name = dir.display().to_string();
-        let list = |d: &Path| -> Result<Vec<std::path::PathBuf>, String> {
+        let list = |d: &Path| -> Result<Vec<std::path::PathBuf>> {
             let mut v: Vec<_> = std::fs::read_dir(d)
                 .map_err(|e| format!("{}: cannot list: {e}", d.display()))?
                 .filter_map(|e| e.ok().map(|e| e.path()))
@@ -453,9 +244,7 @@ impl Examples {
         );
         let classes = classes.cloned().unwrap_or(found);
         let Classes::Named(names) = &classes else {
-            return Err(format!(
-                "{name}: images take their classes from folder names"
-            ));
+            return Err(format!("{name}: images take their classes from folder names").into());
         };
         let mut ex = Examples {
             seq_len,
@@ -469,7 +258,8 @@ impl Examples {
                     "{}: class {class:?} is not one of the training classes ({})",
                     folder.display(),
                     names.join(", ")
-                ));
+                )
+                .into());
             };
             for file in list(folder)?.into_iter().filter(|p| p.is_file()) {
                 ex.pixels.extend(image_values(&file, size, channels)?);
@@ -479,14 +269,15 @@ impl Examples {
         if ex.is_empty() {
             return Err(format!(
                 "{name}: no images (expected a folder per class holding PNG or JPEG files)"
-            ));
+            )
+            .into());
         }
         Ok((ex, classes))
     }
 }
 
 /// One image file as `[channels, size, size]` values, scaled to [-1, 1].
-fn image_values(file: &Path, size: usize, channels: usize) -> Result<Vec<f32>, String> {
+fn image_values(file: &Path, size: usize, channels: usize) -> Result<Vec<f32>> {
     regular(file)?;
     let img = crate::guard::reader(file, "image", || {
         image::ImageReader::open(file)
@@ -499,11 +290,7 @@ fn image_values(file: &Path, size: usize, channels: usize) -> Result<Vec<f32>, S
 }
 
 /// An image resized to `size` x `size`, as `[channels, size, size]` values scaled to [-1, 1].
-fn scaled_values(
-    img: &image::DynamicImage,
-    size: usize,
-    channels: usize,
-) -> Result<Vec<f32>, String> {
+fn scaled_values(img: &image::DynamicImage, size: usize, channels: usize) -> Result<Vec<f32>> {
     let (s, f) = (size as u32, image::imageops::FilterType::Triangle);
     let scaled = |v: u8| (v as f32 / 255.0 - 0.5) / 0.5;
     let hw = size * size;
@@ -523,7 +310,7 @@ fn scaled_values(
                 }
             }
         }
-        c => return Err(format!("images of {c} channels: only 1 (grey) or 3 (RGB)")),
+        c => return Err(format!("images of {c} channels: only 1 (grey) or 3 (RGB)").into()),
     }
     Ok(out)
 }
@@ -541,7 +328,7 @@ impl Examples {
         size: usize,
         channels: usize,
         seq_len: usize,
-    ) -> Result<(Examples, Classes), String> {
+    ) -> Result<(Examples, Classes)> {
         let mut ex = Examples {
             seq_len,
             image: Some([channels, size, size]),
@@ -562,7 +349,8 @@ impl Examples {
                     "{}: {} bytes is not a whole number of CIFAR-{n} records of {record} bytes",
                     f.display(),
                     bytes.len()
-                ));
+                )
+                .into());
             }
             for (i, r) in bytes.chunks(record).enumerate() {
                 let label = r[head - 1] as usize;
@@ -570,7 +358,8 @@ impl Examples {
                     return Err(format!(
                         "{}: record {i} has label {label}, outside CIFAR-{n}'s classes",
                         f.display()
-                    ));
+                    )
+                    .into());
                 }
                 let px = &r[head..];
                 let img = image::RgbImage::from_fn(32, 32, |x, y| {
@@ -627,6 +416,7 @@ pub fn cifar_files(path: &Path, test: bool) -> Option<Vec<std::path::PathBuf>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::data::records::read_texts;
 
     fn write(name: &str, text: &str) -> (tempfile::TempDir, std::path::PathBuf) {
         let d = tempfile::tempdir().unwrap();
@@ -666,7 +456,9 @@ mod tests {
         assert_eq!(c, Classes::Named(vec!["ham".into(), "spam".into()]));
         assert_eq!(x.labels, vec![1, 0]);
         let only = Classes::Named(vec!["spam".into()]);
-        let e = Examples::load(&p, &Tokenizer::Bytes, &f, 2, Some(&only)).unwrap_err();
+        let e = Examples::load(&p, &Tokenizer::Bytes, &f, 2, Some(&only))
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("t.jsonl:2: label \"ham\" is outside the classes (spam)"),
             "{e}"
@@ -706,14 +498,20 @@ mod tests {
         ];
         for (text, want) in cases {
             let (_d, p) = write("t.jsonl", text);
-            let e = Examples::load(&p, &Tokenizer::Bytes, &f, 4, None).unwrap_err();
+            let e = Examples::load(&p, &Tokenizer::Bytes, &f, 4, None)
+                .unwrap_err()
+                .to_string();
             assert!(e.contains(want), "{text:?}: {e}");
         }
         let (_d, p) = write("t.csv", "text,label\na,0\nb\n");
-        let e = Examples::load(&p, &Tokenizer::Bytes, &f, 4, None).unwrap_err();
+        let e = Examples::load(&p, &Tokenizer::Bytes, &f, 4, None)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("t.csv"), "{e}");
         let (_d, p) = write("t.csv", "text,class\na,0\n");
-        let e = Examples::load(&p, &Tokenizer::Bytes, &f, 4, None).unwrap_err();
+        let e = Examples::load(&p, &Tokenizer::Bytes, &f, 4, None)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("no \"label\" column"), "{e}");
         let e = Examples::load(&p, &Tokenizer::Bytes, &f, 4, Some(&Classes::Numbered(1)));
         assert!(e.is_err());
@@ -744,16 +542,22 @@ mod tests {
         assert_eq!(e.select(&[0, 0]).pixels.len(), 24);
         // A class the training set lacks, a file that is no image, no images at all.
         let only = Classes::Named(vec!["dog".into()]);
-        let err = Examples::load_images(d.path(), 2, 3, 5, Some(&only)).unwrap_err();
+        let err = Examples::load_images(d.path(), 2, 3, 5, Some(&only))
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("class \"cat\" is not one of the training classes (dog)"),
             "{err}"
         );
         std::fs::write(d.path().join("cat").join("b.png"), b"no").unwrap();
-        let err = Examples::load_images(d.path(), 2, 3, 5, None).unwrap_err();
+        let err = Examples::load_images(d.path(), 2, 3, 5, None)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("b.png: not an image that decodes"), "{err}");
         let empty = tempfile::tempdir().unwrap();
-        let err = Examples::load_images(empty.path(), 2, 3, 5, None).unwrap_err();
+        let err = Examples::load_images(empty.path(), 2, 3, 5, None)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("no images"), "{err}");
     }
 
@@ -776,16 +580,18 @@ mod tests {
         assert_eq!(e.pixels[48 + 32..], [1.0; 16]); // blue plane of image 1
         assert!(cifar_files(d.path(), true).is_none());
         std::fs::write(d.path().join("data_batch_2.bin"), &bytes[..100]).unwrap();
-        let err =
-            Examples::load_cifar(&cifar_files(d.path(), false).unwrap(), 4, 3, 5).unwrap_err();
+        let err = Examples::load_cifar(&cifar_files(d.path(), false).unwrap(), 4, 3, 5)
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("data_batch_2.bin: 100 bytes is not a whole number of CIFAR-10 records"),
             "{err}"
         );
         bytes[0] = 10;
         std::fs::write(d.path().join("data_batch_2.bin"), &bytes).unwrap();
-        let err =
-            Examples::load_cifar(&cifar_files(d.path(), false).unwrap(), 4, 3, 5).unwrap_err();
+        let err = Examples::load_cifar(&cifar_files(d.path(), false).unwrap(), 4, 3, 5)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("record 0 has label 10"), "{err}");
     }
 
@@ -832,13 +638,17 @@ mod tests {
             read_texts(&j, "text").unwrap(),
             read_texts(&p, "text").unwrap()
         );
-        let e = read_texts(&p, "body").unwrap_err();
+        let e = read_texts(&p, "body").unwrap_err().to_string();
         assert!(e.contains("row group 0, row 0: no \"body\" column"), "{e}");
         parquet_file(&p, &["ab"], &[-3]);
-        let e = Examples::load(&p, &Tokenizer::Bytes, &f, 4, None).unwrap_err();
+        let e = Examples::load(&p, &Tokenizer::Bytes, &f, 4, None)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("row group 0, row 0: label -3 is neither"), "{e}");
         std::fs::write(&p, b"PAR1 not really").unwrap();
-        let e = Examples::load(&p, &Tokenizer::Bytes, &f, 4, None).unwrap_err();
+        let e = Examples::load(&p, &Tokenizer::Bytes, &f, 4, None)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("t.parquet: not a Parquet file"), "{e}");
     }
 }

@@ -8,8 +8,9 @@
 //! point, and the matching share of the tokens of the document it falls in (for one file:
 //! its last `val_fraction` of tokens, as a whole-text split would).
 
-use crate::tokenizer::Tokenizer;
-use crate::tokens::shard_bytes;
+use super::error::{Error, Result};
+use super::tokenizer::Tokenizer;
+use super::tokens::shard_bytes;
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
@@ -25,7 +26,7 @@ pub struct Input {
 }
 
 impl Input {
-    pub fn of(path: &Path) -> Result<Input, String> {
+    pub fn of(path: &Path) -> Result<Input> {
         let m = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
         let modified_ns = m
             .modified()
@@ -118,13 +119,7 @@ impl Filling {
 
     /// Write every full shard (and with `all`, the rest); `next_file` is where the stream goes
     /// on when nothing is pending.
-    fn flush(
-        &mut self,
-        dir: &Path,
-        size: usize,
-        all: bool,
-        next_file: usize,
-    ) -> Result<(), String> {
+    fn flush(&mut self, dir: &Path, size: usize, all: bool, next_file: usize) -> Result<()> {
         while self.len >= size || (all && self.len > 0) {
             let n = size.min(self.len);
             let mut ids = Vec::with_capacity(n);
@@ -157,7 +152,7 @@ impl Filling {
 }
 
 /// Write `bytes` to `path` whole or not at all (a temporary file renamed over it).
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), String> {
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     use std::io::Write;
     let tmp = path.with_extension("tmp~");
     let res = std::fs::File::create(&tmp).and_then(|mut f| {
@@ -165,16 +160,16 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), String> {
         f.sync_all()
     });
     res.and_then(|_| std::fs::rename(&tmp, path))
-        .map_err(|e| format!("{}: cannot write: {e}", path.display()))
+        .map_err(|e| format!("{}: cannot write: {e}", path.display()).into())
 }
 
 /// The documents of one input: a text file is one; JSONL and Parquet hold one per record.
-fn documents(input: &Input, field: &str) -> Result<Vec<String>, String> {
+fn documents(input: &Input, field: &str) -> Result<Vec<String>> {
     let path = &input.path;
     match path.extension().and_then(|x| x.to_str()) {
-        Some("jsonl" | "parquet") => crate::labelled::read_texts(path, field),
+        Some("jsonl" | "parquet") => super::records::read_texts(path, field),
         _ => {
-            crate::labelled::regular(path)?;
+            super::records::regular(path)?;
             let bytes =
                 std::fs::read(path).map_err(|e| format!("{}: cannot read: {e}", path.display()))?;
             let text = String::from_utf8(bytes)
@@ -185,7 +180,7 @@ fn documents(input: &Input, field: &str) -> Result<Vec<String>, String> {
 }
 
 /// One file's tokens: each document after the end-of-text token where there is one.
-fn file_tokens(tok: &Tokenizer, input: &Input, field: &str) -> Result<(Vec<u32>, u64), String> {
+fn file_tokens(tok: &Tokenizer, input: &Input, field: &str) -> Result<(Vec<u32>, u64)> {
     let docs = documents(input, field)?;
     let mut ids = Vec::new();
     for d in &docs {
@@ -199,14 +194,14 @@ fn file_tokens(tok: &Tokenizer, input: &Input, field: &str) -> Result<(Vec<u32>,
 }
 
 /// The manifest in `out`, if there is one.
-pub fn read_manifest(out: &Path) -> Result<Option<Manifest>, String> {
+pub fn read_manifest(out: &Path) -> Result<Option<Manifest>> {
     let path = out.join(MANIFEST);
     match std::fs::read_to_string(&path) {
         Ok(text) => serde_json::from_str(&text)
             .map(Some)
-            .map_err(|e| format!("{}: not a tokenize manifest: {e}", path.display())),
+            .map_err(|e| format!("{}: not a tokenize manifest: {e}", path.display()).into()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(format!("{}: cannot read: {e}", path.display())),
+        Err(e) => Err(format!("{}: cannot read: {e}", path.display()).into()),
     }
 }
 
@@ -220,7 +215,7 @@ pub fn run(
     batch_bytes: u64,
     progress: &(dyn Fn(u64) + Sync),
     stop_after: Option<usize>,
-) -> Result<Outcome, String> {
+) -> Result<Outcome> {
     let previous = read_manifest(out)?;
     let resumed = previous.is_some();
     let mut m = match previous {
@@ -265,7 +260,7 @@ pub fn run(
             "{}: says the run stopped at file {next} of {}, yet not complete; remove the directory and tokenize again",
             out.join(MANIFEST).display(),
             inputs.len()
-        ));
+        ).into());
     }
     progress(starts.get(next).copied().unwrap_or(total));
     let mut batches = 0;
@@ -280,7 +275,7 @@ pub fn run(
         let done: Vec<(Vec<u32>, u64)> = inputs[next..end]
             .par_iter()
             .map(|i| file_tokens(tok, i, &settings.text_field))
-            .collect::<Result<_, String>>()?;
+            .collect::<Result<_>>()?;
         for (k, (ids, docs)) in done.into_iter().enumerate() {
             let f = next + k;
             let (s, b) = (starts[f], inputs[f].bytes);
@@ -315,13 +310,13 @@ pub fn run(
     })
 }
 
-fn write_manifest(out: &Path, m: &Manifest) -> Result<(), String> {
+fn write_manifest(out: &Path, m: &Manifest) -> Result<()> {
     let json = serde_json::to_string_pretty(m).expect("a manifest serialises");
     write_atomic(&out.join(MANIFEST), json.as_bytes())
 }
 
 /// Why `out`'s manifest cannot be resumed with `now`.
-fn mismatch(out: &Path, was: &Settings, now: &Settings) -> String {
+fn mismatch(out: &Path, was: &Settings, now: &Settings) -> Error {
     let what = if was.tokenizer != now.tokenizer {
         format!("tokenizer {} (now {})", was.tokenizer, now.tokenizer)
     } else if was.inputs.len() != now.inputs.len() {
@@ -334,12 +329,12 @@ fn mismatch(out: &Path, was: &Settings, now: &Settings) -> String {
         format!("{} as it was then (it has changed since)", a.path.display())
     } else {
         format!(
-            "--val-fraction {}, --shard-tokens {}, --text-field {}",
+            "validation fraction {}, {} tokens per shard, text field {:?}",
             was.val_fraction, was.shard_tokens, was.text_field
         )
     };
-    format!(
-        "--out {}: holds a tokenize of other settings: {what}; remove the directory or choose another",
+    Error::Input(format!(
+        "{}: holds a tokenize of other settings: {what}; remove the directory or choose another",
         out.display()
-    )
+    ))
 }

@@ -2,8 +2,9 @@
 //! a pair (BERT's [CLS] question [SEP] context [SEP], segments 0 and 1), the answer as the
 //! first and last context token it covers; and SQuAD's exact match and F1 of predicted spans.
 
-use crate::labelled::{Examples, Span};
-use crate::tokenizer::Tokenizer;
+use super::error::Result;
+use super::examples::{Examples, Span};
+use super::tokenizer::Tokenizer;
 use std::path::Path;
 
 /// The questions of a SQuAD 1.1 file as examples of `seq_len` tokens (contexts cut to fit).
@@ -14,9 +15,9 @@ pub fn load(
     tok: &Tokenizer,
     seq_len: usize,
     training: bool,
-) -> Result<(Examples, usize), String> {
+) -> Result<(Examples, usize)> {
     let name = path.display().to_string();
-    crate::labelled::regular(path)?;
+    super::records::regular(path)?;
     let text = std::fs::read_to_string(path).map_err(|e| format!("{name}: cannot read: {e}"))?;
     let v: serde_json::Value =
         serde_json::from_str(&text).map_err(|e| format!("{name}: not JSON: {e}"))?;
@@ -47,7 +48,7 @@ pub fn load(
         }
     }
     if ex.is_empty() {
-        return Err(format!("{name}: no questions (an empty data set)"));
+        return Err(format!("{name}: no questions (an empty data set)").into());
     }
     Ok((ex, dropped))
 }
@@ -59,7 +60,7 @@ fn push(
     context: &str,
     qa: &serde_json::Value,
     at: &str,
-) -> Result<bool, String> {
+) -> Result<bool> {
     let question = qa["question"]
         .as_str()
         .ok_or_else(|| format!("{at}: no \"question\" string"))?;
@@ -75,9 +76,7 @@ fn push(
         })
         .collect();
     let Some((first, start)) = answers.first().cloned() else {
-        return Err(format!(
-            "{at}: no answer with \"text\" and \"answer_start\""
-        ));
+        return Err(format!("{at}: no answer with \"text\" and \"answer_start\"").into());
     };
     // answer_start counts characters (Python's indices); offsets here count bytes.
     let start = context
@@ -87,9 +86,9 @@ fn push(
     let end = start.saturating_add(first.len());
     if context.get(start..end) != Some(first.as_str()) {
         let chars = qa["answers"][0]["answer_start"].as_u64().unwrap_or(0);
-        return Err(format!(
-            "{at}: answer {first:?} is not at character {chars} of its context"
-        ));
+        return Err(
+            format!("{at}: answer {first:?} is not at character {chars} of its context").into(),
+        );
     }
     let (ids, types, offsets) = tok.encode_pair(question, context)?;
     let n = ids.len().min(ex.seq_len);
@@ -223,6 +222,7 @@ mod tests {
         // 8 positions would cut "def": the question is left out of training.
         assert!(load(&f, &Tokenizer::Bytes, 8, true)
             .unwrap_err()
+            .to_string()
             .contains("no questions"));
         let (all, _) = load(&f, &Tokenizer::Bytes, 16, false).unwrap();
         assert_eq!((all.len(), all.labels.clone()), (2, vec![6, 8, 10, 12]));
@@ -231,7 +231,9 @@ mod tests {
             squad.replace("\"answer_start\": 4", "\"answer_start\": 5"),
         )
         .unwrap();
-        let err = load(&f, &Tokenizer::Bytes, 16, false).unwrap_err();
+        let err = load(&f, &Tokenizer::Bytes, 16, false)
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("qas[0]: answer \"def\" is not at character 5"),
             "{err}"

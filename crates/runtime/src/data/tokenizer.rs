@@ -1,6 +1,7 @@
 //! Tokenizers: bytes (the default), GPT-2's and cl100k's BPE ranks embedded in `tiktoken-rs`,
 //! or a Hugging Face `tokenizer.json` through the `tokenizers` crate (built pure Rust).
 
+use super::error::Result;
 use std::path::Path;
 
 /// Byte tokens as text; an id past the bytes (a model of a larger vocabulary) as `<id>`.
@@ -39,7 +40,7 @@ pub enum Tokenizer {
 impl Tokenizer {
     /// `bytes`, `gpt2`, `cl100k`, a `tokenizer.json` file, or a directory holding one (a
     /// Hugging Face model directory).
-    pub fn load(spec: &str) -> Result<Self, String> {
+    pub fn load(spec: &str) -> Result<Self> {
         match spec {
             "bytes" => return Ok(Tokenizer::Bytes),
             "gpt2" | "r50k" => {
@@ -67,7 +68,7 @@ impl Tokenizer {
         if !file.is_file() {
             return Err(format!(
                 "--tokenizer {spec}: not bytes, gpt2, cl100k, a tokenizer.json file or a directory with one"
-            ));
+            ).into());
         }
         let tok = tokenizers::Tokenizer::from_file(&file)
             .map_err(|e| format!("{}: not a Hugging Face tokenizer.json: {e}", file.display()))?;
@@ -85,9 +86,19 @@ impl Tokenizer {
     }
 
     /// The tokenizer of a model directory when it has one.
-    pub fn of_model_dir(dir: &Path) -> Option<Result<Self, String>> {
+    pub fn of_model_dir(dir: &Path) -> Option<Result<Self>> {
         let f = dir.join("tokenizer.json");
         f.is_file().then(|| Self::load(&f.display().to_string()))
+    }
+
+    /// The tokenizer a run reads with: `spec` when one is named, else that of the model
+    /// directory it starts from, else bytes.
+    pub fn for_run(spec: Option<&str>, model_dir: Option<&Path>) -> Result<Self> {
+        match (spec, model_dir) {
+            (Some(spec), _) => Self::load(spec),
+            (None, Some(dir)) => Self::of_model_dir(dir).unwrap_or(Ok(Tokenizer::Bytes)),
+            (None, None) => Ok(Tokenizer::Bytes),
+        }
     }
 
     pub fn name(&self) -> String {
@@ -108,7 +119,7 @@ impl Tokenizer {
         }
     }
 
-    pub fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         Ok(match self {
             Tokenizer::Bytes => text.bytes().map(u32::from).collect(),
             Tokenizer::Bpe { bpe, .. } => bpe.encode_ordinary(text),
@@ -122,7 +133,7 @@ impl Tokenizer {
 
     /// One example's ids for a task: as [`Tokenizer::encode`], with the special tokens a
     /// Hugging Face tokenizer adds around a sequence (BERT's [CLS] and [SEP]).
-    pub fn encode_example(&self, text: &str) -> Result<Vec<u32>, String> {
+    pub fn encode_example(&self, text: &str) -> Result<Vec<u32>> {
         match self {
             Tokenizer::Hf { tok, path, .. } => Ok(tok
                 .encode(text, true)
@@ -141,7 +152,7 @@ impl Tokenizer {
         &self,
         question: &str,
         context: &str,
-    ) -> Result<(Vec<u32>, Vec<u32>, Vec<Option<(usize, usize)>>), String> {
+    ) -> Result<(Vec<u32>, Vec<u32>, Vec<Option<(usize, usize)>>)> {
         if let Tokenizer::Hf { tok, path, .. } = self {
             let e = tok
                 .encode((question, context), true)
@@ -170,15 +181,15 @@ impl Tokenizer {
     }
 
     /// Text of `ids`; bytes that are not UTF-8 become U+FFFD.
-    pub fn decode(&self, ids: &[u32]) -> Result<String, String> {
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
         match self {
             Tokenizer::Bytes => Ok(bytes_text(ids)),
             Tokenizer::Bpe { bpe, name, .. } => bpe
                 .decode_bytes(ids)
                 .map(|b| String::from_utf8_lossy(&b).into_owned())
-                .map_err(|e| format!("{name}: {e}")),
+                .map_err(|e| format!("{name}: {e}").into()),
             Tokenizer::Hf { tok, path, .. } => {
-                tok.decode(ids, false).map_err(|e| format!("{path}: {e}"))
+                Ok(tok.decode(ids, false).map_err(|e| format!("{path}: {e}"))?)
             }
         }
     }
@@ -200,12 +211,12 @@ impl Tokenizer {
         &self,
         files: &[std::path::PathBuf],
         done: &(dyn Fn() + Sync),
-    ) -> Result<Vec<u32>, String> {
+    ) -> Result<Vec<u32>> {
         use rayon::prelude::*;
         let parts: Vec<Vec<u32>> = files
             .par_iter()
             .map(|f| {
-                crate::labelled::regular(f)?;
+                super::records::regular(f)?;
                 let bytes =
                     std::fs::read(f).map_err(|e| format!("{}: cannot read: {e}", f.display()))?;
                 let text = String::from_utf8(bytes)
@@ -215,23 +226,23 @@ impl Tokenizer {
                 done();
                 Ok(ids)
             })
-            .collect::<Result<_, String>>()?;
+            .collect::<Result<_>>()?;
         Ok(parts.concat())
     }
 
     /// Round trip check helper: `encode` then `decode` gives the text back (bytes and BPE).
-    pub fn round_trips(&self, text: &str) -> Result<bool, String> {
+    pub fn round_trips(&self, text: &str) -> Result<bool> {
         Ok(self.decode(&self.encode(text)?)? == text)
     }
 
     /// Refuse a model whose vocabulary cannot hold this tokenizer's ids.
-    pub fn check_fits(&self, model_vocab: usize) -> Result<(), String> {
+    pub fn check_fits(&self, model_vocab: usize) -> Result<()> {
         if self.vocab_size() > model_vocab {
             return Err(format!(
                 "tokenizer {}'s ids reach {}, past the model's vocabulary of {model_vocab} (its embedding's rows)",
                 self.name(),
                 self.vocab_size() - 1
-            ));
+            ).into());
         }
         Ok(())
     }

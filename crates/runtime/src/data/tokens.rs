@@ -3,6 +3,7 @@
 //! [`Tokens`] is a window `start..end` into shared storage, so splitting off the held-out
 //! part copies nothing.
 
+use super::error::Result;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -80,7 +81,7 @@ impl Tokens {
     /// Token shards, in order, as one sequence: llm.c's (a 256 x int32 header with magic
     /// 20240520, version 1 for uint16 tokens or 2 for uint32, and the token count) or
     /// nanoGPT's headerless uint16 `.bin`. Each file is mapped, not read.
-    pub fn shards(paths: &[std::path::PathBuf]) -> Result<Self, String> {
+    pub fn shards(paths: &[std::path::PathBuf]) -> Result<Self> {
         let mut shards = Vec::new();
         let mut first = 0;
         for p in paths {
@@ -153,13 +154,13 @@ impl Tokens {
 }
 
 /// Map one shard file and find its tokens.
-fn map_shard(path: &Path, first: usize) -> Result<Shard, String> {
+fn map_shard(path: &Path, first: usize) -> Result<Shard> {
     let name = path.display();
     // Checked before the open, which would block on a FIFO.
-    crate::labelled::regular(path)?;
+    super::records::regular(path)?;
     let file = std::fs::File::open(path).map_err(|e| format!("{name}: cannot read shard: {e}"))?;
     if !file.metadata().is_ok_and(|m| m.is_file()) {
-        return Err(format!("{name}: not a regular file"));
+        return Err(format!("{name}: not a regular file").into());
     }
     // SAFETY: the map is read only; a shard changed underneath a run is the user's to avoid,
     // as with any mapped data set (it reads wrong tokens, it does not break memory safety of
@@ -178,7 +179,8 @@ fn map_shard(path: &Path, first: usize) -> Result<Shard, String> {
                 v => {
                     return Err(format!(
                         "{name}: llm.c shard version {v} (1: uint16 tokens, 2: uint32)"
-                    ))
+                    )
+                    .into())
                 }
             };
             let have = (map.len() - SHARD_HEADER_BYTES) / width;
@@ -189,7 +191,7 @@ fn map_shard(path: &Path, first: usize) -> Result<Shard, String> {
                 return Err(format!(
                     "{name}: the header says {count} tokens, the file holds {} bytes after it ({width}-byte tokens)",
                     map.len() - SHARD_HEADER_BYTES
-                ));
+                ).into());
             }
             (SHARD_HEADER_BYTES, width, have)
         }
@@ -198,7 +200,7 @@ fn map_shard(path: &Path, first: usize) -> Result<Shard, String> {
                 return Err(format!(
                     "{name}: {} bytes is not a whole number of uint16 tokens (nanoGPT's headerless .bin)",
                     map.len()
-                ));
+                ).into());
             }
             (0, 2, map.len() / 2)
         }
