@@ -12,7 +12,9 @@ impl std::error::Error for BadInput {}
 
 use pipewright_core::error::Field;
 use pipewright_core::Error as CoreError;
+use pipewright_runtime::data::{Error as DataError, Field as DataField};
 use pipewright_runtime::error::Error as RunError;
+use pipewright_runtime::model::error::Error as ModelError;
 
 /// How a command names the parts of a job's shape on its command line.
 #[derive(Clone, Copy)]
@@ -54,8 +56,46 @@ fn core_error<'a>(e: &'a (dyn std::error::Error + 'static)) -> Option<&'a CoreEr
         })
 }
 
-/// One link of an error chain as the user reads it: a shape error names this command's flag.
+/// The data error inside `e`, if it is one (directly or as the runtime carries it).
+fn data_error<'a>(e: &'a (dyn std::error::Error + 'static)) -> Option<&'a DataError> {
+    e.downcast_ref::<DataError>()
+        .or(match e.downcast_ref::<RunError>() {
+            Some(RunError::Data(d)) => Some(d),
+            _ => None,
+        })
+}
+
+/// The flag that sets a data field (every command that reads data spells them alike).
+fn data_flag(field: DataField) -> &'static str {
+    match field {
+        DataField::Data => "--data",
+        DataField::ValData => "--val-data",
+        DataField::ValFraction => "--val-fraction",
+        DataField::Task => "--task",
+        DataField::TextField => "--text-field",
+        DataField::LabelField => "--label-field",
+        DataField::ShardTokens => "--shard-tokens",
+    }
+}
+
+/// One link of an error chain as the user reads it: a shape or data setting error names this
+/// command's flag.
 fn link_text(e: &(dyn std::error::Error + 'static), flags: Flags) -> String {
+    match data_error(e) {
+        Some(DataError::Setting { field, value, msg }) => {
+            return format!("{} {value}: {msg}", data_flag(*field))
+        }
+        Some(d @ DataError::NoField { field, .. }) => {
+            return format!("{d} (choose it with {})", data_flag(*field))
+        }
+        _ => {}
+    }
+    if let Some(RunError::EarlierRun { dir, step }) = e.downcast_ref::<RunError>() {
+        return format!(
+            "{}: holds an earlier run's checkpoints (the newest at step {step}); --resume continues that run, --overwrite replaces its checkpoints, or choose another directory",
+            dir.display()
+        );
+    }
     match core_error(e) {
         Some(CoreError::Shape { field, value, msg }) => match flags.flag(*field) {
             Some(flag) => format!("{flag} {value}: {msg}"),
@@ -81,15 +121,21 @@ pub fn message(e: &anyhow::Error, flags: Flags) -> String {
 /// Exit 2 for input the user can fix (flags, files, plans, checkpoints), 1 for failures
 /// (a worker or peer failed, an internal fault, a write that failed).
 pub fn exit_code(e: &anyhow::Error) -> i32 {
-    let internal = e
-        .chain()
-        .any(|c| matches!(core_error(c), Some(CoreError::Internal(_))));
+    let internal = e.chain().any(|c| {
+        matches!(core_error(c), Some(CoreError::Internal(_)))
+            || matches!(data_error(c), Some(DataError::Internal(_)))
+    });
     let bad = e.chain().any(|c| {
         c.is::<BadInput>()
             || core_error(c).is_some()
+            || data_error(c).is_some()
+            || c.is::<ModelError>()
+            || matches!(c.downcast_ref::<RunError>(), Some(RunError::Model(_)))
             || matches!(
                 c.downcast_ref::<RunError>(),
-                Some(RunError::Config(_) | RunError::Checkpoint { .. })
+                Some(
+                    RunError::Config(_) | RunError::Checkpoint { .. } | RunError::EarlierRun { .. }
+                )
             )
     });
     if bad && !internal {

@@ -8,7 +8,7 @@ use std::path::Path;
 
 /// Read a plan file (CSV by extension, JSON otherwise) without validating it.
 pub fn load_plan(file: &Path) -> Result<Plan> {
-    let text = pipewright_core::error::read_file(file)?;
+    let text = pipewright_core::inputs::read_file(file)?;
     let name = file.display().to_string();
     Ok(if file.extension().is_some_and(|e| e == "csv") {
         Plan::from_csv(&name, &text)?

@@ -305,7 +305,12 @@ fn run(cli: Cli) -> Result<()> {
     ) {
         // A PIPEWRIGHT_BLAS that cannot be used stops the commands that multiply matrices
         // before any work, rather than quietly running on another library.
-        pipewright_runtime::machine::blas_lib::blas().map_err(|e| BadInput(e.to_string()))?;
+        pipewright_runtime::machine::blas_lib::blas().map_err(|e| {
+            BadInput(match e.mkl_missing {
+                true => format!("{e}; `scripts/install-deps --mkl` installs MKL"),
+                false => e.to_string(),
+            })
+        })?;
         // Once per run: not in the ranks pipewright started (it said so itself), and of a
         // launcher's tasks only in task 0.
         let first = ranks::launcher_tasks().is_none_or(|(_, _, me)| me == 0);

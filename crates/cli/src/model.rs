@@ -6,6 +6,7 @@ use crate::BadInput;
 use anyhow::Result;
 use clap::Args;
 use pipewright_core::schedule::ScheduleKind;
+use pipewright_runtime::data::tokenizer::Tokenizer;
 use pipewright_runtime::data::MicroBatch;
 use pipewright_runtime::model::hf::{config_from_hf, config_to_hf};
 use pipewright_runtime::model::{ModelConfig, TaskHead};
@@ -14,14 +15,11 @@ use std::path::{Path, PathBuf};
 
 /// The run's tokenizer: `cfg.tokenizer`, else the pretrained model directory's
 /// tokenizer.json, else bytes.
-pub fn tokenizer(cfg: &TrainConfig) -> Result<pipewright_runtime::tokenizer::Tokenizer> {
-    use pipewright_runtime::tokenizer::Tokenizer;
-    let t = match (&cfg.tokenizer, &cfg.pretrained) {
-        (Some(spec), _) => Tokenizer::load(spec),
-        (None, Some(dir)) => Tokenizer::of_model_dir(dir).unwrap_or(Ok(Tokenizer::Bytes)),
-        (None, None) => Ok(Tokenizer::Bytes),
-    };
-    Ok(t.map_err(BadInput)?)
+pub fn tokenizer(cfg: &TrainConfig) -> Result<Tokenizer> {
+    Ok(Tokenizer::for_run(
+        cfg.tokenizer.as_deref(),
+        cfg.pretrained.as_deref(),
+    )?)
 }
 
 /// Which model: a Hugging Face directory, a Hugging Face config for fresh weights, or (no
@@ -50,8 +48,8 @@ impl ModelArgs {
     /// The model these flags name, if they name one.
     pub fn resolve(&self) -> Result<Option<Chosen>> {
         if let Some(f) = &self.model_config {
-            let text = pipewright_core::error::read_file(f)?;
-            let config = config_from_hf(&text, &f.display().to_string()).map_err(BadInput)?;
+            let text = pipewright_core::inputs::read_file(f)?;
+            let config = config_from_hf(&text, &f.display().to_string())?;
             return Ok(Some(Chosen {
                 config,
                 weights: None,
@@ -62,14 +60,14 @@ impl ModelArgs {
         };
         if p.is_dir() {
             let cj = p.join("config.json");
-            let text = pipewright_core::error::read_file(&cj)?;
-            let config = config_from_hf(&text, &cj.display().to_string()).map_err(BadInput)?;
+            let text = pipewright_core::inputs::read_file(&cj)?;
+            let config = config_from_hf(&text, &cj.display().to_string())?;
             return Ok(Some(Chosen {
                 config,
                 weights: Some(p.clone()),
             }));
         }
-        let text = pipewright_core::error::read_file(p)?;
+        let text = pipewright_core::inputs::read_file(p)?;
         if text.trim_start().starts_with('{') {
             // A Hugging Face config.json alone: --model-config takes that.
             return Err(BadInput(format!(
@@ -170,7 +168,7 @@ fn check_export_dir(a: &ExportArgs, source: Option<&Path>) -> Result<()> {
 /// `export`: a checkpoint, whatever plan trained it, as a Hugging Face model directory.
 pub fn cmd_export(a: ExportArgs) -> Result<()> {
     let (mut cfg, _, step) = checkpoint_config(&a.checkpoint_dir)?;
-    let config = config_to_hf(&cfg.model).map_err(BadInput)?;
+    let config = config_to_hf(&cfg.model)?;
     check_export_dir(&a, cfg.pretrained.as_deref())?;
     // The weights alone: one worker holds every layer block.
     (cfg.stages, cfg.replicas, cfg.chunks, cfg.pretrained) = (1, 1, 1, None);
@@ -656,16 +654,11 @@ pub fn cmd_generate(a: GenerateArgs) -> Result<()> {
         .into());
     }
     let tok = match a.tokenizer.as_ref().or(spec.as_ref()) {
-        Some(s) => pipewright_runtime::tokenizer::Tokenizer::load(s).map_err(BadInput)?,
-        None => pipewright_runtime::tokenizer::Tokenizer::Bytes,
+        Some(s) => Tokenizer::load(s)?,
+        None => Tokenizer::Bytes,
     };
-    tok.check_fits(model.vocab).map_err(BadInput)?;
-    let prompt: Vec<i64> = tok
-        .encode(&a.prompt)
-        .map_err(BadInput)?
-        .into_iter()
-        .map(i64::from)
-        .collect();
+    tok.check_fits(model.vocab)?;
+    let prompt: Vec<i64> = tok.encode(&a.prompt)?.into_iter().map(i64::from).collect();
     let how = Sampling {
         temperature: a.temperature,
         top_k: a.top_k,
@@ -676,9 +669,9 @@ pub fn cmd_generate(a: GenerateArgs) -> Result<()> {
         pipewright_runtime::model::Family::Gpt => model.seq_len,
         _ => model.max_positions(),
     };
-    let new = generate(&blocks, &prompt, a.max_tokens, limit, &how).map_err(BadInput)?;
+    let new = generate(&blocks, &prompt, a.max_tokens, limit, &how)?;
     let ids: Vec<u32> = new.iter().map(|&x| x as u32).collect();
-    println!("{}{}", a.prompt, tok.decode(&ids).map_err(BadInput)?);
+    println!("{}{}", a.prompt, tok.decode(&ids)?);
     if new.len() < a.max_tokens && prompt.len() + new.len() >= limit {
         eprintln!(
             "note: stopped after {} of {} new tokens: the model takes at most {limit} positions",
@@ -706,7 +699,7 @@ fn generation_source(
         (Some(dir), _) => checkpoint_blocks(dir)?,
         (None, Some(c)) => {
             let blocks = match &c.weights {
-                Some(dir) => hf_layers(&c.config, dir, a.seed).map_err(BadInput)?,
+                Some(dir) => hf_layers(&c.config, dir, a.seed)?,
                 None => pipewright_runtime::model::Layers::new(
                     &c.config,
                     a.seed,

@@ -237,7 +237,7 @@ fn short(v: f64) -> String {
 
 /// The rows of a metrics file, each line one JSON object; a bad line is named.
 fn read_rows(path: &std::path::Path) -> Result<Vec<Value>> {
-    let text = pipewright_core::error::read_file(path).map_err(|e| BadInput(e.to_string()))?;
+    let text = pipewright_core::inputs::read_file(path).map_err(|e| BadInput(e.to_string()))?;
     text.lines()
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())

@@ -132,7 +132,7 @@ run_table! {
 /// stand for a flag).
 pub fn apply(mut a: TrainArgs) -> Result<TrainArgs> {
     if let Some(f) = a.config.clone() {
-        let text = pipewright_core::error::read_file(&f)?;
+        let text = pipewright_core::inputs::read_file(&f)?;
         let name = f.display().to_string();
         let (_, table) =
             pipewright_core::error::parse_toml_split::<toml::Table, RunTable>(&name, &text, "run")?;

@@ -33,16 +33,21 @@ impl std::fmt::Display for DeviceChoice {
 
 static CHOICE: OnceLock<DeviceChoice> = OnceLock::new();
 
+/// A device that cannot be chosen, started or finished with; the message names it.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{0}")]
+pub struct DeviceError(pub String);
+
 /// Chooses the process's device, once, before any tensor is made; `Err` (naming both) if it
 /// was already chosen otherwise.
-pub fn choose_device(choice: DeviceChoice) -> Result<(), String> {
+pub fn choose_device(choice: DeviceChoice) -> Result<(), DeviceError> {
     let chosen = *CHOICE.get_or_init(|| choice);
     if chosen == choice {
         Ok(())
     } else {
-        Err(format!(
+        Err(DeviceError(format!(
             "the device was already chosen as {chosen}; it cannot change to {choice} in one process"
-        ))
+        )))
     }
 }
 
@@ -81,7 +86,7 @@ pub fn device_of(choice: DeviceChoice) -> Device {
 
 /// Starts the chosen device with one small tensor, so that a machine without one (no Vulkan
 /// driver for wgpu) is told so plainly rather than by a panic deep in a step.
-pub fn start_device() -> Result<(), String> {
+pub fn start_device() -> Result<(), DeviceError> {
     let quiet = std::panic::take_hook();
     std::panic::set_hook(Box::new(|_| {}));
     let r = std::panic::catch_unwind(|| {
@@ -94,7 +99,10 @@ pub fn start_device() -> Result<(), String> {
             .cloned()
             .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
             .unwrap_or_else(|| "it panicked".into());
-        format!("the {} device did not start: {why}", device_choice())
+        DeviceError(format!(
+            "the {} device did not start: {why}",
+            device_choice()
+        ))
     })
 }
 
@@ -113,13 +121,13 @@ pub fn fused_kernels(device: &Device) -> bool {
 /// step's threads reading parameters from before it (measured: 2-stage losses leaving the
 /// CPU's from the third step, in threads and over MPI; 1 stage was unaffected). Each worker
 /// settles before its thread ends.
-pub fn settle() -> Result<(), String> {
+pub fn settle() -> Result<(), DeviceError> {
     if device_choice() == DeviceChoice::Cpu {
         return Ok(());
     }
     plain_device()
         .sync()
-        .map_err(|e| format!("the {} device failed: {e:?}", device_choice()))
+        .map_err(|e| DeviceError(format!("the {} device failed: {e:?}", device_choice())))
 }
 
 /// burn 0.22.1's autodiff keeps one process-wide graph locator; a backward in one thread and a

@@ -5,7 +5,7 @@
 //! on the cached tensor. Frozen weights never change, so entries never go stale.
 
 use crate::backend::plain_device;
-use crate::data::MicroBatch;
+use crate::batch::MicroBatch;
 use crate::model::{Stage, StageInput};
 use burn::tensor::{Int, Tensor, TensorData};
 use std::collections::{BTreeMap, HashMap};

@@ -10,9 +10,19 @@ pub enum Error {
     /// A checkpoint that cannot be written or read.
     #[error("{}: {msg}", path.display())]
     Checkpoint { path: PathBuf, msg: String },
+    /// A fresh run's checkpoint directory holds an earlier run's checkpoints (the newest at
+    /// `step`): the run must resume it, overwrite it, or take another directory.
+    #[error("{}: holds an earlier run's checkpoints (the newest at step {step}); resume that run, overwrite its checkpoints, or choose another directory", dir.display())]
+    EarlierRun { dir: PathBuf, step: u64 },
     /// A plan, profile or cluster error from core, kept typed (the CLI names its flag).
     #[error(transparent)]
     Core(#[from] pipewright_core::Error),
+    /// A model that cannot be built, loaded, or given this data.
+    #[error(transparent)]
+    Model(#[from] crate::model::error::Error),
+    /// Data that cannot be read, or does not fit the run.
+    #[error(transparent)]
+    Data(#[from] crate::data::Error),
     /// A worker failed during a step.
     #[error(transparent)]
     Exec(#[from] crate::exec::ExecError),

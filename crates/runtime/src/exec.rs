@@ -4,8 +4,8 @@
 //! The schedule lives in the plan only; nothing here knows GPipe from 1F1B.
 
 use crate::backend::{autodiff_lock, plain_device, train_device};
+use crate::batch::MicroBatch;
 use crate::cache::PrefixCache;
-use crate::data::MicroBatch;
 use crate::grads::{add_grads, GradSource};
 use crate::model::{batch_loss, Deferred, Stage, StageInput};
 use crate::transport::{Kind, Payload, Tag, Transport, TransportError};

@@ -346,7 +346,9 @@ fn ill_typed_config_fields_are_refused_by_name() {
     let mut base: serde_json::Value = serde_json::from_str(&text).unwrap();
     let mut v = base.clone();
     v["rope_parameters"] = serde_json::json!("x");
-    let err = config_from_hf(&v.to_string(), "c.json").unwrap_err();
+    let err = config_from_hf(&v.to_string(), "c.json")
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("rope_parameters must be an object"), "{err}");
     // Older configs: rope_theta and rope_scaling at the top level.
     base.as_object_mut().unwrap().remove("rope_parameters");
@@ -374,20 +376,24 @@ fn ill_typed_config_fields_are_refused_by_name() {
     ] {
         let mut v = base.clone();
         v[key] = value;
-        let err = config_from_hf(&v.to_string(), "c.json").unwrap_err();
+        let err = config_from_hf(&v.to_string(), "c.json")
+            .unwrap_err()
+            .to_string();
         assert!(
             err.starts_with("c.json: ") && err.contains(says),
             "{key}: {err}"
         );
     }
-    let err = config_from_hf("[1, 2]", "c.json").unwrap_err();
+    let err = config_from_hf("[1, 2]", "c.json").unwrap_err().to_string();
     assert!(err.contains("found an array"), "{err}");
     let mut gpt2 = serde_json::from_str::<serde_json::Value>(
         &std::fs::read_to_string(fixture("gpt2").join("config.json")).unwrap(),
     )
     .unwrap();
     gpt2["tie_word_embeddings"] = serde_json::json!(1);
-    let err = config_from_hf(&gpt2.to_string(), "c.json").unwrap_err();
+    let err = config_from_hf(&gpt2.to_string(), "c.json")
+        .unwrap_err()
+        .to_string();
     assert!(
         err.contains("tie_word_embeddings must be true or false, found 1"),
         "{err}"

@@ -411,3 +411,30 @@ pub fn measured_peak_flops() -> f64 {
         2.0 * (N * N * N) as f64 / best.max(1e-9)
     })
 }
+
+#[cfg(test)]
+mod tests {
+    /// A product split with an idle peer's cores equals the product run whole.
+    #[test]
+    fn a_product_lent_to_an_idle_peer_equals_the_whole() {
+        let me = "kernels::blas::tests::a_product_lent_to_an_idle_peer_equals_the_whole";
+        if let Some(passed) = crate::machine::blas_lib::rerun_on_chosen_kernels(me) {
+            assert!(
+                passed,
+                "on the kernels pipewright chooses for this CPU (the run above)"
+            );
+            return;
+        }
+        let (_turn, peer) = crate::machine::lend::testing::peer();
+        let dev = crate::backend::plain_device();
+        let random = |shape: [usize; 2]| {
+            burn::tensor::Tensor::<2>::random(shape, burn::tensor::Distribution::Default, &dev)
+        };
+        let (a, b) = (random([400, 200]), random([200, 200]));
+        peer.set_idle(true);
+        let split = crate::kernels::matmul(a.clone(), b.clone()).into_data();
+        peer.set_idle(false);
+        let whole = crate::kernels::matmul(a, b).into_data();
+        assert_eq!(split, whole);
+    }
+}

@@ -235,20 +235,34 @@ fn layer_norm_backward(
     (tensor(dx, xhat), tensor(dg, gamma), tensor(db, gamma))
 }
 
-impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
-    fn matmul(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+/// One autodiff op's backward shell: a unit struct `$name` whose `Backward` over `$n` parents
+/// keeps `$state` and runs `$body` with the op's `Ops` and the gradients (burn's boilerplate,
+/// written once).
+macro_rules! backward {
+    ($name:ident, $n:literal, $state:ty, |$ops:ident, $grads:ident| $body:block) => {
         #[derive(Debug)]
-        struct MatMul;
+        struct $name;
 
-        impl Backward<Flex, 2> for MatMul {
-            type State = (Option<FlexTensor>, Option<FlexTensor>);
+        impl Backward<Flex, $n> for $name {
+            type State = $state;
 
             fn backward(
                 self,
-                ops: Ops<Self::State, 2>,
-                grads: &mut Gradients,
+                $ops: Ops<Self::State, $n>,
+                $grads: &mut Gradients,
                 _: &mut Checkpointer,
-            ) {
+            ) $body
+        }
+    };
+}
+
+impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
+    fn matmul(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        backward!(
+            MatMul,
+            2,
+            (Option<FlexTensor>, Option<FlexTensor>),
+            |ops, grads| {
                 let (a, b) = ops.state;
                 binary::<Flex, _, _>(
                     ops.parents,
@@ -258,7 +272,7 @@ impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
                     |g| transposed_times(a.expect("kept for db"), g),
                 );
             }
-        }
+        );
 
         let (a_tracked, b_tracked) = (a.is_tracked(), b.is_tracked());
         match MatMul
@@ -285,19 +299,12 @@ impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
         w: FloatTensor<Self>,
         b: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        #[derive(Debug)]
-        struct Linear;
-
-        impl Backward<Flex, 3> for Linear {
-            /// The input (for dw) and the weight (for dx), each kept only if needed.
-            type State = (Option<FlexTensor>, Option<FlexTensor>);
-
-            fn backward(
-                self,
-                ops: Ops<Self::State, 3>,
-                grads: &mut Gradients,
-                _: &mut Checkpointer,
-            ) {
+        // State: The input (for dw) and the weight (for dx), each kept only if needed.
+        backward!(
+            Linear,
+            3,
+            (Option<FlexTensor>, Option<FlexTensor>),
+            |ops, grads| {
                 let (x, w) = ops.state;
                 let dy = grads.consume::<Flex>(&ops.node);
                 let [px, pw, pb] = ops.parents;
@@ -313,7 +320,7 @@ impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
                     grads.register::<Flex>(node.id, column_sums(&dy));
                 }
             }
-        }
+        );
 
         let (x_tracked, w_tracked) = (x.is_tracked(), w.is_tracked());
         match Linear
@@ -344,29 +351,17 @@ impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
         anchor: FloatTensor<Self>,
         slot: GradSlot,
     ) -> FloatTensor<Self> {
-        #[derive(Debug)]
-        struct DeferredLinear;
-
-        impl Backward<Flex, 4> for DeferredLinear {
-            /// The weight (for dx) and where dy goes.
-            type State = (FlexTensor, GradSlot);
-
-            fn backward(
-                self,
-                ops: Ops<Self::State, 4>,
-                grads: &mut Gradients,
-                _: &mut Checkpointer,
-            ) {
-                let (w, slot) = ops.state;
-                let dy = grads.consume::<Flex>(&ops.node);
-                let [px, ..] = ops.parents;
-                if let Some(node) = px {
-                    let dx = times_transposed(dy.clone(), w);
-                    grads.register::<Flex>(node.id, dx);
-                }
-                slot.put(dy.into_data());
+        // State: The weight (for dx) and where dy goes.
+        backward!(DeferredLinear, 4, (FlexTensor, GradSlot), |ops, grads| {
+            let (w, slot) = ops.state;
+            let dy = grads.consume::<Flex>(&ops.node);
+            let [px, ..] = ops.parents;
+            if let Some(node) = px {
+                let dx = times_transposed(dy.clone(), w);
+                grads.register::<Flex>(node.id, dx);
             }
-        }
+            slot.put(dy.into_data());
+        });
 
         let nodes = [x.node(), w.node(), b.node(), anchor.node()];
         let (w, b) = (w.into_primitive(), b.into_primitive());
@@ -384,22 +379,10 @@ impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
     }
 
     fn gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
-        #[derive(Debug)]
-        struct Gelu;
-
-        impl Backward<Flex, 1> for Gelu {
-            type State = FlexTensor;
-
-            fn backward(
-                self,
-                ops: Ops<Self::State, 1>,
-                grads: &mut Gradients,
-                _: &mut Checkpointer,
-            ) {
-                let slope = ops.state;
-                unary::<Flex, _>(ops.parents, ops.node, grads, |g| mul(&slope, &g));
-            }
-        }
+        backward!(Gelu, 1, FlexTensor, |ops, grads| {
+            let slope = ops.state;
+            unary::<Flex, _>(ops.parents, ops.node, grads, |g| mul(&slope, &g));
+        });
 
         match Gelu.prepare::<C>([x.node()]).compute_bound().stateful() {
             OpsKind::Tracked(prep) => {
@@ -411,24 +394,12 @@ impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
     }
 
     fn causal_softmax(x: FloatTensor<Self>, scale: f32) -> FloatTensor<Self> {
-        #[derive(Debug)]
-        struct Softmax;
-
-        impl Backward<Flex, 1> for Softmax {
-            type State = (FlexTensor, f32);
-
-            fn backward(
-                self,
-                ops: Ops<Self::State, 1>,
-                grads: &mut Gradients,
-                _: &mut Checkpointer,
-            ) {
-                let (y, scale) = ops.state;
-                unary::<Flex, _>(ops.parents, ops.node, grads, |g| {
-                    causal_softmax_backward(&y, &g, scale)
-                });
-            }
-        }
+        backward!(Softmax, 1, (FlexTensor, f32), |ops, grads| {
+            let (y, scale) = ops.state;
+            unary::<Flex, _>(ops.parents, ops.node, grads, |g| {
+                causal_softmax_backward(&y, &g, scale)
+            });
+        });
 
         match Softmax.prepare::<C>([x.node()]).compute_bound().stateful() {
             OpsKind::Tracked(prep) => {
@@ -447,19 +418,12 @@ impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
         v: FloatTensor<Self>,
         scale: f32,
     ) -> FloatTensor<Self> {
-        #[derive(Debug)]
-        struct Attention;
-
-        impl Backward<Flex, 3> for Attention {
-            /// Queries, keys, values, the attention weights, the scale.
-            type State = (FlexTensor, FlexTensor, FlexTensor, FlexTensor, f32);
-
-            fn backward(
-                self,
-                ops: Ops<Self::State, 3>,
-                grads: &mut Gradients,
-                _: &mut Checkpointer,
-            ) {
+        // State: Queries, keys, values, the attention weights, the scale.
+        backward!(
+            Attention,
+            3,
+            (FlexTensor, FlexTensor, FlexTensor, FlexTensor, f32),
+            |ops, grads| {
                 let (q, k, v, weights, scale) = ops.state;
                 let dy = grads.consume::<Flex>(&ops.node);
                 let [dq, dk, dv] = attention::backward(q, k, v, &weights, dy, scale);
@@ -470,7 +434,7 @@ impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
                     }
                 }
             }
-        }
+        );
 
         let nodes = [q.node(), k.node(), v.node()];
         match Attention.prepare::<C>(nodes).compute_bound().stateful() {
@@ -494,19 +458,12 @@ impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
         beta: FloatTensor<Self>,
         eps: f32,
     ) -> FloatTensor<Self> {
-        #[derive(Debug)]
-        struct LayerNorm;
-
-        impl Backward<Flex, 3> for LayerNorm {
-            /// Normalised input, 1/std per row, gamma.
-            type State = (FlexTensor, FlexTensor, FlexTensor);
-
-            fn backward(
-                self,
-                ops: Ops<Self::State, 3>,
-                grads: &mut Gradients,
-                _: &mut Checkpointer,
-            ) {
+        // State: Normalised input, 1/std per row, gamma.
+        backward!(
+            LayerNorm,
+            3,
+            (FlexTensor, FlexTensor, FlexTensor),
+            |ops, grads| {
                 let (xhat, rstd, gamma) = ops.state;
                 let dy = grads.consume::<Flex>(&ops.node);
                 let (dx, dg, db) = layer_norm_backward(&xhat, &rstd, &gamma, &dy);
@@ -517,7 +474,7 @@ impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
                     }
                 }
             }
-        }
+        );
 
         let nodes = [x.node(), gamma.node(), beta.node()];
         match LayerNorm.prepare::<C>(nodes).compute_bound().stateful() {
@@ -537,19 +494,12 @@ impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
     }
 
     fn rms_norm(x: FloatTensor<Self>, w: FloatTensor<Self>, eps: f32) -> FloatTensor<Self> {
-        #[derive(Debug)]
-        struct RmsNorm;
-
-        impl Backward<Flex, 2> for RmsNorm {
-            /// Normalised input, 1/rms per row, the weight.
-            type State = (FlexTensor, FlexTensor, FlexTensor);
-
-            fn backward(
-                self,
-                ops: Ops<Self::State, 2>,
-                grads: &mut Gradients,
-                _: &mut Checkpointer,
-            ) {
+        // State: Normalised input, 1/rms per row, the weight.
+        backward!(
+            RmsNorm,
+            2,
+            (FlexTensor, FlexTensor, FlexTensor),
+            |ops, grads| {
                 let (xh, rstd, w) = ops.state;
                 let dy = grads.consume::<Flex>(&ops.node);
                 let (dx, dw) = llama::rms_norm_backward(
@@ -566,7 +516,7 @@ impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
                     grads.register::<Flex>(node.id, tensor(dw, &w));
                 }
             }
-        }
+        );
 
         match RmsNorm
             .prepare::<C>([x.node(), w.node()])
@@ -587,29 +537,17 @@ impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
     }
 
     fn swiglu(g: FloatTensor<Self>, u: FloatTensor<Self>) -> FloatTensor<Self> {
-        #[derive(Debug)]
-        struct SwiGlu;
-
-        impl Backward<Flex, 2> for SwiGlu {
-            type State = (FlexTensor, FlexTensor);
-
-            fn backward(
-                self,
-                ops: Ops<Self::State, 2>,
-                grads: &mut Gradients,
-                _: &mut Checkpointer,
-            ) {
-                let (g, u) = ops.state;
-                let dy = grads.consume::<Flex>(&ops.node);
-                let (dg, du) = llama::swiglu_backward(&values(&g), &values(&u), &values(&dy));
-                let [pg, pu] = ops.parents;
-                for (parent, grad) in [(pg, dg), (pu, du)] {
-                    if let Some(node) = parent {
-                        grads.register::<Flex>(node.id, tensor(grad, &g));
-                    }
+        backward!(SwiGlu, 2, (FlexTensor, FlexTensor), |ops, grads| {
+            let (g, u) = ops.state;
+            let dy = grads.consume::<Flex>(&ops.node);
+            let (dg, du) = llama::swiglu_backward(&values(&g), &values(&u), &values(&dy));
+            let [pg, pu] = ops.parents;
+            for (parent, grad) in [(pg, dg), (pu, du)] {
+                if let Some(node) = parent {
+                    grads.register::<Flex>(node.id, tensor(grad, &g));
                 }
             }
-        }
+        });
 
         match SwiGlu
             .prepare::<C>([g.node(), u.node()])
@@ -632,24 +570,12 @@ impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        #[derive(Debug)]
-        struct Rope;
-
-        impl Backward<Flex, 1> for Rope {
-            type State = (FlexTensor, FlexTensor);
-
-            fn backward(
-                self,
-                ops: Ops<Self::State, 1>,
-                grads: &mut Gradients,
-                _: &mut Checkpointer,
-            ) {
-                let (cos, sin) = ops.state;
-                unary::<Flex, _>(ops.parents, ops.node, grads, |g| {
-                    rope_apply(&g, &cos, &sin, true)
-                });
-            }
-        }
+        backward!(Rope, 1, (FlexTensor, FlexTensor), |ops, grads| {
+            let (cos, sin) = ops.state;
+            unary::<Flex, _>(ops.parents, ops.node, grads, |g| {
+                rope_apply(&g, &cos, &sin, true)
+            });
+        });
 
         let (cos, sin) = (cos.into_primitive(), sin.into_primitive());
         match Rope.prepare::<C>([x.node()]).compute_bound().stateful() {

@@ -57,6 +57,8 @@ pub struct Blas {
 pub struct BlasError {
     pub path: String,
     pub why: String,
+    /// MKL was asked for by name and is not installed (a front end says how to install it).
+    pub mkl_missing: bool,
 }
 
 /// The linked system OpenBLAS's build description ("OpenBLAS 0.3.21 ... Prescott ...").
@@ -383,9 +385,10 @@ fn choose() -> Result<Blas, BlasError> {
             return Err(BlasError {
                 path,
                 why: format!(
-                    "no whole MKL found (looked for libmkl_rt with its core and threading layers beside it in {}); `scripts/install-deps --mkl` installs one",
+                    "no whole MKL found (looked for libmkl_rt with its core and threading layers beside it in {})",
                     mkl_dirs().iter().map(|d| d.display().to_string()).collect::<Vec<_>>().join(", ")
                 ),
+                mkl_missing: true,
             });
         };
         path = found.display().to_string();
@@ -393,6 +396,7 @@ fn choose() -> Result<Blas, BlasError> {
         return Err(BlasError {
             path,
             why: "not a UTF-8 path".to_string(),
+            mkl_missing: false,
         });
     }
     match load(&path, false) {
@@ -405,7 +409,11 @@ fn choose() -> Result<Blas, BlasError> {
                 &format!("; the MKL pipewright chose, {path}, could not be used: {why}");
             Ok(b)
         }
-        Err(why) => Err(BlasError { path, why }),
+        Err(why) => Err(BlasError {
+            path,
+            why,
+            mkl_missing: false,
+        }),
     }
 }
 
@@ -598,7 +606,7 @@ const MKL_CHOSEN: &str =
 /// What MKL would give an Intel CPU where it is not installed, for run headers.
 /// Measured on a 2-core Xeon (Sapphire Rapids), one thread each: a 512 x 256 x 1024 product in
 /// 2.11 ms on MKL against 2.61 in Debian's OpenBLAS 0.3.21 (SkylakeX kernels).
-pub const MKL_HINT: &str = "MKL ran single-threaded products 24% faster than Debian's OpenBLAS on an Intel Xeon: `scripts/install-deps --mkl` installs it";
+pub const MKL_HINT: &str = "MKL ran single-threaded products 24% faster than Debian's OpenBLAS on an Intel Xeon: pipewright's scripts/install-deps installs it";
 
 /// Threads a large product is split over by pipewright (0: none; see [`split_products`]).
 pub fn split_threads() -> usize {

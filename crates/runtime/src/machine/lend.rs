@@ -21,7 +21,7 @@ const MASK_CPUS: usize = 64 * 16;
 
 /// One rank's record.
 #[repr(C)]
-struct Record {
+pub(crate) struct Record {
     /// 1 while the rank waits for a peer (its core is idle), else 0.
     idle: AtomicU32,
     /// 1 once `mask` holds the rank's CPUs.
@@ -339,6 +339,50 @@ fn set_cpus(cpus: &[usize]) -> bool {
     }
 }
 
+/// The board tests lend over: built once per test binary.
+#[cfg(test)]
+pub(crate) mod testing {
+    use super::*;
+
+    /// Rank 0 of a board of 2, rank 1 played by the test: joined, its CPUs offered, and busy
+    /// until a test marks it idle (with the returned guard held, so tests take turns). Returns
+    /// once the helper has moved to the peer's CPUs.
+    pub(crate) fn peer() -> (std::sync::MutexGuard<'static, ()>, &'static Record) {
+        static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        static BOARD: OnceLock<tempfile::TempDir> = OnceLock::new();
+        let turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+        BOARD.get_or_init(|| {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("board");
+            std::fs::write(&path, vec![0u8; board_bytes(2)]).unwrap();
+            join(&path, 0, 2, &allowed_cpus()).unwrap();
+            let l = LENDING.get().unwrap();
+            let peer = l.record(1);
+            for c in allowed_cpus() {
+                peer.mask[c / 64].fetch_or(1 << (c % 64), Ordering::Relaxed);
+            }
+            peer.ready.store(1, Ordering::Release);
+            let start = std::time::Instant::now();
+            while !l.helpers[0].pinned.load(Ordering::Acquire) {
+                assert!(
+                    start.elapsed().as_secs() < 10,
+                    "the helper never moved to the peer's CPUs"
+                );
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            dir
+        });
+        (turn, LENDING.get().unwrap().record(1))
+    }
+
+    impl Record {
+        /// Mark the played peer idle (its cores lent) or busy.
+        pub(crate) fn set_idle(&self, idle: bool) {
+            self.idle.store(u32::from(idle), Ordering::Release);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -361,36 +405,11 @@ mod tests {
         }
     }
 
-    /// This test binary's only board: rank 0 of 2, with rank 1 played by the test (joined,
-    /// then idle or not as a test sets it). Other tests' products split while it is idle.
     #[test]
-    fn products_split_with_an_idle_peer_cover_every_row_once_and_equal_the_whole() {
-        let me = "machine::lend::tests::products_split_with_an_idle_peer_cover_every_row_once_and_equal_the_whole";
-        if let Some(passed) = crate::machine::blas_lib::rerun_on_chosen_kernels(me) {
-            assert!(
-                passed,
-                "on the kernels pipewright chooses for this CPU (the run above)"
-            );
-            return;
-        }
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("board");
-        std::fs::write(&path, vec![0u8; board_bytes(2)]).unwrap();
-        join(&path, 0, 2, &allowed_cpus()).unwrap();
+    fn products_split_with_an_idle_peer_cover_every_row_once() {
+        let (_turn, peer) = super::testing::peer();
         let l = LENDING.get().unwrap();
-        let peer = l.record(1);
-        for c in allowed_cpus() {
-            peer.mask[c / 64].fetch_or(1 << (c % 64), Ordering::Relaxed);
-        }
-        peer.ready.store(1, Ordering::Release);
-        let start = std::time::Instant::now();
-        while !l.helpers[0].pinned.load(Ordering::Acquire) {
-            assert!(
-                start.elapsed().as_secs() < 10,
-                "the helper never moved to the peer's CPUs"
-            );
-            std::thread::sleep(std::time::Duration::from_millis(1));
-        }
+        peer.idle.store(0, Ordering::Release);
         let rows = 1000;
         let seen: Vec<AtomicU32> = (0..rows).map(|_| AtomicU32::new(0)).collect();
         let by_helper = AtomicU32::new(0);
@@ -426,22 +445,7 @@ mod tests {
             20,
             "a part on the helper each time"
         );
-        // A product split in two equals the product run whole.
-        let dev = crate::backend::plain_device();
-        let a = burn::tensor::Tensor::<2>::random(
-            [400, 200],
-            burn::tensor::Distribution::Default,
-            &dev,
-        );
-        let b = burn::tensor::Tensor::<2>::random(
-            [200, 200],
-            burn::tensor::Distribution::Default,
-            &dev,
-        );
-        let split = crate::kernels::matmul(a.clone(), b.clone()).into_data();
         peer.idle.store(0, Ordering::Release);
-        let whole = crate::kernels::matmul(a, b).into_data();
-        assert_eq!(split, whole);
     }
 
     #[test]

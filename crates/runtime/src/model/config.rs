@@ -1,6 +1,7 @@
 //! The model's shape: which family of transformer and its sizes. The one place that knows
 //! how a family's settings default, what is refused, and what each layer block costs.
 
+use super::error::Error;
 use serde::{Deserialize, Serialize};
 
 /// A family of transformers: how a layer block is built.
@@ -222,75 +223,76 @@ impl ModelConfig {
 
     /// Can this model learn labelled examples of `classes` classes over `ids` token ids? It
     /// needs a classification head with room for every class, and the vocabulary.
-    pub fn check_examples(&self, what: &str, ids: usize, classes: usize) -> Result<(), String> {
+    pub fn check_examples(&self, what: &str, ids: usize, classes: usize) -> Result<(), Error> {
         match self.head {
             Some(TaskHead::Classify { classes: c }) if c >= classes => {}
             Some(TaskHead::Classify { classes: c }) => {
-                return Err(format!(
+                return Err(Error::Mismatch(format!(
                     "{what}: labels of {classes} classes, but the model's head has {c}"
-                ))
+                )))
             }
             _ => {
-                return Err(format!(
-                    "{what}: labelled examples need a classification head; this {} model {} (train with --task classify)",
+                return Err(Error::Mismatch(format!(
+                    "{what}: labelled examples need a classification head; this {} model {} (train it for the classify task)",
                     self.family.name(),
                     self.head.map_or("predicts the next token".into(), |h| format!("has an {h} head"))
-                ))
+                )))
             }
         }
         if self.vocab < ids {
-            return Err(format!(
+            return Err(Error::Mismatch(format!(
                 "{what}: its tokens take {ids} ids, more than the model's vocabulary of {}",
                 self.vocab
-            ));
+            )));
         }
         Ok(())
     }
 
     /// Can this model learn answer spans over `ids` token ids? It needs an answer-span head.
-    pub fn check_spans(&self, what: &str, ids: usize) -> Result<(), String> {
+    pub fn check_spans(&self, what: &str, ids: usize) -> Result<(), Error> {
         if self.head != Some(TaskHead::Span) {
-            return Err(format!(
+            return Err(Error::Mismatch(format!(
                 "{what}: questions with answer spans need an answer-span head (bert, `BertForQuestionAnswering`); this {} model has {}",
                 self.family.name(),
                 self.head.map_or("an LM head".into(), |h| format!("a {h} head"))
-            ));
+            )));
         }
         match self.vocab < ids {
-            true => Err(format!(
+            true => Err(Error::Mismatch(format!(
                 "{what}: its tokens take {ids} ids, more than the model's vocabulary of {}",
                 self.vocab
-            )),
+            ))),
             false => Ok(()),
         }
     }
 
     /// Can this model learn from text (next-token prediction over bytes or token ids)? Not
     /// with a task head, nor with a vocabulary smaller than the 256 byte values.
-    pub fn check_text(&self, what: &str, ids: usize) -> Result<(), String> {
+    pub fn check_text(&self, what: &str, ids: usize) -> Result<(), Error> {
         if let Some(head) = self.head {
-            return Err(format!(
-                "{what}: a {} model's {head} head learns from labelled examples, not from text (train it with --task classify on labelled data)",
+            return Err(Error::Mismatch(format!(
+                "{what}: a {} model's {head} head learns from labelled examples, not from text (train it for the classify task on labelled data)",
                 self.family.name()
-            ));
+            )));
         }
         if self.vocab < ids {
-            return Err(format!(
+            return Err(Error::Mismatch(format!(
                 "{what}: its tokens take {ids} ids (256 for bytes), more than the model's vocabulary of {}",
                 self.vocab
-            ));
+            )));
         }
         Ok(())
     }
 
     /// Shape rules every family shares, then the family's own.
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), Error> {
         self.check_sizes()?;
         if self.d_model == 0 || self.heads == 0 || !self.d_model.is_multiple_of(self.heads) {
             return Err(format!(
                 "d_model {} must be a positive multiple of heads {}",
                 self.d_model, self.heads
-            ));
+            )
+            .into());
         }
         if self.seq_len == 0 || self.vocab == 0 {
             return Err("seq_len and vocab must be positive".into());
@@ -300,7 +302,8 @@ impl ModelConfig {
                 "seq_len {} is longer than the model's {} positions (max_positions)",
                 self.seq_len,
                 self.max_positions()
-            ));
+            )
+            .into());
         }
         match self.family {
             Family::Gpt => self.check_gpt()?,
@@ -320,7 +323,7 @@ impl ModelConfig {
                 return Err(format!(
                     "an answer-span head is a bert setting; {} takes a classification head",
                     self.family.name()
-                ))
+                ).into())
             }
             (_, Some(TaskHead::Classify { classes: 0 })) => {
                 return Err("a classification head needs at least 1 class".into())
@@ -341,7 +344,7 @@ impl ModelConfig {
                 self.d_model,
                 self.layers,
                 self.vocab
-            ));
+            ).into());
         }
         Ok(())
     }
@@ -380,7 +383,7 @@ impl ModelConfig {
         {
             Some((name, v, max)) => Err(format!(
                 "{name} {v} is past the largest pipewright takes ({max}): sizes derived from it would overflow"
-            )),
+            ).into()),
             None => Ok(()),
         }
     }
@@ -395,14 +398,15 @@ impl ModelConfig {
         if let Some((name, _)) = llama_only.iter().find(|(_, set)| *set) {
             return Err(format!(
                 "{name} is a llama setting; the gpt family does not take it (set family = \"llama\")"
-            ));
+            ).into());
         }
         if self.ffn.is_some_and(|f| f != 4 * self.d_model) {
             return Err(format!(
                 "ffn {} : the gpt family's MLP is 4 d_model = {} wide",
                 self.ffn.unwrap_or(0),
                 4 * self.d_model
-            ));
+            )
+            .into());
         }
         Ok(())
     }
@@ -413,22 +417,24 @@ impl ModelConfig {
             return Err(format!(
                 "kv_heads {kv} must divide heads {} (grouped-query attention)",
                 self.heads
-            ));
+            )
+            .into());
         }
         if !self.head_dim().is_multiple_of(2) {
             return Err(format!(
                 "head dimension {} (d_model / heads) must be even for rotary positions",
                 self.head_dim()
-            ));
+            )
+            .into());
         }
         if self.ffn() == 0 {
             return Err("ffn (intermediate_size) must be positive".into());
         }
         if !(self.rope_theta().is_finite() && self.rope_theta() > 1.0) {
-            return Err(format!("rope_theta {} must be > 1", self.rope_theta()));
+            return Err(format!("rope_theta {} must be > 1", self.rope_theta()).into());
         }
         if !(self.norm_eps().is_finite() && self.norm_eps() > 0.0) {
-            return Err(format!("norm_eps {} must be > 0", self.norm_eps()));
+            return Err(format!("norm_eps {} must be > 0", self.norm_eps()).into());
         }
         if let Some(s) = &self.rope_scaling {
             let ok = s.factor.is_finite()
@@ -440,7 +446,7 @@ impl ModelConfig {
                 return Err(format!(
                     "rope_scaling (llama3) with factor {}, low_freq_factor {}, high_freq_factor {}, original_max_position_embeddings {}: needs factor >= 1, 0 < low_freq_factor < high_freq_factor and original_max_position_embeddings > 0",
                     s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_position_embeddings
-                ));
+                ).into());
             }
         }
         Ok(())
@@ -461,7 +467,8 @@ impl ModelConfig {
                 "layer_norm_epsilon {} is not supported (pipewright's LayerNorm uses {})",
                 self.norm_eps(),
                 crate::kernels::LN_EPS
-            ));
+            )
+            .into());
         }
         Ok(())
     }
@@ -478,14 +485,16 @@ impl ModelConfig {
                 "image {} must be a whole number of patches of {}, with channels and ffn positive",
                 self.image(),
                 self.patch()
-            ));
+            )
+            .into());
         }
         if self.seq_len != self.patches() + 1 {
             return Err(format!(
                 "seq_len {} must be the {} patches and the class token",
                 self.seq_len,
                 self.patches()
-            ));
+            )
+            .into());
         }
         Ok(())
     }

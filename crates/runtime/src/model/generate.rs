@@ -2,6 +2,7 @@
 //! and kept per layer (a KV cache, llama), each new token then costs one position's work.
 //! Greedy by default (temperature 0), as transformers' `generate` is.
 
+use super::error::Error;
 use super::llama::KvCache;
 use super::{LayerBlock, Stage, StageInput};
 use crate::backend::{autodiff_lock, plain_device};
@@ -21,6 +22,16 @@ pub struct Sampling {
 /// `max_new` tokens after `prompt` (token ids), never past `max_positions` in all. Returns
 /// only the new tokens.
 pub fn generate(
+    blocks: &[LayerBlock],
+    prompt: &[i64],
+    max_new: usize,
+    max_positions: usize,
+    how: &Sampling,
+) -> Result<Vec<i64>, Error> {
+    sample(blocks, prompt, max_new, max_positions, how).map_err(Error::Input)
+}
+
+fn sample(
     blocks: &[LayerBlock],
     prompt: &[i64],
     max_new: usize,

@@ -2,8 +2,11 @@
 //! and weights (`model.safetensors`, or shards named by `model.safetensors.index.json`) to
 //! and from the model's layer blocks, under the family's Hugging Face names and shapes.
 
-use super::{Family, Llama3Scaling, ModelConfig, TaskHead};
-use serde_json::{json, Value};
+use super::error::Error;
+use super::hf_json::kind_of;
+use super::registry;
+use super::{Family, ModelConfig};
+use serde_json::Value;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
@@ -17,497 +20,38 @@ pub struct HfTensor {
 /// The model's settings from a Hugging Face `config.json` (its text; `what` names it in
 /// errors). Every field that changes the computation is read; one pipewright cannot honour
 /// is refused by name. `seq_len` is the training length: the model's positions, at most 64.
-pub fn config_from_hf(text: &str, what: &str) -> Result<ModelConfig, String> {
+pub fn config_from_hf(text: &str, what: &str) -> Result<ModelConfig, Error> {
     let v: Value =
         serde_json::from_str(text).map_err(|e| format!("{what}: not a JSON config: {e}"))?;
     if !v.is_object() {
         return Err(format!(
             "{what}: not a JSON config: a config is an object of fields, found {}",
             kind_of(&v)
-        ));
+        )
+        .into());
     }
-    let family = match v.get("model_type").and_then(Value::as_str) {
-        Some("llama") => Family::Llama,
-        Some("gpt2") => Family::Gpt2,
-        Some("bert") => Family::Bert,
-        Some("vit") => Family::Vit,
-        Some(other) => {
-            return Err(format!(
-            "{what}: model_type \"{other}\" is not supported (supported: llama, gpt2, bert, vit)"
-        ))
-        }
-        None => return Err(format!("{what}: no model_type")),
+    let spec = match v.get("model_type").and_then(Value::as_str) {
+        Some(t) => registry::by_hf_type(t).ok_or_else(|| {
+            format!(
+                "{what}: model_type \"{t}\" is not supported (supported: {})",
+                registry::hf_types().join(", ")
+            )
+        })?,
+        None => return Err(format!("{what}: no model_type").into()),
     };
-    let cfg = match family {
-        Family::Llama => llama_config(&v).map_err(|e| format!("{what}: {e}"))?,
-        Family::Gpt2 => gpt2_config(&v).map_err(|e| format!("{what}: {e}"))?,
-        Family::Bert => bert_config(&v).map_err(|e| format!("{what}: {e}"))?,
-        Family::Vit => vit_config(&v).map_err(|e| format!("{what}: {e}"))?,
-        Family::Gpt => unreachable!("gpt is pipewright's own, not a Hugging Face model_type"),
-    };
+    let cfg = (spec.from_hf)(&v).map_err(|e| format!("{what}: {e}"))?;
     cfg.check().map_err(|e| format!("{what}: {e}"))?;
     Ok(cfg)
 }
 
-fn usize_field(v: &Value, key: &str) -> Result<Option<usize>, String> {
-    match v.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(x) => x
-            .as_u64()
-            .map(|n| Some(n as usize))
-            .ok_or_else(|| format!("{key} must be a non-negative integer, found {x}")),
-    }
-}
-
-/// What a JSON value is, for messages.
-fn kind_of(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
-}
-
-/// A true/false field, `default` when absent or null.
-fn bool_field(v: &Value, key: &str, default: bool) -> Result<bool, String> {
-    match v.get(key) {
-        None | Some(Value::Null) => Ok(default),
-        Some(x) => x
-            .as_bool()
-            .ok_or_else(|| format!("{key} must be true or false, found {x}")),
-    }
-}
-
-fn need(v: &Value, key: &str) -> Result<usize, String> {
-    usize_field(v, key)?.ok_or_else(|| format!("{key} is missing"))
-}
-
-fn f64_field(v: &Value, key: &str) -> Result<Option<f64>, String> {
-    match v.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(x) => x
-            .as_f64()
-            .map(Some)
-            .ok_or_else(|| format!("{key} must be a number, found {x}")),
-    }
-}
-
-/// Refuse a field whose value would change the computation in a way not implemented.
-fn refuse_unless(v: &Value, key: &str, ok: impl Fn(&Value) -> bool) -> Result<(), String> {
-    match v.get(key) {
-        Some(x) if !x.is_null() && !ok(x) => Err(format!(
-            "{key} = {x} is not supported by pipewright's llama"
-        )),
-        _ => Ok(()),
-    }
-}
-
-/// The task head a causal model's `architectures` names: none (`*ForCausalLM`, or none
-/// given) or a classifier (`*ForSequenceClassification`).
-fn causal_head(v: &Value, family: &str) -> Result<Option<TaskHead>, String> {
-    match architecture(v) {
-        Some(a) if a.ends_with("ForSequenceClassification") => Ok(Some(TaskHead::Classify {
-            classes: num_labels(v)?,
-        })),
-        Some(a) if a.ends_with("ForCausalLM") || a.ends_with("LMHeadModel") || a.ends_with("Model") => Ok(None),
-        None => Ok(None),
-        Some(other) => Err(format!(
-            "architectures [\"{other}\"] is not supported for {family} (supported: a causal LM or sequence classification)"
-        )),
-    }
-}
-
-/// transformers' label fields for a classifier of `classes`: the class names the model was
-/// trained with, else transformers' `LABEL_i`.
-fn label_fields(v: &mut Value, classes: usize, names: &[String]) {
-    let name = |i: usize| match names.len() == classes {
-        true => names[i].clone(),
-        false => format!("LABEL_{i}"),
-    };
-    v["num_labels"] = json!(classes);
-    v["id2label"] = (0..classes)
-        .map(|i| (i.to_string(), json!(name(i))))
-        .collect();
-    v["label2id"] = (0..classes).map(|i| (name(i), json!(i))).collect();
-}
-
-fn llama_config(v: &Value) -> Result<ModelConfig, String> {
-    refuse_unless(v, "hidden_act", |x| x == "silu")?;
-    refuse_unless(v, "attention_bias", |x| x == false)?;
-    refuse_unless(v, "mlp_bias", |x| x == false)?;
-    refuse_unless(v, "pretraining_tp", |x| x == 1)?;
-    let (d, heads) = (need(v, "hidden_size")?, need(v, "num_attention_heads")?);
-    if let Some(hd) = usize_field(v, "head_dim")? {
-        if heads == 0 || hd.checked_mul(heads) != Some(d) {
-            return Err(format!(
-                "head_dim {hd} x num_attention_heads {heads} must equal hidden_size {d}"
-            ));
-        }
-    }
-    // transformers 5 keeps theta and scaling in rope_parameters; older configs use
-    // rope_theta and rope_scaling.
-    let rope = v.get("rope_parameters").filter(|x| !x.is_null());
-    let scaling = match rope {
-        Some(r) => Some(("rope_parameters", r)),
-        None => v.get("rope_scaling").map(|s| ("rope_scaling", s)),
-    }
-    .filter(|(_, x)| !x.is_null());
-    let theta = match rope {
-        Some(r) => f64_field(r, "rope_theta")?,
-        None => f64_field(v, "rope_theta")?,
-    };
-    let max_positions = usize_field(v, "max_position_embeddings")?;
-    Ok(ModelConfig {
-        family: Family::Llama,
-        vocab: need(v, "vocab_size")?,
-        d_model: d,
-        heads,
-        layers: need(v, "num_hidden_layers")?,
-        seq_len: max_positions.unwrap_or(64).clamp(1, 64),
-        kv_heads: usize_field(v, "num_key_value_heads")?,
-        ffn: Some(need(v, "intermediate_size")?),
-        rope_theta: theta,
-        rope_scaling: scaling
-            .map(|(key, s)| rope_scaling(key, s))
-            .transpose()?
-            .flatten(),
-        norm_eps: f64_field(v, "rms_norm_eps")?,
-        max_positions,
-        tie_embeddings: bool_field(v, "tie_word_embeddings", false)?,
-        ..ModelConfig::default()
-    }
-    .with_head(causal_head(v, "llama")?))
-}
-
-/// BERT's task head from `architectures`: sequence classification (`num_labels`, or the size
-/// of `id2label`) or extractive question answering.
-fn bert_head(v: &Value) -> Result<TaskHead, String> {
-    match architecture(v).unwrap_or("") {
-        "BertForSequenceClassification" => Ok(TaskHead::Classify {
-            classes: num_labels(v)?,
-        }),
-        "BertForQuestionAnswering" => Ok(TaskHead::Span),
-        other => Err(format!(
-            "architectures [\"{other}\"] is not supported for bert (supported: BertForSequenceClassification, BertForQuestionAnswering)"
-        )),
-    }
-}
-
-fn vit_config(v: &Value) -> Result<ModelConfig, String> {
-    refuse_unless(v, "hidden_act", |x| x == "gelu")?;
-    refuse_unless(v, "qkv_bias", |x| x == true)?;
-    let arch = architecture(v);
-    if arch.is_some_and(|a| a != "ViTForImageClassification") {
-        return Err(format!(
-            "architectures [{:?}] is not supported for vit (supported: ViTForImageClassification)",
-            arch.unwrap_or("")
-        ));
-    }
-    let classes = num_labels(v)?;
-    let (image, patch) = (need(v, "image_size")?, need(v, "patch_size")?);
-    if patch == 0 || image % patch != 0 {
-        return Err(format!(
-            "image_size {image} is not a whole number of patch_size {patch} patches"
-        ));
-    }
-    Ok(ModelConfig {
-        family: Family::Vit,
-        vocab: 1,
-        d_model: need(v, "hidden_size")?,
-        heads: need(v, "num_attention_heads")?,
-        layers: need(v, "num_hidden_layers")?,
-        // Saturated: check() then refuses the image by name.
-        seq_len: (image / patch).saturating_pow(2).saturating_add(1),
-        ffn: Some(need(v, "intermediate_size")?),
-        norm_eps: Some(f64_field(v, "layer_norm_eps")?.unwrap_or(1e-12)),
-        head: Some(TaskHead::Classify { classes }),
-        image: Some(image),
-        patch: Some(patch),
-        channels: Some(usize_field(v, "num_channels")?.unwrap_or(3)),
-        ..ModelConfig::default()
-    })
-}
-
-/// The first of `architectures`, which names the head.
-fn architecture(v: &Value) -> Option<&str> {
-    v.get("architectures")
-        .and_then(|a| a.get(0))
-        .and_then(Value::as_str)
-}
-
-/// Classes of a classification head: `num_labels`, or the size of `id2label`, else 2 (as
-/// transformers defaults).
-fn num_labels(v: &Value) -> Result<usize, String> {
-    Ok(match usize_field(v, "num_labels")? {
-        Some(n) => n,
-        None => v
-            .get("id2label")
-            .and_then(Value::as_object)
-            .map_or(2, |m| m.len()),
-    })
-}
-
-fn bert_config(v: &Value) -> Result<ModelConfig, String> {
-    refuse_unless(v, "hidden_act", |x| x == "gelu")?;
-    refuse_unless(v, "position_embedding_type", |x| x == "absolute")?;
-    refuse_unless(v, "is_decoder", |x| x == false)?;
-    let positions = need(v, "max_position_embeddings")?;
-    Ok(ModelConfig {
-        family: Family::Bert,
-        vocab: need(v, "vocab_size")?,
-        d_model: need(v, "hidden_size")?,
-        heads: need(v, "num_attention_heads")?,
-        layers: need(v, "num_hidden_layers")?,
-        seq_len: positions.clamp(1, 64),
-        ffn: Some(need(v, "intermediate_size")?),
-        norm_eps: Some(f64_field(v, "layer_norm_eps")?.unwrap_or(1e-12)),
-        max_positions: Some(positions),
-        head: Some(bert_head(v)?),
-        type_vocab: Some(usize_field(v, "type_vocab_size")?.unwrap_or(2)),
-        ..ModelConfig::default()
-    })
-}
-
-fn gpt2_config(v: &Value) -> Result<ModelConfig, String> {
-    refuse_unless(v, "activation_function", |x| {
-        x == "gelu_new" || x == "gelu_pytorch_tanh"
-    })?;
-    refuse_unless(v, "scale_attn_weights", |x| x == true)?;
-    refuse_unless(v, "scale_attn_by_inverse_layer_idx", |x| x == false)?;
-    refuse_unless(v, "add_cross_attention", |x| x == false)?;
-    let d = need(v, "n_embd")?;
-    let positions = need(v, "n_positions")?;
-    Ok(ModelConfig {
-        family: Family::Gpt2,
-        vocab: need(v, "vocab_size")?,
-        d_model: d,
-        heads: need(v, "n_head")?,
-        layers: need(v, "n_layer")?,
-        seq_len: positions.clamp(1, 64),
-        ffn: Some(usize_field(v, "n_inner")?.unwrap_or(d.saturating_mul(4))),
-        norm_eps: f64_field(v, "layer_norm_epsilon")?,
-        max_positions: Some(positions),
-        tie_embeddings: bool_field(v, "tie_word_embeddings", true)?,
-        ..ModelConfig::default()
-    }
-    .with_head(causal_head(v, "gpt2")?))
-}
-
-/// `None` for plain rotary positions; llama3 scaling; anything else refused by name.
-fn rope_scaling(key: &str, s: &Value) -> Result<Option<Llama3Scaling>, String> {
-    if !s.is_object() {
-        return Err(format!(
-            "{key} must be an object (or null), found {}",
-            kind_of(s)
-        ));
-    }
-    let kind = match s.get("rope_type").or(s.get("type")) {
-        None | Some(Value::Null) => "default",
-        Some(Value::String(k)) => k.as_str(),
-        Some(x) => return Err(format!("rope_type must be a string, found {x}")),
-    };
-    match kind {
-        "default" => Ok(None),
-        "llama3" => {
-            let num = |k: &str| f64_field(s, k)?.ok_or_else(|| format!("rope {k} is missing"));
-            Ok(Some(Llama3Scaling {
-                factor: num("factor")?,
-                low_freq_factor: num("low_freq_factor")?,
-                high_freq_factor: num("high_freq_factor")?,
-                original_max_position_embeddings: need(s, "original_max_position_embeddings")?,
-            }))
-        }
-        other => Err(format!(
-            "rope scaling type \"{other}\" is not supported (supported: default, llama3)"
-        )),
-    }
-}
-
 /// The Hugging Face `config.json` of a model (what `from_pretrained` needs).
-pub fn config_to_hf(cfg: &ModelConfig) -> Result<Value, String> {
-    match cfg.family {
-        Family::Llama => llama_to_hf(cfg),
-        Family::Gpt2 => gpt2_to_hf(cfg),
-        Family::Bert => bert_to_hf(cfg),
-        Family::Vit => vit_to_hf(cfg),
-        Family::Gpt => Err(
-            "the gpt family is pipewright's own and has no Hugging Face layout \
-             (use llama, gpt2, bert or vit)"
-                .into(),
-        ),
-    }
-}
-
-fn llama_to_hf(cfg: &ModelConfig) -> Result<Value, String> {
-    let mut rope = json!({"rope_type": "default", "rope_theta": cfg.rope_theta()});
-    if let Some(s) = &cfg.rope_scaling {
-        rope = json!({"rope_type": "llama3", "rope_theta": cfg.rope_theta(),
-            "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
-            "original_max_position_embeddings": s.original_max_position_embeddings});
-    }
-    let mut v = json!({
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": cfg.vocab,
-        "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.ffn(),
-        "num_hidden_layers": cfg.layers,
-        "num_attention_heads": cfg.heads,
-        "num_key_value_heads": cfg.kv_heads(),
-        "head_dim": cfg.head_dim(),
-        "max_position_embeddings": cfg.max_positions(),
-        "rms_norm_eps": cfg.norm_eps(),
-        "hidden_act": "silu",
-        "attention_bias": false,
-        "mlp_bias": false,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "rope_parameters": rope.clone(),
-        // What transformers before version 5 reads.
-        "rope_theta": cfg.rope_theta(),
-        "torch_dtype": "float32",
-    });
-    if cfg.rope_scaling.is_some() {
-        v["rope_scaling"] = rope;
-    }
-    if cfg.head.is_some() {
-        v["architectures"] = json!(["LlamaForSequenceClassification"]);
-        label_fields(&mut v, cfg.classes(), &cfg.labels);
-    }
-    Ok(v)
-}
-
-fn gpt2_to_hf(cfg: &ModelConfig) -> Result<Value, String> {
-    let mut v = json!({
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": cfg.vocab,
-        "n_embd": cfg.d_model,
-        "n_layer": cfg.layers,
-        "n_head": cfg.heads,
-        "n_positions": cfg.max_positions(),
-        "n_inner": cfg.ffn(),
-        "layer_norm_epsilon": cfg.norm_eps(),
-        "activation_function": "gelu_new",
-        "tie_word_embeddings": cfg.tie_embeddings,
-        // pipewright trains without dropout.
-        "attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0,
-        "torch_dtype": "float32",
-    });
-    if cfg.head.is_some() {
-        v["architectures"] = json!(["GPT2ForSequenceClassification"]);
-        label_fields(&mut v, cfg.classes(), &cfg.labels);
-    }
-    Ok(v)
-}
-
-fn bert_to_hf(cfg: &ModelConfig) -> Result<Value, String> {
-    let mut v = json!({
-        "model_type": "bert",
-        "vocab_size": cfg.vocab,
-        "hidden_size": cfg.d_model,
-        "num_hidden_layers": cfg.layers,
-        "num_attention_heads": cfg.heads,
-        "intermediate_size": cfg.ffn(),
-        "max_position_embeddings": cfg.max_positions(),
-        "type_vocab_size": cfg.type_vocab(),
-        "layer_norm_eps": cfg.norm_eps(),
-        "hidden_act": "gelu",
-        "position_embedding_type": "absolute",
-        // pipewright trains without dropout.
-        "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
-        "torch_dtype": "float32",
-    });
-    match cfg.head {
-        Some(TaskHead::Classify { classes }) => {
-            v["architectures"] = json!(["BertForSequenceClassification"]);
-            label_fields(&mut v, classes, &cfg.labels);
-        }
-        _ => v["architectures"] = json!(["BertForQuestionAnswering"]),
-    }
-    Ok(v)
-}
-
-fn vit_to_hf(cfg: &ModelConfig) -> Result<Value, String> {
-    let mut v = json!({
-        "architectures": ["ViTForImageClassification"],
-        "model_type": "vit",
-        "hidden_size": cfg.d_model,
-        "num_hidden_layers": cfg.layers,
-        "num_attention_heads": cfg.heads,
-        "intermediate_size": cfg.ffn(),
-        "image_size": cfg.image(),
-        "patch_size": cfg.patch(),
-        "num_channels": cfg.channels(),
-        "layer_norm_eps": cfg.norm_eps(),
-        "hidden_act": "gelu",
-        "qkv_bias": true,
-        // pipewright trains without dropout.
-        "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
-        "torch_dtype": "float32",
-    });
-    label_fields(&mut v, cfg.classes(), &cfg.labels);
-    Ok(v)
-}
-
-/// Where a family's Hugging Face names put each layer block's parameters: the prefixes of the
-/// embedding and of block N, the head's parameters that sit inside the base model (and the
-/// prefix they take), and field renames (burn's LayerNorm `gamma`/`beta` are torch's
-/// `weight`/`bias`; Rust cannot name a field `self`).
-struct Layout {
-    embed: &'static str,
-    block: &'static str,
-    base: &'static str,
-    head_in_base: &'static [&'static str],
-    renames: &'static [(&'static str, &'static str)],
-}
-
-const NORMS: [(&str, &str); 2] = [(".gamma", ".weight"), (".beta", ".bias")];
-
-fn layout(family: Family) -> Layout {
-    match family {
-        Family::Gpt2 => Layout {
-            embed: "transformer.",
-            block: "transformer.h.",
-            base: "transformer.",
-            head_in_base: &["ln_f."],
-            renames: &NORMS,
-        },
-        Family::Bert => Layout {
-            embed: "bert.embeddings.",
-            block: "bert.encoder.layer.",
-            base: "bert.",
-            head_in_base: &["pooler."],
-            renames: &[
-                NORMS[0],
-                NORMS[1],
-                ("self_attn.", "self."),
-                ("layer_norm.", "LayerNorm."),
-            ],
-        },
-        Family::Vit => Layout {
-            embed: "vit.embeddings.",
-            block: "vit.encoder.layer.",
-            base: "vit.",
-            head_in_base: &["layernorm."],
-            renames: &NORMS,
-        },
-        Family::Llama | Family::Gpt => Layout {
-            embed: "model.",
-            block: "model.layers.",
-            base: "model.",
-            head_in_base: &["norm."],
-            renames: &[],
-        },
-    }
+pub fn config_to_hf(cfg: &ModelConfig) -> Result<Value, Error> {
+    (registry::spec(cfg.family).to_hf)(cfg)
 }
 
 /// A checkpoint name (`embed.x`, `block.N.x`, `head.x`) as the family's Hugging Face name.
 pub fn hf_name(cfg: &ModelConfig, name: &str) -> String {
-    let l = layout(cfg.family);
+    let l = &registry::spec(cfg.family).layout;
     let name = l
         .renames
         .iter()
@@ -539,10 +83,7 @@ pub fn transposed(shape: &[usize], hf: &str) -> bool {
 
 /// The Hugging Face name of the token embedding (a tied head's matrix).
 fn embedding_name(cfg: &ModelConfig) -> &'static str {
-    match cfg.family {
-        Family::Gpt2 => "transformer.wte.weight",
-        _ => "model.embed_tokens.weight",
-    }
+    registry::spec(cfg.family).embedding
 }
 
 /// `[r, c]` values as `[c, r]`.
@@ -589,7 +130,8 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, String> {
                         "{}: names shard {f}, which is not a file in {}",
                         index.display(),
                         dir.display()
-                    ))
+                    )
+                    .into())
                 } else {
                     Ok(p)
                 }
@@ -599,19 +141,24 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, String> {
     Err(format!(
         "{}: no model.safetensors or model.safetensors.index.json",
         dir.display()
-    ))
+    )
+    .into())
 }
 
 fn read(p: &Path) -> Result<String, String> {
-    crate::labelled::regular(p)?;
+    pipewright_core::inputs::regular_file(p).map_err(|e| e.to_string())?;
     std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))
 }
 
 /// Every tensor of a model directory's weights as f32 (F16 and BF16 converted), by name.
-pub fn read_weights(dir: &Path) -> Result<HashMap<String, HfTensor>, String> {
+pub fn read_weights(dir: &Path) -> Result<HashMap<String, HfTensor>, Error> {
+    read_weight_files(dir).map_err(Error::Weights)
+}
+
+fn read_weight_files(dir: &Path) -> Result<HashMap<String, HfTensor>, String> {
     let mut out = HashMap::new();
     for file in weight_files(dir)? {
-        crate::labelled::regular(&file)?;
+        pipewright_core::inputs::regular_file(&file).map_err(|e| e.to_string())?;
         let bytes = std::fs::read(&file).map_err(|e| format!("{}: {e}", file.display()))?;
         let st = crate::guard::reader(&file, "safetensors file", || {
             safetensors::SafeTensors::deserialize(&bytes)
@@ -628,7 +175,8 @@ pub fn read_weights(dir: &Path) -> Result<HashMap<String, HfTensor>, String> {
                 return Err(format!(
                     "{}: tensor {name} is in more than one shard",
                     file.display()
-                ));
+                )
+                .into());
             }
         }
     }
@@ -646,9 +194,7 @@ fn to_f32(dtype: safetensors::Dtype, data: &[u8]) -> Result<Vec<f32>, String> {
         Dtype::F16 => two(|b| half::f16::from_le_bytes(b).to_f32()),
         Dtype::BF16 => two(|b| half::bf16::from_le_bytes(b).to_f32()),
         other => {
-            return Err(format!(
-                "dtype {other:?} is not supported (F32, F16 and BF16 are)"
-            ))
+            return Err(format!("dtype {other:?} is not supported (F32, F16 and BF16 are)").into())
         }
     })
 }
@@ -662,6 +208,15 @@ fn to_f32(dtype: safetensors::Dtype, data: &[u8]) -> Result<Vec<f32>, String> {
 /// checkpoint has them in the shape wanted, else left out of the result for the caller to
 /// start fresh; the checkpoint's other head parts are dropped, as transformers does.
 pub fn from_hf(
+    cfg: &ModelConfig,
+    wanted: &[(String, Vec<usize>)],
+    hf: HashMap<String, HfTensor>,
+    new_head: bool,
+) -> Result<BTreeMap<String, HfTensor>, Error> {
+    take_weights(cfg, wanted, hf, new_head).map_err(Error::Weights)
+}
+
+fn take_weights(
     cfg: &ModelConfig,
     wanted: &[(String, Vec<usize>)],
     mut hf: HashMap<String, HfTensor>,
@@ -699,7 +254,8 @@ pub fn from_hf(
             return Err(format!(
                 "tensor {key} has shape {:?}; this model expects {want_hf:?}",
                 t.shape
-            ));
+            )
+            .into());
         }
         let values = if transposed(shape, &key) {
             transpose(&t.values, shape[1], shape[0])
@@ -732,7 +288,8 @@ pub fn from_hf(
             "tensor {extra} is not a parameter of this {} model ({} such tensors)",
             cfg.family.name(),
             hf.len()
-        ));
+        )
+        .into());
     }
     Ok(out)
 }

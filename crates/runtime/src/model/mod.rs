@@ -9,13 +9,19 @@ use burn::module::{Module, ParamId};
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Int, Tensor};
+use error::Error;
 
 pub mod bert;
 mod config;
+pub mod error;
 pub mod generate;
+pub mod gpt;
 pub mod gpt2;
 pub mod hf;
+mod hf_json;
 pub mod llama;
+pub mod registry;
+pub mod spec;
 pub mod vit;
 pub use config::{Family, Llama3Scaling, ModelConfig, TaskHead};
 
@@ -173,7 +179,7 @@ pub fn loss(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
 
 /// Mean cross-entropy over a micro-batch's targets; a negative target (Hugging Face's -100:
 /// no label there) is left out of the mean.
-pub fn batch_loss(logits: Tensor<3>, mb: &crate::data::MicroBatch) -> Tensor<1> {
+pub fn batch_loss(logits: Tensor<3>, mb: &crate::batch::MicroBatch) -> Tensor<1> {
     let device = logits.device();
     let shape = [mb.rows, mb.target_len];
     let ids =
@@ -425,7 +431,7 @@ pub enum LayerBlock {
 }
 
 /// What the first stage of a route takes from a micro-batch: its pixels (vit) or its tokens.
-pub fn batch_input(mb: &crate::data::MicroBatch, device: &Device) -> StageInput {
+pub fn batch_input(mb: &crate::batch::MicroBatch, device: &Device) -> StageInput {
     match mb.image {
         Some([c, h, w]) => StageInput::Pixels(Tensor::<4>::from_data(
             burn::tensor::TensorData::new(mb.pixels.clone(), [mb.rows, c, h, w]),
@@ -451,7 +457,7 @@ pub struct Ctx {
 }
 
 impl Ctx {
-    pub fn of(mb: &crate::data::MicroBatch, device: &Device) -> Ctx {
+    pub fn of(mb: &crate::batch::MicroBatch, device: &Device) -> Ctx {
         let (b, t) = (mb.rows, mb.seq_len);
         let token_types = (!mb.token_types.is_empty()).then(|| mb.ids_on(&mb.token_types, device));
         let mask = mb.mask.contains(&0).then(|| {
@@ -574,13 +580,15 @@ impl Stage {
 
     /// Like [`Stage::forward`], with a wrong input (tokens for a hidden-state layer, or the
     /// reverse) as an error rather than a panic: plans from files reach here.
-    pub fn try_forward(&self, input: StageInput) -> Result<Tensor<3>, String> {
+    pub fn try_forward(&self, input: StageInput) -> Result<Tensor<3>, Error> {
         self.forward_with(input, &Ctx::default(), &mut None)
+            .map_err(Error::Input)
     }
 
     /// [`Stage::try_forward`] with the micro-batch's context (token types, padding).
-    pub fn forward_in(&self, input: StageInput, ctx: &Ctx) -> Result<Tensor<3>, String> {
+    pub fn forward_in(&self, input: StageInput, ctx: &Ctx) -> Result<Tensor<3>, Error> {
         self.forward_with(input, ctx, &mut None)
+            .map_err(Error::Input)
     }
 
     /// Forward whose Linear weight gradients are deferred to a W step (see [`Deferred`]).
@@ -589,8 +597,9 @@ impl Stage {
         input: StageInput,
         ctx: &Ctx,
         deferred: &mut Deferred,
-    ) -> Result<Tensor<3>, String> {
+    ) -> Result<Tensor<3>, Error> {
         self.forward_with(input, ctx, &mut Some(deferred))
+            .map_err(Error::Input)
     }
 
     fn forward_with(

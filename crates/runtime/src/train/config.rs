@@ -1,10 +1,12 @@
 //! What decides a training run besides the plan: model, batch, optimizer, steps, seed; and
 //! the plan `train` builds from flags when it is not given one.
 
+use crate::data::source::DataSource;
 use crate::data::{Sampler, Sampling};
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
-use pipewright_core::job::{build, JobSpec, LayerCut, PipelineShape};
+use pipewright_core::cluster::Cluster;
+use pipewright_core::job::{build, JobSpec, LayerCut, PipelineShape, Routes, SkipRoutes};
 use pipewright_core::plan::ir::Plan;
 use pipewright_core::plan::validate::validate;
 use pipewright_core::plan::ScheduleKind;
@@ -51,39 +53,37 @@ pub struct TrainConfig {
     /// `eval` scores what was trained.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub data: Option<DataSource>,
+    /// How a SkipPipe plan's routes are searched (`skip_plan`).
+    pub skip_search: SkipSearch,
 }
 
-/// Where a run's data comes from and how it is read (the `train` flags of the same names).
+/// The route search of a SkipPipe plan that training builds for itself: short, and
+/// deterministic unless the time cap stops it first (then the plan depends on the machine).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct DataSource {
-    /// Training data: a text file or directory, records, token shards, or a task's examples.
-    pub path: std::path::PathBuf,
-    /// Held-out data; none: `val_fraction` of `path`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub val_path: Option<std::path::PathBuf>,
-    #[serde(default = "default_val_fraction")]
-    pub val_fraction: f64,
-    /// `lm`, `classify` or `qa`.
-    #[serde(default = "default_task")]
-    pub task: String,
-    #[serde(default = "default_text_field")]
-    pub text_field: String,
-    #[serde(default = "default_label_field")]
-    pub label_field: String,
+#[serde(deny_unknown_fields, default)]
+pub struct SkipSearch {
+    /// Local-search moves.
+    pub moves: usize,
+    /// Seconds the search may take at most.
+    pub time_limit: f64,
 }
 
-fn default_val_fraction() -> f64 {
-    0.1
+impl Default for SkipSearch {
+    fn default() -> Self {
+        SkipSearch {
+            moves: 2000,
+            time_limit: 30.0,
+        }
+    }
 }
-fn default_task() -> String {
-    "lm".into()
-}
-fn default_text_field() -> String {
-    "text".into()
-}
-fn default_label_field() -> String {
-    "label".into()
+
+/// A SkipPipe plan as training searched it, with what the search did.
+pub struct SkipPlanned {
+    pub plan: Plan,
+    pub moves: usize,
+    pub seconds: f64,
+    /// The time cap stopped the search before its moves: the plan depends on the machine.
+    pub time_limit_hit: bool,
 }
 
 impl Default for TrainConfig {
@@ -107,6 +107,7 @@ impl Default for TrainConfig {
             pretrained: None,
             tokenizer: None,
             data: None,
+            skip_search: SkipSearch::default(),
         }
     }
 }
@@ -129,7 +130,7 @@ impl TrainConfig {
 
     /// Settings that no plan can fix: model shape, batch and optimizer values.
     pub fn check(&self) -> Result<()> {
-        self.model.check().map_err(Error::Config)?;
+        self.model.check()?;
         let bad = |m: String| Err(Error::Config(m));
         if self.rows == 0 {
             return bad("rows (sequences per micro-batch) must be at least 1".into());
@@ -218,6 +219,43 @@ impl TrainConfig {
         let plan = build(&self.job_spec(&profile))?;
         self.check_plan(&plan)?;
         Ok(plan)
+    }
+
+    /// The SkipPipe plan of these settings with `skip` stages skipped per micro-batch: the
+    /// model's own cost profile, `cluster` (or stages x replicas identical devices), and the
+    /// [`SkipSearch`] settings. Run once per job: over MPI only the root searches.
+    pub fn skip_plan(&self, skip: usize, cluster: Option<&Cluster>) -> Result<SkipPlanned> {
+        let s = &self.skip_search;
+        if !(s.time_limit.is_finite() && s.time_limit > 0.0 && s.time_limit <= 3600.0) {
+            return Err(Error::Config(format!(
+                "skip_search.time_limit {}: seconds between 0 and 3600",
+                s.time_limit
+            )));
+        }
+        let profile = self.model.cost_profile(self.rows);
+        let spec = JobSpec {
+            cluster,
+            routes: Routes::Skip(SkipRoutes {
+                skip,
+                max_swaps: 1,
+                moves: s.moves,
+                time_limit: std::time::Duration::from_secs_f64(s.time_limit),
+                seed: self.seed,
+                mechanics: Default::default(),
+                max_node_load: None,
+                // SkipPipe's cost model prices geo-distributed routes, not these local ones.
+                polish_moves: 0,
+            }),
+            ..self.job_spec(&profile)
+        };
+        let r = pipewright_core::job::build_skip(&spec)?;
+        self.check_plan(&r.plan)?;
+        Ok(SkipPlanned {
+            plan: r.plan,
+            moves: r.moves,
+            seconds: r.scheduler_seconds,
+            time_limit_hit: r.time_limit_hit,
+        })
     }
 
     /// The job these settings describe, its layers cut on `profile` (the model's costs).

@@ -32,7 +32,7 @@ pub(crate) fn initial_state(cfg: &TrainConfig) -> Result<Vec<LayerState>> {
     let Some(dir) = &cfg.pretrained else {
         return Ok(fresh_state(cfg));
     };
-    let blocks = hf_layers(&cfg.model, dir, cfg.seed).map_err(Error::Config)?;
+    let blocks = hf_layers(&cfg.model, dir, cfg.seed)?;
     Ok(blocks.into_iter().map(|b| (b, optimizer(cfg))).collect())
 }
 
@@ -41,7 +41,8 @@ pub fn hf_layers(
     model: &crate::model::ModelConfig,
     dir: &std::path::Path,
     seed: u64,
-) -> std::result::Result<Vec<LayerBlock>, String> {
+) -> std::result::Result<Vec<LayerBlock>, crate::model::error::Error> {
+    use crate::model::error::Error as ModelError;
     let blocks = Layers::new(model, seed, &train_device()).into_blocks();
     let fresh = named_params(blocks.iter().enumerate(), model.layers);
     let wanted: Vec<_> = fresh
@@ -49,13 +50,14 @@ pub fn hf_layers(
         .map(|(n, s, _)| (n.clone(), s.clone()))
         .collect();
     let saved = crate::model::hf::config_from_hf(
-        &std::fs::read_to_string(dir.join("config.json"))
-            .map_err(|e| format!("{}: {e}", dir.join("config.json").display()))?,
+        &std::fs::read_to_string(dir.join("config.json")).map_err(|e| {
+            ModelError::Config(format!("{}: {e}", dir.join("config.json").display()))
+        })?,
         &dir.display().to_string(),
     )?;
     let hf = crate::model::hf::read_weights(dir)?;
     let mut ours = crate::model::hf::from_hf(model, &wanted, hf, saved.head != model.head)
-        .map_err(|e| format!("{}: {e}", dir.display()))?;
+        .map_err(|e| ModelError::Weights(format!("{}: {e}", dir.display())))?;
     // A new task's output layer starts from the seed.
     let mut entries = Vec::new();
     for (n, shape, bytes) in fresh {
@@ -65,12 +67,13 @@ pub fn hf_layers(
         };
         entries.push((n, safetensors::Dtype::F32, shape, bytes));
     }
-    let bytes = to_safetensors(&entries)?;
-    let tensors = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| e.to_string())?;
+    let bytes = to_safetensors(&entries).map_err(ModelError::Weights)?;
+    let tensors = safetensors::SafeTensors::deserialize(&bytes)
+        .map_err(|e| ModelError::Weights(e.to_string()))?;
     blocks
         .into_iter()
         .enumerate()
-        .map(|(i, b)| load_layer(b, &tensors, i, model.layers))
+        .map(|(i, b)| load_layer(b, &tensors, i, model.layers).map_err(ModelError::Weights))
         .collect()
 }
 

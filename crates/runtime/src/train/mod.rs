@@ -11,8 +11,9 @@ pub mod store;
 mod tied;
 mod trainer;
 
+pub use crate::data::source::DataSource;
 pub use checkpoint::{checkpoint_config, checkpoint_run_settings, Resumed};
-pub use config::{DataSource, TrainConfig};
+pub use config::TrainConfig;
 pub use freeze::{FreezeController, FreezeSettings};
 pub use layers::{hf_layers, hf_params};
 pub use plain::PlainTrainer;

@@ -4,7 +4,8 @@
 
 use super::layers::{fresh_state, LayerState};
 use super::TrainConfig;
-use crate::data::{Corpus, MicroBatch, Sampler};
+use crate::batch::MicroBatch;
+use crate::data::{Corpus, Sampler};
 use crate::grads::{add_grads, clip_factor, flat_params, grads_params, sum_squares, GradSource};
 use crate::model::{batch_loss, LayerBlock, Stage, StageInput};
 use burn::tensor::Tensor;

@@ -37,10 +37,10 @@ pub struct Checkpointing {
 fn fresh_dir(dir: &std::path::Path) -> Result<()> {
     match super::store::list(dir).last() {
         None => Ok(()),
-        Some(((step, _), _)) => Err(Error::checkpoint(
-            dir,
-            format!("holds an earlier run's checkpoints (the newest at step {step}); --resume continues that run, --overwrite replaces its checkpoints, or choose another directory"),
-        )),
+        Some(((step, _), _)) => Err(Error::EarlierRun {
+            dir: dir.to_path_buf(),
+            step: *step,
+        }),
     }
 }
 
@@ -286,14 +286,12 @@ impl TrainingRun {
     pub fn new(mut trainer: Trainer, corpus: Corpus, cfg: RunConfig) -> Result<Self> {
         check_run(&trainer, &cfg)?;
         let model = &trainer.cfg.model;
-        corpus
-            .check(model.seq_len)
-            .and_then(|()| match (corpus.is_span(), corpus.is_task()) {
-                (true, _) => model.check_spans(&corpus.name, corpus.ids),
-                (false, true) => model.check_examples(&corpus.name, corpus.ids, corpus.classes()),
-                _ => model.check_text(&corpus.name, corpus.ids),
-            })
-            .map_err(Error::Config)?;
+        corpus.check(model.seq_len)?;
+        match (corpus.is_span(), corpus.is_task()) {
+            (true, _) => model.check_spans(&corpus.name, corpus.ids),
+            (false, true) => model.check_examples(&corpus.name, corpus.ids, corpus.classes()),
+            _ => model.check_text(&corpus.name, corpus.ids),
+        }?;
         let epoch_steps = trainer
             .cfg
             .sampler()

@@ -6,8 +6,9 @@ use super::layers::{initial_state, LayerState};
 use super::tied::Tied;
 use super::TrainConfig;
 use crate::backend::{autodiff_lock, plain_device, settle};
+use crate::batch::MicroBatch;
 use crate::cache::{CacheStats, PrefixCache};
-use crate::data::{micro_batch, Corpus, MicroBatch, Part, Sampler, Sampling};
+use crate::data::{micro_batch, Corpus, Part, Sampler, Sampling};
 use crate::error::{Error, Result};
 use crate::exec::{ExecError, HeldStage, StepInput, Worker, WorkerOutput};
 use crate::grads::{clip_factor, flat_params, grads_params, squares};
@@ -104,8 +105,8 @@ fn task_scores(corpus: &Corpus, mb: &MicroBatch, logits: burn::tensor::Tensor<3>
     for (r, &s) in mb.samples.iter().enumerate() {
         let row = &v[r * 2 * t..(r + 1) * 2 * t];
         let span = &val.spans[s as usize];
-        let guess = crate::squad::best_span(&row[..t], &row[t..], span);
-        let (em, f) = crate::squad::score(&guess, &span.answers);
+        let guess = crate::data::squad::best_span(&row[..t], &row[t..], span);
+        let (em, f) = crate::data::squad::score(&guess, &span.answers);
         sums = (sums.0 + em, sums.1 + f);
     }
     sums
@@ -445,7 +446,10 @@ impl Trainer {
             .batches_for(&corpus.train, step, self.plan.num_microbatches, &|i| {
                 need[i]
             })
-            .map_err(|msg| ExecError::Plan { worker: 0, msg })
+            .map_err(|e| ExecError::Plan {
+                worker: 0,
+                msg: e.to_string(),
+            })
     }
 
     /// One optimizer step: every worker runs its actions in its own thread; each stage's
@@ -706,9 +710,7 @@ impl Trainer {
         let dev = plain_device();
         let (mut total, mut rows, mut right, mut f1) = (0.0, 0, 0.0, 0.0);
         for mb in self.held_out(corpus, batches) {
-            let logits = model
-                .forward_in(batch_input(&mb, &dev), &Ctx::of(&mb, &dev))
-                .map_err(Error::Config)?;
+            let logits = model.forward_in(batch_input(&mb, &dev), &Ctx::of(&mb, &dev))?;
             let (r, f) = task_scores(corpus, &mb, logits.clone());
             (right, f1) = (right + r, f1 + f);
             total += batch_loss(logits, &mb).into_scalar::<f32>() as f64 * mb.rows as f64;
@@ -810,9 +812,9 @@ fn on_workers<T: Send>(
                 let f = &f;
                 sc.spawn(move || {
                     let r = f(worker).and_then(|x| {
-                        settle().map_err(|msg| ExecError::Plan {
+                        settle().map_err(|e| ExecError::Plan {
                             worker: worker.rank,
-                            msg,
+                            msg: e.0,
                         })?;
                         Ok(x)
                     });

@@ -5,8 +5,8 @@
 //! Field names follow HF's below the layer (`self_attn` is HF's `attention.self`, `layer_norm`
 //! its `LayerNorm`).
 
-use super::{linear, Ctx, Deferred, ModelConfig, TaskHead};
 use crate::kernels::{gelu, layer_norm_eps, matmul};
+use crate::model::{linear, Ctx, Deferred, ModelConfig, TaskHead};
 use burn::module::Module;
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::activation::{softmax, tanh};
@@ -67,7 +67,7 @@ pub struct BertHead {
 
 impl BertEmbed {
     pub fn forward(&self, tokens: Tensor<2, Int>, ctx: &Ctx) -> Tensor<3> {
-        let pos = super::positions(&tokens);
+        let pos = crate::model::positions(&tokens);
         let types = ctx.token_types.clone().unwrap_or_else(|| pos.zeros_like());
         let x = self.word_embeddings.forward(tokens)
             + self.position_embeddings.forward(pos)
@@ -77,7 +77,7 @@ impl BertEmbed {
 }
 
 impl BertBlock {
-    pub(super) fn forward_with(
+    pub(crate) fn forward_with(
         &self,
         x: Tensor<3>,
         ctx: &Ctx,
@@ -107,7 +107,7 @@ impl BertBlock {
 
 impl BertHead {
     /// `[b, 1, classes]` class logits, or `[b, 2, t]` start and end logits.
-    pub(super) fn forward_with(&self, x: Tensor<3>, cap: &mut Option<&mut Deferred>) -> Tensor<3> {
+    pub(crate) fn forward_with(&self, x: Tensor<3>, cap: &mut Option<&mut Deferred>) -> Tensor<3> {
         if let Some(qa) = &self.qa_outputs {
             return linear(qa, x, cap).swap_dims(1, 2);
         }
@@ -123,8 +123,8 @@ impl BertHead {
 }
 
 /// A fresh model's layer blocks (weights drawn later by the model's initialiser).
-pub(super) fn build(cfg: &ModelConfig, device: &Device) -> Vec<super::LayerBlock> {
-    use super::LayerBlock as L;
+pub(crate) fn build(cfg: &ModelConfig, device: &Device) -> Vec<crate::model::LayerBlock> {
+    use crate::model::LayerBlock as L;
     let (d, eps) = (cfg.d_model, cfg.norm_eps());
     let lin = |i: usize, o: usize| LinearConfig::new(i, o).init(device);
     let ln = || LayerNormConfig::new(d).with_epsilon(eps).init(device);

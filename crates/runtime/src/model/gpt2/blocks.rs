@@ -4,8 +4,8 @@
 //! head tied to the token embedding. HF's `Conv1D` keeps weights `[in, out]`, as burn's Linear
 //! does, so only the head (an `nn.Linear`) is stored transposed there.
 
-use super::{linear, Deferred, ModelConfig};
 use crate::kernels::{causal_attention, layer_norm};
+use crate::model::{linear, Deferred, ModelConfig};
 use burn::module::Module;
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor};
@@ -49,7 +49,7 @@ pub struct Gpt2Head {
 
 impl Gpt2Embed {
     pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
-        let pos = super::positions(&tokens);
+        let pos = crate::model::positions(&tokens);
         self.wte.forward(tokens) + self.wpe.forward(pos)
     }
 }
@@ -62,7 +62,7 @@ fn gelu_new(x: Tensor<3>) -> Tensor<3> {
 }
 
 impl Gpt2Block {
-    pub(super) fn forward_with(&self, x: Tensor<3>, cap: &mut Option<&mut Deferred>) -> Tensor<3> {
+    pub(crate) fn forward_with(&self, x: Tensor<3>, cap: &mut Option<&mut Deferred>) -> Tensor<3> {
         let [b, t, d] = x.dims();
         let h = self.attn.heads;
         let qkv = linear(&self.attn.c_attn, layer_norm(&self.ln_1, x.clone()), cap);
@@ -84,23 +84,23 @@ impl Gpt2Block {
 }
 
 impl Gpt2Head {
-    pub(super) fn forward_with(
+    pub(crate) fn forward_with(
         &self,
         x: Tensor<3>,
-        ctx: &super::Ctx,
+        ctx: &crate::model::Ctx,
         cap: &mut Option<&mut Deferred>,
     ) -> Tensor<3> {
         let norm = |x| layer_norm(&self.ln_f, x);
-        super::causal_head(x, norm, &self.lm_head, &self.score, ctx, cap)
+        crate::model::causal_head(x, norm, &self.lm_head, &self.score, ctx, cap)
     }
 }
 
 /// A fresh model's layer blocks (weights drawn later by the model's initialiser).
-pub(super) fn build(cfg: &ModelConfig, device: &Device) -> Vec<super::LayerBlock> {
-    use super::LayerBlock as L;
+pub(crate) fn build(cfg: &ModelConfig, device: &Device) -> Vec<crate::model::LayerBlock> {
+    use crate::model::LayerBlock as L;
     let d = cfg.d_model;
     let lin = |i: usize, o: usize| LinearConfig::new(i, o).init(device);
-    let ln = || super::layer_norm_of(d, device);
+    let ln = || crate::model::layer_norm_of(d, device);
     let embed = L::Gpt2Embed(Gpt2Embed {
         wte: EmbeddingConfig::new(cfg.vocab, d).init(device),
         wpe: EmbeddingConfig::new(cfg.max_positions(), d).init(device),
@@ -120,7 +120,7 @@ pub(super) fn build(cfg: &ModelConfig, device: &Device) -> Vec<super::LayerBlock
             },
         })
     };
-    let (lm_head, score) = super::head_linears(cfg, device);
+    let (lm_head, score) = crate::model::head_linears(cfg, device);
     let head = L::Gpt2Head(Gpt2Head {
         ln_f: ln(),
         lm_head,

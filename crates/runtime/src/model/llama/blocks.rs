@@ -4,8 +4,8 @@
 //! grouped-query attention with rotary positions, RMSNorm, SwiGLU MLP; final RMSNorm and LM
 //! head. No biases.
 
-use super::{linear, Deferred, ModelConfig};
 use crate::kernels::causal_attention;
+use crate::model::{linear, Deferred, ModelConfig};
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor, TensorData};
@@ -73,7 +73,7 @@ impl Rope {
 
 /// Llama 3's frequency rescaling: long wavelengths slowed by `factor`, short ones kept, a
 /// smooth blend between (transformers' `rope_type = "llama3"`).
-fn llama3_scaled(inv: &[f32], s: &super::config::Llama3Scaling) -> Vec<f32> {
+fn llama3_scaled(inv: &[f32], s: &crate::model::config::Llama3Scaling) -> Vec<f32> {
     let (factor, lo, hi) = (
         s.factor as f32,
         s.low_freq_factor as f32,
@@ -148,7 +148,7 @@ impl LlamaEmbed {
 }
 
 impl LlamaBlock {
-    pub(super) fn forward_with(&self, x: Tensor<3>, cap: &mut Option<&mut Deferred>) -> Tensor<3> {
+    pub(crate) fn forward_with(&self, x: Tensor<3>, cap: &mut Option<&mut Deferred>) -> Tensor<3> {
         let a = self.input_layernorm.forward(x.clone());
         let x = x + self.attend(a, cap, 0, None);
         x.clone() + self.mlp(self.post_attention_layernorm.forward(x), cap)
@@ -230,20 +230,20 @@ fn cached_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, scale: f32) -> Ten
 }
 
 impl LlamaHead {
-    pub(super) fn forward_with(
+    pub(crate) fn forward_with(
         &self,
         x: Tensor<3>,
-        ctx: &super::Ctx,
+        ctx: &crate::model::Ctx,
         cap: &mut Option<&mut Deferred>,
     ) -> Tensor<3> {
         let norm = |x| self.norm.forward(x);
-        super::causal_head(x, norm, &self.lm_head, &self.score, ctx, cap)
+        crate::model::causal_head(x, norm, &self.lm_head, &self.score, ctx, cap)
     }
 }
 
 /// A fresh model's layer blocks (weights drawn later by the model's initialiser).
-pub(super) fn build(cfg: &ModelConfig, device: &Device) -> Vec<super::LayerBlock> {
-    use super::LayerBlock as L;
+pub(crate) fn build(cfg: &ModelConfig, device: &Device) -> Vec<crate::model::LayerBlock> {
+    use crate::model::LayerBlock as L;
     let (d, eps) = (cfg.d_model, cfg.norm_eps());
     let kv = cfg.kv_heads() * cfg.head_dim();
     let lin = |i: usize, o: usize| LinearConfig::new(i, o).with_bias(false).init(device);
@@ -270,7 +270,7 @@ pub(super) fn build(cfg: &ModelConfig, device: &Device) -> Vec<super::LayerBlock
             rope: Rope::new(cfg),
         })
     };
-    let (lm_head, score) = super::head_linears(cfg, device);
+    let (lm_head, score) = crate::model::head_linears(cfg, device);
     let head = L::LlamaHead(LlamaHead {
         norm: RmsNorm::new(d, eps, device),
         lm_head,

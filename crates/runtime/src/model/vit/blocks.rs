@@ -3,8 +3,8 @@
 //! class token and learned positions; pre-LayerNorm bidirectional encoder blocks; the final
 //! LayerNorm and a classifier on the class token.
 
-use super::{linear, Deferred, ModelConfig, TaskHead};
 use crate::kernels::{gelu, layer_norm_eps, matmul};
+use crate::model::{linear, Deferred, ModelConfig, TaskHead};
 use burn::module::{Module, Param};
 use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::activation::softmax;
@@ -87,7 +87,7 @@ impl VitEmbed {
 }
 
 impl VitBlock {
-    pub(super) fn forward_with(&self, x: Tensor<3>, cap: &mut Option<&mut Deferred>) -> Tensor<3> {
+    pub(crate) fn forward_with(&self, x: Tensor<3>, cap: &mut Option<&mut Deferred>) -> Tensor<3> {
         let [b, t, d] = x.dims();
         let (h, eps) = (self.heads, self.eps as f32);
         let a = layer_norm_eps(&self.layernorm_before, x.clone(), eps);
@@ -109,15 +109,15 @@ impl VitBlock {
 
 impl VitHead {
     /// `[b, 1, classes]` from the class token.
-    pub(super) fn forward_with(&self, x: Tensor<3>, cap: &mut Option<&mut Deferred>) -> Tensor<3> {
+    pub(crate) fn forward_with(&self, x: Tensor<3>, cap: &mut Option<&mut Deferred>) -> Tensor<3> {
         let x = layer_norm_eps(&self.layernorm, x, self.eps as f32);
         linear(&self.classifier, x.narrow(1, 0, 1), cap)
     }
 }
 
 /// A fresh model's layer blocks (weights drawn later by the model's initialiser).
-pub(super) fn build(cfg: &ModelConfig, device: &Device) -> Vec<super::LayerBlock> {
-    use super::LayerBlock as L;
+pub(crate) fn build(cfg: &ModelConfig, device: &Device) -> Vec<crate::model::LayerBlock> {
+    use crate::model::LayerBlock as L;
     let (d, eps) = (cfg.d_model, cfg.norm_eps());
     let (c, p) = (cfg.channels(), cfg.patch());
     let lin = |i: usize, o: usize| LinearConfig::new(i, o).init(device);

@@ -1,0 +1,766 @@
+//! `train`: run a plan on the real model.
+
+use super::args::{DeviceArg, SamplingArg, TrainArgs, TransportKind};
+use super::sink::Progress;
+use crate::files::{check_output, load_valid_plan, write_file, write_with};
+use crate::BadInput;
+use anyhow::Result;
+use pipewright_core::cluster::Cluster;
+use pipewright_core::plan::ir::Plan;
+use pipewright_core::sim::devices_for_plan;
+use pipewright_runtime::data::Sampling;
+use pipewright_runtime::train::run::SimComparison;
+use pipewright_runtime::train::{
+    Checkpointing, RunConfig, RunSummary, TrainConfig, Trainer, TrainingRun,
+};
+use std::path::{Path, PathBuf};
+#[cfg(feature = "mpi")]
+use std::sync::Arc;
+use std::time::Duration;
+
+/// This process's device: with `--gpus-per-node N`, the launcher's local rank r (Open MPI's,
+/// MPICH's or Slurm's; 0 outside a launcher) takes discrete GPU r mod N, as torchrun gives
+/// local rank r `cuda:r`.
+fn device_choice(a: &TrainArgs) -> Result<pipewright_runtime::backend::DeviceChoice> {
+    use pipewright_runtime::backend::DeviceChoice;
+    match (a.device, a.gpus_per_node) {
+        (DeviceArg::Cpu, None) => Ok(DeviceChoice::Cpu),
+        (DeviceArg::Cpu, Some(_)) => {
+            Err(BadInput("--gpus-per-node places ranks on GPUs: it needs --device wgpu".into()).into())
+        }
+        (_, Some(n)) if !(1..4096).contains(&n) => Err(BadInput(format!(
+            "gpus_per_node is {n}: it must be at least 1 and below 4096"
+        ))
+        .into()),
+        (DeviceArg::Wgpu, Some(n)) if n > 1 && a.transport == TransportKind::Threads => Err(BadInput(format!(
+            "--gpus-per-node {n}: threads share one process's device; worker processes (--transport auto or mpi) take one GPU each"
+        ))
+        .into()),
+        (DeviceArg::Wgpu, n) => Ok(DeviceChoice::Wgpu(
+            n.map(|n| crate::ranks::local_rank().unwrap_or(0) % n),
+        )),
+    }
+}
+
+/// The settings a run starts from: the config file; with --resume and no config file, the
+/// checkpoint's own (so a resume needs no flags repeated); else the defaults.
+fn base_config(a: &TrainArgs) -> Result<TrainConfig> {
+    Ok(match &a.config {
+        Some(f) => {
+            let text = pipewright_core::inputs::read_file(f)?;
+            let name = f.display().to_string();
+            // The [run] table is the runtable module's.
+            pipewright_core::error::parse_toml_split::<TrainConfig, toml::Table>(
+                &name, &text, "run",
+            )?
+            .0
+        }
+        // An unreadable checkpoint is the resume's to report.
+        None if a.resume => pipewright_runtime::train::checkpoint_config(&a.checkpoint_dir())
+            .map(|(cfg, _, _)| cfg)
+            .unwrap_or_default(),
+        None => TrainConfig::default(),
+    })
+}
+
+/// What the flags changed of the checkpoint's settings on a resume, as `field old -> new`.
+fn resume_changes(base: &TrainConfig, cfg: &TrainConfig) -> Vec<String> {
+    let flat = |c: &TrainConfig| -> Vec<(String, String)> {
+        let v = serde_json::to_value(c).unwrap_or_default();
+        let mut out = Vec::new();
+        for (k, x) in v.as_object().into_iter().flatten() {
+            match x.as_object() {
+                Some(inner) => out.extend(
+                    inner
+                        .iter()
+                        .map(|(k2, y)| (format!("{k}.{k2}"), y.to_string())),
+                ),
+                None => out.push((k.clone(), x.to_string())),
+            }
+        }
+        out
+    };
+    let (was, now) = (flat(base), flat(cfg));
+    now.iter()
+        .filter_map(|(k, v)| {
+            let old = was
+                .iter()
+                .find(|(k2, _)| k2 == k)
+                .map_or("none", |(_, o)| o.as_str());
+            (old != v).then(|| format!("{k} {old} -> {v}"))
+        })
+        .collect()
+}
+
+/// On a resume without --config: that the checkpoint's settings are used, and what the flags
+/// changed of them.
+fn resume_note(a: &TrainArgs, cfg: &TrainConfig) -> Result<Option<String>> {
+    if !a.resume || a.config.is_some() {
+        return Ok(None);
+    }
+    let changes = resume_changes(&base_config(a)?, cfg);
+    Ok(Some(match changes.is_empty() {
+        true => "with the checkpoint's settings".into(),
+        false => format!(
+            "with the checkpoint's settings; changed by flags: {}",
+            changes.join(", ")
+        ),
+    }))
+}
+
+/// The run's settings: the config file (or a resumed checkpoint's), then the flags over it.
+fn config(a: &TrainArgs) -> Result<TrainConfig> {
+    let mut cfg = base_config(a)?;
+    macro_rules! set {
+        ($($f:ident),*) => { $(if let Some(v) = a.$f.clone() { cfg.$f = v; })* };
+    }
+    set!(
+        schedule,
+        stages,
+        chunks,
+        replicas,
+        microbatches,
+        rows,
+        steps,
+        lr,
+        min_lr,
+        warmup,
+        weight_decay,
+        clip,
+        seed
+    );
+    if let Some(g) = a.global_batch {
+        if g == 0 || g % cfg.replicas != 0 {
+            return Err(BadInput(format!(
+                "--global-batch {g}: expected a positive multiple of the {} replicas (each replica runs global batch / replicas micro-batches)",
+                cfg.replicas
+            ))
+            .into());
+        }
+        cfg.microbatches = g / cfg.replicas;
+    }
+    if let Some(chosen) = a.model.resolve()? {
+        if chosen.weights.is_some() && (a.d_model, a.layers, a.heads) != (None, None, None) {
+            return Err(BadInput(
+                "--d-model, --layers and --heads cannot reshape a pretrained --model".into(),
+            )
+            .into());
+        }
+        (cfg.model, cfg.pretrained) = (chosen.config, chosen.weights);
+    }
+    if let Some(t) = &a.tokenizer {
+        cfg.tokenizer = Some(t.clone());
+    }
+    // --data and its companions, else the configuration file's [data].
+    let data = a.data.resolve(cfg.data.as_ref());
+    cfg.data = data.source();
+    macro_rules! set_model {
+        ($($f:ident),*) => { $(if let Some(v) = a.$f { cfg.model.$f = v; })* };
+    }
+    set_model!(d_model, layers, heads, seq_len);
+    match (a.sampling, a.freeze.cache_budget.is_some()) {
+        (Some(SamplingArg::Windows), _) if data.task != crate::data::Task::Lm => {
+            return Err(BadInput(
+                "--sampling windows draws windows of a text; a task's examples are each drawn once an epoch (leave --sampling out)"
+                    .into(),
+            )
+            .into())
+        }
+        (Some(SamplingArg::Windows), true) => {
+            return Err(BadInput(
+                "--cache-budget keys cached activations by sample: it needs --sampling epochs"
+                    .into(),
+            )
+            .into())
+        }
+        (Some(SamplingArg::Windows), false) => cfg.sampling = Sampling::Windows,
+        (Some(SamplingArg::Epochs), _) | (None, true) => cfg.sampling = Sampling::Epochs,
+        (None, false) => {}
+    }
+    if a.chunks.is_none() && a.schedule.is_some() {
+        cfg.chunks = cfg.schedule.default_chunks();
+    }
+    if a.eval_every == 0 || a.eval_batches == 0 {
+        return Err(BadInput("--eval-every and --eval-batches must be at least 1".into()).into());
+    }
+    cfg.check()?;
+    Ok(cfg)
+}
+
+/// A progress bar of `len` steps on a terminal (hidden otherwise: logs stay clean).
+pub(crate) fn progress_bar(len: u64, what: &str) -> indicatif::ProgressBar {
+    use std::io::IsTerminal;
+    if !std::io::stderr().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(len);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} ETA {eta}")
+            .expect("template"),
+    );
+    bar.set_message(what.to_string());
+    bar
+}
+
+/// This process's part in an MPI job, once MPI is up.
+#[cfg(feature = "mpi")]
+type Procs = Option<Arc<pipewright_runtime::transport::mpi::Mpi>>;
+#[cfg(not(feature = "mpi"))]
+type Procs = Option<std::convert::Infallible>;
+
+/// Start MPI if asked (before anything that may fail, so errors can be printed by rank 0 only).
+fn start_transport(a: &TrainArgs) -> Result<Procs> {
+    for (flag, secs) in [
+        ("--peer-timeout", a.peer_timeout),
+        ("--startup-timeout", a.startup_timeout),
+    ] {
+        if !(secs.is_finite() && secs > 0.0 && secs <= 1e6) {
+            return Err(BadInput(format!(
+                "{flag} {secs:?}: expected seconds between 0 and 1000000"
+            ))
+            .into());
+        }
+    }
+    pipewright_runtime::transport::set_startup_timeout(Duration::from_secs_f64(a.startup_timeout));
+    let launched = crate::ranks::launcher_tasks().is_some();
+    if a.transport == TransportKind::Auto && !launched {
+        return Ok(None);
+    }
+    if a.transport == TransportKind::Threads {
+        // Started as one of several tasks, each would train the whole plan alone, on the same
+        // files: refused (by task 0 only, so the message comes once).
+        if let Some((who, n, me)) = crate::ranks::launcher_tasks() {
+            crate::ranks::set_rank(me);
+            return Err(BadInput(format!(
+                "this process is one of {n} tasks that {who} started; with --transport threads each would train the whole plan alone: add --transport mpi (or start one task)"
+            ))
+            .into());
+        }
+        return Ok(None);
+    }
+    crate::ranks::check_slurm_pmix().map_err(BadInput)?;
+    #[cfg(feature = "mpi")]
+    {
+        let m =
+            pipewright_runtime::transport::mpi::Mpi::start(Duration::from_secs_f64(a.peer_timeout))
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+        crate::ranks::set_rank(m.world().rank);
+        crate::ranks::watch_signals(m.world().rank);
+        crate::launch::share_cores();
+        crate::launch::join_lending();
+        if m.world().rank == 0 {
+            crate::ranks::warn_oversubscribed();
+        }
+        Ok(Some(Arc::new(m)))
+    }
+    #[cfg(not(feature = "mpi"))]
+    Err(BadInput(
+        "--transport mpi: this pipewright was built without MPI (cargo feature `mpi`; scripts/install-deps installs Open MPI)".into(),
+    )
+    .into())
+}
+
+/// Under `--transport auto`, a plan of several workers starts again as one process per worker
+/// (this returns only if it stays in this process). `--cluster` emulates links between threads,
+/// and `--switch-plan` may change the worker count: both stay threads.
+fn as_processes(a: &TrainArgs, cfg: &TrainConfig) -> Result<()> {
+    if a.cluster.is_some() || !a.switch_plan.is_empty() {
+        return Ok(());
+    }
+    let workers = worker_count(a, cfg)?;
+    if workers < 2 {
+        return Ok(());
+    }
+    let why = crate::launch::why_threads().unwrap_or_else(|| crate::launch::relaunch(workers));
+    eprintln!(
+        "note: the {workers} workers run as threads in this process, which is slower than processes: {why}"
+    );
+    Ok(())
+}
+
+/// The workers of the plan to train, without building it: a plan file's, else a worker per
+/// stage of each replica (the route search of `--skip` runs once, in the job itself).
+fn worker_count(a: &TrainArgs, cfg: &TrainConfig) -> Result<usize> {
+    if let Some(f) = &a.plan {
+        return Ok(load_valid_plan(f)?.num_workers());
+    }
+    // Skip routes on identical devices have the pipeline's workers (`--cluster` stays threads).
+    let profile = cfg.model.cost_profile(1);
+    cfg.job_spec(&profile)
+        .workers()
+        .ok_or_else(|| BadInput("--stages x --replicas is past the largest count".into()).into())
+}
+
+/// `train`, and when it fails (a worker or peer failed, a write failed: not bad input, which
+/// writes nothing) its last error also in `last-error.txt` beside the checkpoints: a batch job's
+/// log may be gone, the checkpoints are not.
+pub fn cmd_train(a: TrainArgs) -> Result<()> {
+    let a = crate::runtable::apply(a)?;
+    let dir = (!a.no_checkpoint).then(|| a.checkpoint_dir());
+    let r = train(a);
+    if let (Err(e), Some(dir)) = (&r, dir) {
+        // The root says why the run failed; another rank whose own step failed says so too
+        // (under mpirun the root, waiting for it, is then stopped before it could).
+        let root = crate::ranks::RANK.get().is_none_or(|&r| r == 0);
+        let own = !e.chain().any(|c| {
+            matches!(
+                c.downcast_ref::<pipewright_runtime::exec::ExecError>(),
+                Some(pipewright_runtime::exec::ExecError::Transport(_))
+            ) || c.is::<pipewright_runtime::transport::TransportError>()
+        });
+        let failure = crate::error::exit_code(e) == 1;
+        if (root || own) && failure && dir.is_dir() {
+            let line = format!(
+                "{} {}\n",
+                crate::log::now(),
+                crate::error::message(e, crate::error::Flags::Pipeline)
+            );
+            // Whole or not at all: written aside, then renamed over the last one.
+            let tmp = dir.join(format!(".last-error.{}", std::process::id()));
+            if std::fs::write(&tmp, line).is_ok() {
+                let _ = std::fs::rename(&tmp, dir.join("last-error.txt"));
+            }
+        }
+    }
+    r
+}
+
+fn train(a: TrainArgs) -> Result<()> {
+    if a.print_config {
+        #[derive(serde::Serialize)]
+        struct Run {
+            run: crate::runtable::RunTable,
+        }
+        let run = Run {
+            run: crate::runtable::RunTable::of(&a),
+        };
+        print!(
+            "{}\n{}",
+            toml::to_string(&config(&a)?)?,
+            toml::to_string(&run)?
+        );
+        return Ok(());
+    }
+    // Before MPI starts: a stop request mpirun passes on must find the handler.
+    crate::ranks::stop_on_signals();
+    crate::launch::mark_started();
+    pipewright_runtime::backend::choose_device(device_choice(&a)?).map_err(|e| BadInput(e.0))?;
+    let procs = start_transport(&a)?;
+    let mut cfg = config(&a)?;
+    if procs.is_none() && a.transport == TransportKind::Auto {
+        as_processes(&a, &cfg)?;
+    }
+    // After the relaunch, so that a launcher process holds no GPU context while its workers
+    // train; the ranks agree on a failure with the plan's checks (none waits for a peer).
+    let started = start_device(&a);
+    let data = a.data.resolve(cfg.data.as_ref());
+    let corpus = crate::data::corpus(&data, &mut cfg)?;
+    let checked = started.and_then(|()| check_flags(&a, &cfg, procs.is_some()));
+    let (plan, plan_note) = agree(&procs, checked, || train_plan(&a, &cfg))?;
+    let links = links(&a, &plan)?;
+    let run_cfg = run_config(&a, &cfg, links.as_ref())?;
+    let mut trainer = trainer(&procs, cfg, plan, links, &run_cfg, a.peer_timeout)?;
+    trainer.run_settings = Some(serde_json::to_value(crate::runtable::RunTable::of(&a))?);
+    let mut run = TrainingRun::new(trainer, corpus, run_cfg)?;
+    let mut sink = Progress::new(&a, run.trainer.is_root());
+    sink.plan_note = plan_note;
+    if procs.is_none() {
+        use pipewright_runtime::machine::{blas_lib, env_switch};
+        if let (_, Some(note)) = env_switch(blas_lib::SPLIT_VAR) {
+            eprintln!("{note}: products are split as by default");
+        }
+        sink.placement =
+            blas_lib::split_note().map(|n| format!("workers: threads of this process; {n}"));
+    }
+    #[cfg(feature = "mpi")]
+    if let Some(m) = procs.as_ref().filter(|_| run.trainer.is_root()) {
+        sink.placement = Some(crate::launch::placement_note(m.world().size));
+    }
+    let summary = run.run(&mut sink)?;
+    // The root reports before MPI finishes: the run is done and checkpointed, and a peer that
+    // never finishes must not hold its summary back.
+    let reported = match run.trainer.is_root() {
+        true => report(&a, &mut run, &summary),
+        false => Ok(()),
+    };
+    #[cfg(feature = "mpi")]
+    if let (Some(m), Ok(())) = (&procs, &reported) {
+        crate::ranks::finish_within(m, Duration::from_secs_f64(a.peer_timeout));
+    }
+    reported
+}
+
+/// Starts `--device wgpu`'s device (the CPU needs no start), or says plainly why it did not.
+fn start_device(a: &TrainArgs) -> Result<()> {
+    if a.device != DeviceArg::Wgpu {
+        return Ok(());
+    }
+    pipewright_runtime::backend::start_device().map_err(|e| {
+        BadInput(format!(
+            "--device wgpu: {e} (a GPU needs its Vulkan driver; Debian's mesa-vulkan-drivers has lavapipe, a Vulkan device on the CPU; --gpus-per-node asks for discrete GPUs, which lavapipe is not)"
+        ))
+        .into()
+    })
+}
+
+/// Flag values no run can use, named by their flags (the runtime checks them too, by its
+/// own names).
+fn check_flags(a: &TrainArgs, cfg: &TrainConfig, mpi: bool) -> Result<()> {
+    let bad = |m: &str| Err(BadInput(m.into()).into());
+    if a.compare_sim && cfg.steps < 3 {
+        return bad("--compare-sim needs at least 3 steps (the first two are left out as warm-up)");
+    }
+    if a.keep == 0 {
+        return bad("--keep must be at least 1");
+    }
+    if a.cluster.is_some() && mpi {
+        return bad("--cluster emulates links between threads; over MPI the network is real (drop --cluster)");
+    }
+    if !a.switch_plan.is_empty() && a.freeze.elastic {
+        return bad(
+            "--switch-plan and --elastic both change the plan during the run: use one of them",
+        );
+    }
+    for f in a
+        .metrics
+        .iter()
+        .chain(&a.trace)
+        .chain(&a.svg)
+        .chain(&a.compare_svg)
+    {
+        check_output(f)?;
+    }
+    if let Some(d) = a
+        .tensorboard
+        .as_ref()
+        .filter(|_| crate::ranks::RANK.get().is_none_or(|&r| r == 0))
+    {
+        check_writable_dir("--tensorboard", d)?;
+    }
+    if !a.no_checkpoint && crate::ranks::RANK.get().is_none_or(|&r| r == 0) {
+        check_writable_dir("--checkpoint-dir", &a.checkpoint_dir())?;
+        note_replaced(a);
+    }
+    Ok(())
+}
+
+/// The plan to train: a plan file, SkipPipe routes, or the schedule flags' pipeline.
+/// The plan to train, and a line for the run header on how it was made (a route search).
+fn train_plan(a: &TrainArgs, cfg: &TrainConfig) -> Result<(Plan, Option<String>)> {
+    match (&a.plan, a.skip) {
+        (Some(f), _) => {
+            let plan = load_valid_plan(f)?;
+            cfg.check_plan(&plan)
+                .map_err(|e| BadInput(format!("{}: {e}", f.display())))?;
+            Ok((plan, None))
+        }
+        (None, Some(k)) => skip_train_plan(cfg, k, a.cluster.as_deref()),
+        (None, None) => Ok((cfg.plan()?, None)),
+    }
+}
+
+/// Only rank 0 builds the plan (a route search runs once per job, and a search stopped by
+/// its time cap cannot differ between ranks); the others train the plan it sends. A rank 0
+/// whose checks failed sends nothing: every rank then ends with it (rank 0 says why) instead
+/// of waiting for it in this collective until the launcher kills them.
+fn agree(
+    procs: &Procs,
+    checked: Result<()>,
+    build: impl FnOnce() -> Result<(Plan, Option<String>)>,
+) -> Result<(Plan, Option<String>)> {
+    let Some(m) = procs else {
+        return checked.and_then(|()| build());
+    };
+    #[cfg(feature = "mpi")]
+    {
+        use pipewright_runtime::transport::Transport;
+        let world = m.world();
+        let (built, checked) = match world.rank {
+            0 => (Some(checked.and_then(|()| build())), Ok(())),
+            _ => (None, checked),
+        };
+        let part = match &built {
+            Some(Ok((p, _))) => p.to_json().into_bytes(),
+            _ => Vec::new(),
+        };
+        let parts = m
+            .all_gather(world.rank, part)
+            .map_err(|e| anyhow::anyhow!("agreeing on rank 0's plan: {e}"))?;
+        if let Some(built) = built {
+            let (plan, note) = built?;
+            let note = note.map(|n| format!("{n}; sent to the other {} ranks", world.size - 1));
+            return Ok((plan, note));
+        }
+        checked?;
+        if parts[0].is_empty() {
+            return Err(BadInput("rank 0 refused this run (its message says why)".into()).into());
+        }
+        let text = String::from_utf8_lossy(&parts[0]);
+        Ok((Plan::from_json("rank 0's plan", &text)?, None))
+    }
+    #[cfg(not(feature = "mpi"))]
+    match (*m, checked, build) {}
+}
+
+/// `--cluster`'s devices for the plan's workers, whose links the threads emulate.
+fn links(a: &TrainArgs, plan: &Plan) -> Result<Option<Cluster>> {
+    let Some(f) = &a.cluster else {
+        return Ok(None);
+    };
+    let c = Cluster::load(f)?;
+    devices_for_plan(plan, &c).map_err(|e| BadInput(format!("{}: {e}", f.display())))?;
+    Ok(Some(c))
+}
+
+/// What the run does around its steps, from the flags.
+fn run_config(a: &TrainArgs, cfg: &TrainConfig, links: Option<&Cluster>) -> Result<RunConfig> {
+    if a.eval_every == 0 || a.eval_batches == 0 {
+        return Err(BadInput("--eval-every and --eval-batches must be at least 1".into()).into());
+    }
+    Ok(RunConfig {
+        eval_every: a.eval_every,
+        eval_batches: a.eval_batches,
+        checkpoints: (!a.no_checkpoint).then(|| Checkpointing {
+            dir: a.checkpoint_dir(),
+            every: a.checkpoint_every,
+            keep: a.keep,
+            overwrite: a.overwrite || (a.checkpoint_dir.is_none() && !a.resume),
+        }),
+        resume_from: a.resume.then(|| a.checkpoint_dir()),
+        resume_note: resume_note(a, cfg)?,
+        switches: switches(a, cfg, links)?,
+        freeze: a.freeze.settings()?,
+        cache: a.freeze.cache()?,
+        compare_sim: a.compare_sim,
+        trace: a.trace.is_some() || a.svg.is_some() || a.compare_svg.is_some(),
+        stop: Some(&crate::ranks::STOP_REQUESTED),
+    })
+}
+
+/// `--switch-plan STEP:FILE`s, each plan loaded and checked against the run.
+fn switches(a: &TrainArgs, cfg: &TrainConfig, links: Option<&Cluster>) -> Result<Vec<(u64, Plan)>> {
+    let mut out = Vec::new();
+    for s in &a.switch_plan {
+        let bad = || {
+            BadInput(format!(
+                "--switch-plan {s:?}: expected STEP:FILE, e.g. 20:deeper.json"
+            ))
+        };
+        let (step, file) = s.split_once(':').ok_or_else(bad)?;
+        let step: u64 = step.parse().map_err(|_| bad())?;
+        let file = PathBuf::from(file);
+        let next = load_valid_plan(&file)?;
+        let named = |e: String| BadInput(format!("{}: {e}", file.display()));
+        cfg.check_plan(&next).map_err(|e| named(e.to_string()))?;
+        if let Some(c) = links {
+            devices_for_plan(&next, c).map_err(|e| named(e.to_string()))?;
+        }
+        if step == 0 || step >= cfg.steps {
+            return Err(BadInput(format!(
+                "--switch-plan {s:?}: step {step} is not between 1 and {} (the run's last step is {})",
+                cfg.steps.saturating_sub(1),
+                cfg.steps
+            ))
+            .into());
+        }
+        out.push((step, next));
+    }
+    Ok(out)
+}
+
+/// The trainer: threads in this process, or this rank's worker of an MPI job.
+fn trainer(
+    procs: &Procs,
+    cfg: TrainConfig,
+    plan: Plan,
+    links: Option<Cluster>,
+    run: &RunConfig,
+    peer_timeout: f64,
+) -> Result<Trainer> {
+    let Some(m) = procs else {
+        let timeout = Duration::from_secs_f64(peer_timeout);
+        return Ok(Trainer::in_process(cfg, plan, links, timeout)?);
+    };
+    #[cfg(feature = "mpi")]
+    {
+        let w = m.world();
+        if w.size != plan.num_workers() {
+            // The fix in the launcher's own words: srun's task count, else mpirun's.
+            let srun = std::env::var_os("SLURM_STEP_NUM_TASKS").is_some();
+            let launch = if srun { "srun -n" } else { "mpirun -np" };
+            return Err(BadInput(format!(
+                "the plan has {} workers but MPI started {} ranks: launch with `{launch} {}`",
+                plan.num_workers(),
+                w.size,
+                plan.num_workers()
+            ))
+            .into());
+        }
+        if let Some((step, next)) = run.switches.iter().find(|(_, p)| p.num_workers() != w.size) {
+            return Err(BadInput(format!(
+                "--switch-plan at step {step}: that plan has {} workers, this MPI job {} ranks (a re-plan keeps the processes)",
+                next.num_workers(),
+                w.size
+            ))
+            .into());
+        }
+        let t: Arc<dyn pipewright_runtime::transport::Transport> = m.clone();
+        Ok(Trainer::distributed(cfg, plan, w.rank, t)?)
+    }
+    #[cfg(not(feature = "mpi"))]
+    {
+        let _ = run;
+        match *m {}
+    }
+}
+
+/// What the root prints and writes once training is done.
+fn report(a: &TrainArgs, run: &mut TrainingRun, s: &RunSummary) -> Result<()> {
+    if let (Some(f), Some(tl)) = (&a.trace, &s.timeline) {
+        write_with(f, |mut w| tl.write_chrome_trace(&mut w))?;
+    }
+    if let (Some(f), Some(tl)) = (&a.svg, &s.timeline) {
+        let title = format!(
+            "measured: {}",
+            pipewright_runtime::train::describe(&run.trainer.plan)
+        );
+        write_with(f, |w| w.write_all(tl.to_svg(&title).as_bytes()))?;
+    }
+    if let Some(c) = &s.cache {
+        println!(
+            "frozen-prefix cache: {} rows read back, {} extended by newly frozen layers, {} computed; {:.1} MiB in memory, {:.1} MiB spilled",
+            c.hits,
+            c.extended,
+            c.misses,
+            c.memory_bytes as f64 / (1u64 << 20) as f64,
+            c.disk_bytes as f64 / (1u64 << 20) as f64
+        );
+        if c.not_kept > 0 {
+            println!(
+                "frozen-prefix cache: the spill file's disk filled up; {} outputs were not kept, and their samples ran the frozen layers again",
+                c.not_kept
+            );
+        }
+    }
+    let (base, base_name) = run.baseline();
+    match (s.first_accuracy, s.last_accuracy) {
+        (Some(a0), Some(a1)) if s.last_f1.is_some() => println!(
+            "val loss {:.4} -> {:.4}, exact match {:.3} -> {:.3}, F1 {:.3} ({base_name} {base:.4}) after {} steps",
+            s.first_val, s.last_val, a0, a1, s.last_f1.unwrap_or(0.0), s.step
+        ),
+        (Some(a0), Some(a1)) => println!(
+            "val loss {:.4} -> {:.4}, accuracy {:.3} -> {:.3} ({base_name} {base:.4}) after {} steps",
+            s.first_val, s.last_val, a0, a1, s.step
+        ),
+        _ => println!(
+            "val loss {:.4} -> {:.4} (perplexity {:.2}; {base_name} {base:.4}) after {} steps",
+            s.first_val,
+            s.last_val,
+            s.last_val.exp(),
+            s.step
+        ),
+    }
+    if a.compare_sim {
+        if s.steps_run < 3 {
+            return Err(BadInput(format!(
+                "--compare-sim: this run took {} steps after resuming; it needs at least 3",
+                s.steps_run
+            ))
+            .into());
+        }
+        let c = run.sim_comparison()?;
+        print_sim_comparison(&c);
+        if let (Some(f), Some(tl)) = (&a.compare_svg, &s.timeline) {
+            let plan = pipewright_runtime::train::describe(&run.trainer.plan);
+            let titles = [
+                format!("simulated iteration {:.4} s: {plan}", c.simulated),
+                format!("measured: last step, {:.4} s", tl.makespan()),
+            ];
+            let svg = pipewright_core::sim::timeline::Timeline::compare_svg(
+                &c.timeline,
+                tl,
+                [&titles[0], &titles[1]],
+            );
+            write_file(f, &svg)?;
+        }
+    }
+    Ok(())
+}
+
+/// The simulated iteration beside the measured one, and each stage's costs beside its
+/// measured actions (where the difference comes from).
+fn print_sim_comparison(c: &SimComparison) {
+    println!(
+        "iteration time: simulated {:.4} s, measured {:.4} s (median of {} steps), measured/simulated {:.2}",
+        c.simulated, c.measured, c.measured_steps, c.measured / c.simulated
+    );
+    let ms = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{:.1}", 1e3 * v));
+    for (s, st) in c.stages.iter().enumerate() {
+        let (sim, m) = (st.simulated, st.measured);
+        println!(
+            "  stage {s}: ms simulated / measured (median action): F {:.1} / {}, BW {:.1} / {}, B {:.1} / {}, W {:.1} / {}",
+            1e3 * sim[0], ms(m[0]), 1e3 * sim[1], ms(m[1]), 1e3 * sim[2], ms(m[2]), 1e3 * sim[3], ms(m[3]),
+        );
+    }
+    if let Some(own) = c.own_devices {
+        println!(
+            "  simulated with the workers' compute serialised, as in-process workers run it (see crates/runtime/src/backend.rs); with a device each: {:.4} s (measured/simulated {:.2}), what --transport mpi gets",
+            own, c.measured / own
+        );
+    }
+}
+
+/// The SkipPipe plan of `train --skip`: the model's own cost profile, the cluster (or
+/// stages x replicas identical devices), a short deterministic search.
+fn skip_train_plan(
+    cfg: &TrainConfig,
+    skip: f64,
+    cluster: Option<&Path>,
+) -> Result<(Plan, Option<String>)> {
+    let skip = crate::skip::skip_count(skip, cfg.stages)?;
+    if cfg.replicas == 0 || cfg.microbatches == 0 {
+        return Err(BadInput(
+            "--skip: --replicas (data nodes) and --microbatches must be at least 1".into(),
+        )
+        .into());
+    }
+    let cluster = cluster.map(Cluster::load).transpose()?;
+    let r = cfg.skip_plan(skip, cluster.as_ref())?;
+    if r.time_limit_hit {
+        eprintln!(
+            "note: the route search stopped at its {} s cap after {} moves: this plan depends on the machine's speed",
+            cfg.skip_search.time_limit, r.moves
+        );
+    }
+    let note = format!(
+        "routes: searched once, in this process ({} moves, {:.1} s)",
+        r.moves, r.seconds
+    );
+    Ok((r.plan, Some(note)))
+}
+
+/// Create `dir` if needed and make sure files can be written there, before any training.
+/// A fresh run in the default checkpoint directory replaces an earlier run's checkpoints:
+/// said once, before they go.
+fn note_replaced(a: &TrainArgs) {
+    if a.checkpoint_dir.is_some() || a.resume {
+        return;
+    }
+    let dir = a.checkpoint_dir();
+    if let Some(((step, _), _)) = pipewright_runtime::train::store::list(&dir).last() {
+        eprintln!(
+            "note: replacing the checkpoints an earlier run left in {} (the newest at step {step}); --checkpoint-dir keeps runs apart",
+            dir.display()
+        );
+    }
+}
+
+fn check_writable_dir(flag: &str, dir: &Path) -> Result<()> {
+    let bad =
+        |e: std::io::Error| BadInput(format!("{flag} {}: cannot write there: {e}", dir.display()));
+    std::fs::create_dir_all(dir).map_err(bad)?;
+    let probe = dir.join(format!(".write-test-{}", std::process::id()));
+    std::fs::write(&probe, b"").map_err(bad)?;
+    std::fs::remove_file(&probe).map_err(bad)?;
+    Ok(())
+}

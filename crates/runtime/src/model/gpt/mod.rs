@@ -1,0 +1,3 @@
+//! pipewright's GPT family. Its blocks are the model's defaults in `model/mod.rs`.
+
+pub mod hf;

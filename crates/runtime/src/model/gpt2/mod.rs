@@ -1,0 +1,6 @@
+//! The GPT-2 family: its layer blocks and its Hugging Face form.
+
+mod blocks;
+pub mod hf;
+
+pub use blocks::*;

@@ -1,0 +1,34 @@
+//! What a model family registers once ([`super::registry`]): its Hugging Face `model_type`,
+//! its config reader and writer, and where Hugging Face names put its parameters.
+
+use super::error::Error;
+use super::{Family, ModelConfig};
+use serde_json::Value;
+
+/// Where a family's Hugging Face names put each layer block's parameters: the prefixes of the
+/// embedding and of block N, the head's parameters that sit inside the base model (and the
+/// prefix they take), and field renames (burn's LayerNorm `gamma`/`beta` are torch's
+/// `weight`/`bias`; Rust cannot name a field `self`).
+pub struct Layout {
+    pub embed: &'static str,
+    pub block: &'static str,
+    pub base: &'static str,
+    pub head_in_base: &'static [&'static str],
+    pub renames: &'static [(&'static str, &'static str)],
+}
+
+pub const NORMS: [(&str, &str); 2] = [(".gamma", ".weight"), (".beta", ".bias")];
+
+/// A family's entry in the registry.
+pub struct Spec {
+    pub family: Family,
+    /// Its Hugging Face `model_type`; none: pipewright's own (gpt), with no Hugging Face form.
+    pub hf_type: Option<&'static str>,
+    /// The model a Hugging Face `config.json` (parsed) describes; errors name the key.
+    pub from_hf: fn(&Value) -> Result<ModelConfig, Error>,
+    /// The `config.json` of a model (what `from_pretrained` needs).
+    pub to_hf: fn(&ModelConfig) -> Result<Value, Error>,
+    pub layout: Layout,
+    /// The Hugging Face name of the token embedding (a tied head's matrix).
+    pub embedding: &'static str,
+}
