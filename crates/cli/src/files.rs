@@ -3,7 +3,7 @@
 use crate::error::BadInput;
 use anyhow::{Context, Result};
 use pipewright_core::plan::ir::Plan;
-use pipewright_core::plan::validate::validate;
+use pipewright_core::plan::validate::ValidPlan;
 use std::path::Path;
 
 /// Read a plan file (CSV by extension, JSON otherwise) without validating it.
@@ -18,10 +18,9 @@ pub fn load_plan(file: &Path) -> Result<Plan> {
 }
 
 /// Read and validate a plan file; errors name the file.
-pub fn load_valid_plan(file: &Path) -> Result<Plan> {
+pub fn load_valid_plan(file: &Path) -> Result<ValidPlan> {
     let plan = load_plan(file)?;
-    validate(&plan).map_err(|e| BadInput(format!("{}: {e}", file.display())))?;
-    Ok(plan)
+    Ok(ValidPlan::new(plan).map_err(|e| BadInput(format!("{}: {e}", file.display())))?)
 }
 
 /// The cluster's devices for the plan's workers (named in the plan, or the first ones).

@@ -16,7 +16,6 @@ mod report;
 mod runtable;
 mod simulate;
 mod skip;
-mod tensorboard;
 mod tokenize;
 mod train;
 
@@ -293,6 +292,18 @@ fn say_error(text: &str) {
     let _ = std::io::stderr().write_all(format!("error: {text}\n").as_bytes());
 }
 
+/// A PIPEWRIGHT_BLAS that cannot be used stops the commands that multiply matrices before any
+/// work, rather than quietly running on another library.
+fn check_blas() -> Result<()> {
+    pipewright_runtime::machine::blas_lib::blas().map_err(|e| {
+        BadInput(match e.mkl_missing {
+            true => format!("{e}; `scripts/install-deps --mkl` installs MKL"),
+            false => e.to_string(),
+        })
+    })?;
+    Ok(())
+}
+
 fn run(cli: Cli) -> Result<()> {
     if matches!(
         cli.cmd,
@@ -303,14 +314,7 @@ fn run(cli: Cli) -> Result<()> {
             | Cmd::Forward(_)
             | Cmd::Generate(_)
     ) {
-        // A PIPEWRIGHT_BLAS that cannot be used stops the commands that multiply matrices
-        // before any work, rather than quietly running on another library.
-        pipewright_runtime::machine::blas_lib::blas().map_err(|e| {
-            BadInput(match e.mkl_missing {
-                true => format!("{e}; `scripts/install-deps --mkl` installs MKL"),
-                false => e.to_string(),
-            })
-        })?;
+        check_blas()?;
         // Once per run: not in the ranks pipewright started (it said so itself), and of a
         // launcher's tasks only in task 0.
         let first = ranks::launcher_tasks().is_none_or(|(_, _, me)| me == 0);

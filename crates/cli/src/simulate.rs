@@ -8,6 +8,7 @@ use clap::Args;
 use pipewright_core::cluster::Cluster;
 use pipewright_core::job::{build, JobSpec, LayerCut, PipelineShape};
 use pipewright_core::plan::ir::Plan;
+use pipewright_core::plan::validate::ValidPlan;
 use pipewright_core::profile::{Profile, StageCost};
 use pipewright_core::schedule::ScheduleKind;
 use pipewright_core::sim::slotted::{slotted_plan_time, SlottedRun};
@@ -68,7 +69,7 @@ impl SchedArgs {
         })
     }
 
-    pub fn plan(&self) -> Result<Plan> {
+    pub fn plan(&self) -> Result<ValidPlan> {
         let layers = self.layer_blocks;
         build(&self.spec()?).map_err(|e| match (e, layers) {
             (pipewright_core::Error::Infeasible(m), Some(n)) => {

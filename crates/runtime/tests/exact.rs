@@ -5,6 +5,7 @@ use pipewright_core::plan::ir::{Hop, Op, Plan, StagePlan};
 use pipewright_core::schedule::{generate, gpipe_routes, ScheduleKind};
 use pipewright_runtime::data::Corpus;
 use pipewright_runtime::model::ModelConfig;
+use pipewright_runtime::train::PlanIn;
 use pipewright_runtime::train::{PlainTrainer, TrainConfig, Trainer};
 
 fn tiny(schedule: &str, p: usize, d: usize, m: usize) -> TrainConfig {
@@ -61,9 +62,10 @@ fn pipelined_equals_plain_training() {
 }
 
 /// Train `plan` and the plain reference 3 steps; losses and parameters agree within 1e-5.
-fn same_as_plain(cfg: &TrainConfig, plan: Plan, what: &str) -> Trainer {
+fn same_as_plain(cfg: &TrainConfig, plan: impl Into<PlanIn>, what: &str) -> Trainer {
     let corpus = Corpus::builtin();
-    let mut plain = PlainTrainer::new(cfg.clone(), &plan);
+    let plan: PlanIn = plan.into();
+    let mut plain = PlainTrainer::new(cfg.clone(), plan.plan());
     let mut pipe = Trainer::new(cfg.clone(), plan).unwrap();
     for _ in 0..3 {
         let a = pipe.train_step(&corpus).unwrap().loss;
@@ -168,7 +170,7 @@ fn head_on_the_data_node_gives_exact_gradients() {
 #[test]
 fn mixed_split_and_fused_backward_give_exact_gradients() {
     let cfg = tiny("zbh1", 4, 1, 4);
-    let mut plan = cfg.plan().unwrap();
+    let mut plan = cfg.plan().unwrap().into_plan();
     for acts in &mut plan.workers {
         let fuse = |stage: usize, mb: usize| (stage + mb).is_multiple_of(2);
         acts.retain(|a| !(a.op == Op::W && fuse(a.stage, a.mb)));
@@ -253,7 +255,7 @@ fn plan_larger_than_model_is_refused() {
     .to_string();
     assert!(e.contains("only 8 layer blocks"), "{e}");
     // A plan file for another layer count names both.
-    let mut plan = tiny("1f1b", 2, 1, 2).plan().unwrap();
+    let mut plan = tiny("1f1b", 2, 1, 2).plan().unwrap().into_plan();
     plan.set_layers(&[3, 3]);
     let e = Trainer::new(tiny("1f1b", 2, 1, 2), plan)
         .err()
@@ -412,7 +414,7 @@ fn frozen_prefix_and_elastic_replan_stay_exact() {
     let cfg = tiny("1f1b", 4, 1, 4);
     let plan = cfg.plan().unwrap();
     // Stage 0 must hold the frozen prefix and one training block: 3 of the 8 blocks there.
-    let mut plan = plan;
+    let mut plan = plan.into_plan();
     plan.set_layers(&[3, 2, 2, 1]);
     let mut plain = PlainTrainer::new(cfg.clone(), &plan);
     let mut pipe = Trainer::new(cfg.clone(), plan).unwrap();
@@ -443,7 +445,7 @@ fn frozen_prefix_and_elastic_replan_stay_exact() {
     // Elastic: 2 stages x 2 replicas, the frozen prefix in stage 0.
     let params = pipe.flat_params().unwrap();
     let opt = pipe.optimizer_bytes().unwrap();
-    let mut two = tiny("1f1b", 2, 2, 2).plan().unwrap();
+    let mut two = tiny("1f1b", 2, 2, 2).plan().unwrap().into_plan();
     two.set_layers(&[4, 4]);
     pipe.replan(two).unwrap();
     assert_eq!(pipe.flat_params().unwrap(), params);
@@ -462,7 +464,7 @@ fn frozen_prefix_and_elastic_replan_stay_exact() {
 fn fresh_counts(cfg: &TrainConfig) -> Vec<usize> {
     let plan = tiny("1f1b", 1, 1, 1).plan().unwrap();
     let t = Trainer::new(TrainConfig { ..cfg.clone() }, {
-        let mut p = plan;
+        let mut p = plan.into_plan();
         p.set_layers(&[cfg.model.num_blocks()]);
         p
     })
@@ -497,7 +499,7 @@ fn cached_frozen_prefix_stays_exact() {
         steps: 16,
         ..tiny("1f1b", 4, 1, 4)
     };
-    let mut plan = cfg.plan().unwrap();
+    let mut plan = cfg.plan().unwrap().into_plan();
     plan.set_layers(&[3, 2, 2, 1]);
     let mut plain = PlainTrainer::new(cfg.clone(), &plan);
     let mut pipe = Trainer::new(cfg.clone(), plan).unwrap();
@@ -534,7 +536,7 @@ fn cached_frozen_prefix_stays_exact() {
     );
     // Without epoch sampling there is nothing to key on.
     let mut windows = Trainer::new(tiny("1f1b", 4, 1, 4), {
-        let mut p = tiny("1f1b", 4, 1, 4).plan().unwrap();
+        let mut p = tiny("1f1b", 4, 1, 4).plan().unwrap().into_plan();
         p.set_layers(&[3, 2, 2, 1]);
         p
     })

@@ -152,7 +152,7 @@ fn resume_continues_to_the_same_parameters() {
 
 #[test]
 fn a_plan_switch_moves_the_run_to_the_new_plan() {
-    let deeper = cfg(2, 4, 4).plan().unwrap();
+    let deeper = cfg(2, 4, 4).plan().unwrap().into_plan();
     let settings = RunConfig {
         eval_batches: 1,
         switches: vec![(2, deeper.clone())],
@@ -258,7 +258,7 @@ fn settings_that_cannot_work_are_refused_before_any_step() {
         Err(e) => panic!("{e}"),
         Ok(_) => panic!("accepted; wanted {want:?}"),
     };
-    let later = cfg(2, 2, 4).plan().unwrap();
+    let later = cfg(2, 2, 4).plan().unwrap().into_plan();
     let base = RunConfig {
         eval_batches: 1,
         ..RunConfig::default()
@@ -294,7 +294,7 @@ fn settings_that_cannot_work_are_refused_before_any_step() {
         ),
         "at least 3 steps",
     );
-    let mut wrong = cfg(3, 2, 4).plan().unwrap();
+    let mut wrong = cfg(3, 2, 4).plan().unwrap().into_plan();
     wrong.kind = pipewright_core::plan::ScheduleKind::Custom;
     is_config(
         with(&|r| r.switches = vec![(2, wrong.clone())]),

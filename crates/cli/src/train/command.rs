@@ -7,11 +7,12 @@ use crate::BadInput;
 use anyhow::Result;
 use pipewright_core::cluster::Cluster;
 use pipewright_core::plan::ir::Plan;
+use pipewright_core::plan::validate::ValidPlan;
 use pipewright_core::sim::devices_for_plan;
 use pipewright_runtime::data::Sampling;
 use pipewright_runtime::train::run::SimComparison;
 use pipewright_runtime::train::{
-    Checkpointing, RunConfig, RunSummary, TrainConfig, Trainer, TrainingRun,
+    Checkpointing, PlanIn, RunConfig, RunSummary, TrainConfig, Trainer, TrainingRun,
 };
 use std::path::{Path, PathBuf};
 #[cfg(feature = "mpi")]
@@ -278,12 +279,15 @@ fn as_processes(a: &TrainArgs, cfg: &TrainConfig) -> Result<()> {
     Ok(())
 }
 
-/// The workers of the plan to train, without building it: a plan file's, else a worker per
-/// stage of each replica (the route search of `--skip` runs once, in the job itself).
+/// The workers of the plan to train, the job checked without building its plan: a plan
+/// file's, else a worker per stage of each replica (the route search of `--skip` runs once,
+/// in the job itself).
 fn worker_count(a: &TrainArgs, cfg: &TrainConfig) -> Result<usize> {
-    if let Some(f) = &a.plan {
-        return Ok(load_valid_plan(f)?.num_workers());
+    if a.plan.is_some() {
+        return Ok(train_plan(a, cfg)?.0.num_workers());
     }
+    let skip = a.skip.map(|k| skip_count(cfg, k)).transpose()?;
+    cfg.check_job(skip)?;
     // Skip routes on identical devices have the pipeline's workers (`--cluster` stays threads).
     let profile = cfg.model.cost_profile(1);
     cfg.job_spec(&profile)
@@ -357,7 +361,7 @@ fn train(a: TrainArgs) -> Result<()> {
     let corpus = crate::data::corpus(&data, &mut cfg)?;
     let checked = started.and_then(|()| check_flags(&a, &cfg, procs.is_some()));
     let (plan, plan_note) = agree(&procs, checked, || train_plan(&a, &cfg))?;
-    let links = links(&a, &plan)?;
+    let links = links(&a, plan.plan())?;
     let run_cfg = run_config(&a, &cfg, links.as_ref())?;
     let mut trainer = trainer(&procs, cfg, plan, links, &run_cfg, a.peer_timeout)?;
     trainer.run_settings = Some(serde_json::to_value(crate::runtable::RunTable::of(&a))?);
@@ -446,7 +450,7 @@ fn check_flags(a: &TrainArgs, cfg: &TrainConfig, mpi: bool) -> Result<()> {
 
 /// The plan to train: a plan file, SkipPipe routes, or the schedule flags' pipeline.
 /// The plan to train, and a line for the run header on how it was made (a route search).
-fn train_plan(a: &TrainArgs, cfg: &TrainConfig) -> Result<(Plan, Option<String>)> {
+fn train_plan(a: &TrainArgs, cfg: &TrainConfig) -> Result<(ValidPlan, Option<String>)> {
     match (&a.plan, a.skip) {
         (Some(f), _) => {
             let plan = load_valid_plan(f)?;
@@ -466,10 +470,11 @@ fn train_plan(a: &TrainArgs, cfg: &TrainConfig) -> Result<(Plan, Option<String>)
 fn agree(
     procs: &Procs,
     checked: Result<()>,
-    build: impl FnOnce() -> Result<(Plan, Option<String>)>,
-) -> Result<(Plan, Option<String>)> {
+    build: impl FnOnce() -> Result<(ValidPlan, Option<String>)>,
+) -> Result<(PlanIn, Option<String>)> {
     let Some(m) = procs else {
-        return checked.and_then(|()| build());
+        let (plan, note) = checked.and_then(|()| build())?;
+        return Ok((plan.into(), note));
     };
     #[cfg(feature = "mpi")]
     {
@@ -489,14 +494,15 @@ fn agree(
         if let Some(built) = built {
             let (plan, note) = built?;
             let note = note.map(|n| format!("{n}; sent to the other {} ranks", world.size - 1));
-            return Ok((plan, note));
+            return Ok((plan.into(), note));
         }
         checked?;
         if parts[0].is_empty() {
             return Err(BadInput("rank 0 refused this run (its message says why)".into()).into());
         }
         let text = String::from_utf8_lossy(&parts[0]);
-        Ok((Plan::from_json("rank 0's plan", &text)?, None))
+        // Validated again here: it came over the wire.
+        Ok((Plan::from_json("rank 0's plan", &text)?.into(), None))
     }
     #[cfg(not(feature = "mpi"))]
     match (*m, checked, build) {}
@@ -563,7 +569,7 @@ fn switches(a: &TrainArgs, cfg: &TrainConfig, links: Option<&Cluster>) -> Result
             ))
             .into());
         }
-        out.push((step, next));
+        out.push((step, next.into_plan()));
     }
     Ok(out)
 }
@@ -572,7 +578,7 @@ fn switches(a: &TrainArgs, cfg: &TrainConfig, links: Option<&Cluster>) -> Result
 fn trainer(
     procs: &Procs,
     cfg: TrainConfig,
-    plan: Plan,
+    plan: PlanIn,
     links: Option<Cluster>,
     run: &RunConfig,
     peer_timeout: f64,
@@ -584,15 +590,14 @@ fn trainer(
     #[cfg(feature = "mpi")]
     {
         let w = m.world();
-        if w.size != plan.num_workers() {
+        let workers = plan.plan().num_workers();
+        if w.size != workers {
             // The fix in the launcher's own words: srun's task count, else mpirun's.
             let srun = std::env::var_os("SLURM_STEP_NUM_TASKS").is_some();
             let launch = if srun { "srun -n" } else { "mpirun -np" };
             return Err(BadInput(format!(
-                "the plan has {} workers but MPI started {} ranks: launch with `{launch} {}`",
-                plan.num_workers(),
+                "the plan has {workers} workers but MPI started {} ranks: launch with `{launch} {workers}`",
                 w.size,
-                plan.num_workers()
             ))
             .into());
         }
@@ -712,11 +717,8 @@ fn print_sim_comparison(c: &SimComparison) {
 
 /// The SkipPipe plan of `train --skip`: the model's own cost profile, the cluster (or
 /// stages x replicas identical devices), a short deterministic search.
-fn skip_train_plan(
-    cfg: &TrainConfig,
-    skip: f64,
-    cluster: Option<&Path>,
-) -> Result<(Plan, Option<String>)> {
+/// `--skip`'s stages skipped per micro-batch, with the sizes a skip job needs.
+fn skip_count(cfg: &TrainConfig, skip: f64) -> Result<usize> {
     let skip = crate::skip::skip_count(skip, cfg.stages)?;
     if cfg.replicas == 0 || cfg.microbatches == 0 {
         return Err(BadInput(
@@ -724,6 +726,15 @@ fn skip_train_plan(
         )
         .into());
     }
+    Ok(skip)
+}
+
+fn skip_train_plan(
+    cfg: &TrainConfig,
+    skip: f64,
+    cluster: Option<&Path>,
+) -> Result<(ValidPlan, Option<String>)> {
+    let skip = skip_count(cfg, skip)?;
     let cluster = cluster.map(Cluster::load).transpose()?;
     let r = cfg.skip_plan(skip, cluster.as_ref())?;
     if r.time_limit_hit {

@@ -2,17 +2,14 @@
 //! TensorBoard files.
 
 use super::args::TrainArgs;
-use pipewright_runtime::train::{RunSink, RunStart, StepRow};
-use std::path::{Path, PathBuf};
+use pipewright_runtime::train::{Fanout, MetricsFile, RunSink, RunStart, StepRow, TensorBoard};
 
-/// The CLI's sink: the log on stderr, a progress bar on a terminal, and the metrics file.
+/// The CLI's sink: the log on stderr, a progress bar on a terminal, and the metrics writers
+/// the flags ask for (the runtime's, which a library user plugs in the same way).
 pub(super) struct Progress {
     bar: indicatif::ProgressBar,
-    metrics_path: Option<PathBuf>,
-    metrics: Option<std::io::BufWriter<std::fs::File>>,
-    /// `--tensorboard`'s directory (the root only), and its event file once the run starts.
-    tensorboard_dir: Option<PathBuf>,
-    tensorboard: Option<crate::tensorboard::EventFile>,
+    /// `--metrics` and `--tensorboard` (the root only).
+    files: Fanout,
     /// Log lines every this many steps, when stderr is no terminal (the root only).
     log_every: Option<u64>,
     /// How the workers run: the processes' placement (the root of an MPI job), or who splits
@@ -42,45 +39,22 @@ impl Progress {
             indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} ETA {eta}")
                 .expect("template"),
         );
+        let mut files = Fanout::default();
+        if root {
+            if let Some(f) = &a.metrics {
+                files.0.push(Box::new(MetricsFile::new(f)));
+            }
+            if let Some(d) = &a.tensorboard {
+                files.0.push(Box::new(TensorBoard::new(d)));
+            }
+        }
         Progress {
             bar,
-            metrics_path: a.metrics.clone().filter(|_| root),
-            metrics: None,
-            tensorboard_dir: a.tensorboard.clone().filter(|_| root),
-            tensorboard: None,
+            files,
             log_every: (root && !terminal).then_some(a.log_every),
             placement: None,
             plan_note: None,
         }
-    }
-
-    fn emit(&mut self, row: serde_json::Value) -> pipewright_runtime::error::Result<()> {
-        if let Some(m) = self.metrics.as_mut() {
-            use std::io::Write;
-            writeln!(m, "{row}")
-                .and_then(|_| m.flush())
-                .map_err(|e| self.metrics_error(e))?;
-        }
-        if let Some(tb) = self.tensorboard.as_mut() {
-            tb.write_row(&row).map_err(|e| tb_error(tb.path(), e))?;
-        }
-        Ok(())
-    }
-
-    fn metrics_error(&self, e: std::io::Error) -> pipewright_runtime::error::Error {
-        let path = self.metrics_path.as_ref().expect("metrics open");
-        pipewright_runtime::error::Error::Io {
-            what: format!("cannot write {}", path.display()),
-            err: e,
-        }
-    }
-}
-
-/// A TensorBoard event file that cannot be written, named.
-fn tb_error(path: &Path, err: std::io::Error) -> pipewright_runtime::error::Error {
-    pipewright_runtime::error::Error::Io {
-        what: format!("cannot write {}", path.display()),
-        err,
     }
 }
 
@@ -90,28 +64,7 @@ impl RunSink for Progress {
         for line in [&self.plan_note, &self.placement].into_iter().flatten() {
             eprintln!("{line}");
         }
-        if let Some(f) = self.metrics_path.clone() {
-            if let Some(step) = s.resumed {
-                // A resumed run continues the same metrics file from its step.
-                cut_metrics(&f, step).map_err(|e| self.metrics_error(e))?;
-            }
-            let file = std::fs::OpenOptions::new()
-                .create(true)
-                .write(true)
-                .append(s.resumed.is_some())
-                .truncate(s.resumed.is_none())
-                .open(&f);
-            self.metrics = Some(std::io::BufWriter::new(
-                file.map_err(|e| self.metrics_error(e))?,
-            ));
-        }
-        if let Some(d) = &self.tensorboard_dir {
-            let f = crate::tensorboard::EventFile::create(d).map_err(|e| tb_error(d, e))?;
-            self.tensorboard = Some(f);
-        }
-        if s.resumed.is_none() {
-            self.emit(s.to_json())?;
-        }
+        self.files.start(s)?;
         self.bar.set_length(s.steps);
         self.bar.set_position(s.step);
         Ok(())
@@ -126,7 +79,7 @@ impl RunSink for Progress {
     }
 
     fn step(&mut self, row: &StepRow) -> pipewright_runtime::error::Result<()> {
-        self.emit(row.to_json())?;
+        self.files.step(row)?;
         let acc = row
             .last_accuracy
             .map_or(String::new(), |a| format!(" acc {a:.3}"));
@@ -153,26 +106,4 @@ impl RunSink for Progress {
         }
         Ok(())
     }
-}
-
-/// A resumed run continues the metrics file from the resumed step: rows of later steps (from
-/// the run that was cut short) are dropped, so no step appears twice.
-fn cut_metrics(f: &Path, step: u64) -> std::io::Result<()> {
-    let text = match std::fs::read_to_string(f) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(e),
-    };
-    let kept: String = text
-        .lines()
-        .filter(|l| {
-            serde_json::from_str::<serde_json::Value>(l)
-                .ok()
-                .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
-                .is_some_and(|s| s <= step)
-        })
-        .map(|l| format!("{l}\n"))
-        .collect();
-    let tmp = f.with_extension("tmp~");
-    std::fs::write(&tmp, kept).and_then(|_| std::fs::rename(&tmp, f))
 }

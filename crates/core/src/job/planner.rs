@@ -210,7 +210,7 @@ fn evaluate(
     c.bubble_fraction = r.bubble_fraction;
     c.compute = r.busy.iter().copied().fold(0.0, f64::max);
     c.allreduce = r.iteration_time - r.makespan;
-    c.plan = Some(plan);
+    c.plan = Some(plan.into_plan());
     c.result = Some(r);
     Ok(Some(c))
 }

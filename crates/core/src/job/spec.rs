@@ -6,7 +6,7 @@
 use crate::cluster::Cluster;
 use crate::error::{Error, Result};
 use crate::plan::ir::Plan;
-use crate::plan::validate::validate;
+use crate::plan::validate::ValidPlan;
 use crate::plan::ScheduleKind;
 use crate::profile::{Profile, StageCost};
 use crate::schedule::{check_request, generate};
@@ -132,44 +132,62 @@ impl<'a> JobSpec<'a> {
             _ => self.shape.depth.checked_mul(self.shape.replicas),
         }
     }
-}
 
-/// The validated whole-job plan of `spec`.
-pub fn build(spec: &JobSpec) -> Result<Plan> {
-    match spec.routes {
-        Routes::Skip(_) => Ok(build_skip(spec)?.plan),
-        Routes::Pipeline => {
-            let plan = pipeline(spec)?;
-            validate(&plan).map_err(|e| {
-                Error::Internal(format!(
-                    "the generated {} plan does not validate: {e}",
-                    spec.kind
-                ))
-            })?;
-            Ok(plan)
+    /// What [`build`] refuses before any work (a shape no schedule takes, SkipPipe's rules),
+    /// checked without building: a launcher refuses a bad job before it starts processes,
+    /// and no route search runs twice. [`build`] may still refuse what only the work shows
+    /// (a layer cut that does not fit, routes that cannot be found).
+    pub fn check(&self) -> Result<()> {
+        match self.routes {
+            Routes::Skip(_) => {
+                let (profile, uniform, setup) = skip_setup(self)?;
+                let cluster = self.cluster.unwrap_or(&uniform);
+                crate::search::skipplan::check_setup(profile, cluster, &setup)
+            }
+            Routes::Pipeline => {
+                let s = self.shape;
+                check_request(self.kind, s.depth, s.microbatches, s.chunks)
+            }
         }
     }
 }
 
+/// The validated whole-job plan of `spec`.
+pub fn build(spec: &JobSpec) -> Result<ValidPlan> {
+    let plan = match spec.routes {
+        Routes::Skip(_) => return Ok(build_skip(spec)?.plan),
+        Routes::Pipeline => pipeline(spec)?,
+    };
+    // A generated plan that breaks a rule is pipewright's fault, not the input's.
+    ValidPlan::new(plan).map_err(|e| {
+        Error::Internal(format!(
+            "the generated {} plan does not validate: {e}",
+            spec.kind
+        ))
+    })
+}
+
 /// A SkipPipe job: the plan with the search's baselines (full pipeline, random routes).
 pub fn build_skip(spec: &JobSpec) -> Result<SkipResult> {
+    let (profile, uniform, setup) = skip_setup(spec)?;
+    skip_plan(profile, spec.cluster.unwrap_or(&uniform), &setup)
+}
+
+/// A skip job's profile, the identical devices it runs on when it names no cluster, and its
+/// search settings.
+fn skip_setup<'a>(spec: &JobSpec<'a>) -> Result<(&'a Profile, Cluster, SkipSetup)> {
     let (Routes::Skip(r), LayerCut::Profile(profile)) = (spec.routes, spec.layers) else {
         return Err(Error::Schedule(
             "skip routes are searched on layer costs: give the job a profile".into(),
         ));
     };
-    let uniform;
-    let cluster = match spec.cluster {
-        Some(c) => c,
-        None => {
-            uniform = Cluster::uniform(
-                spec.shape
-                    .depth
-                    .saturating_mul(spec.shape.replicas)
-                    .min(1 << 16),
-            );
-            &uniform
-        }
+    let devices = match spec.cluster {
+        Some(_) => 0,
+        None => spec
+            .shape
+            .depth
+            .saturating_mul(spec.shape.replicas)
+            .min(1 << 16),
     };
     let setup = SkipSetup {
         stages: spec.shape.depth,
@@ -184,7 +202,7 @@ pub fn build_skip(spec: &JobSpec) -> Result<SkipResult> {
         max_node_load: r.max_node_load,
         polish_moves: r.polish_moves,
     };
-    skip_plan(profile, cluster, &setup)
+    Ok((profile, Cluster::uniform(devices), setup))
 }
 
 /// The plan of a pipeline job, not yet validated.

@@ -37,6 +37,31 @@ pub mod rules {
     pub const DEADLOCK: &str = "deadlock";
 }
 
+/// A plan [`validate`] accepted: the simulator and the runtime take it as it is, without
+/// checking it again.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidPlan(Plan);
+
+impl ValidPlan {
+    /// `plan` once [`validate`] has accepted it.
+    pub fn new(plan: Plan) -> Result<Self> {
+        validate(&plan)?;
+        Ok(ValidPlan(plan))
+    }
+
+    pub fn into_plan(self) -> Plan {
+        self.0
+    }
+}
+
+impl std::ops::Deref for ValidPlan {
+    type Target = Plan;
+
+    fn deref(&self) -> &Plan {
+        &self.0
+    }
+}
+
 /// Check structure, route rules, completeness, order and deadlock freedom.
 pub fn validate(plan: &Plan) -> Result<()> {
     check_structure(plan)?;

@@ -81,7 +81,8 @@ fn layout(
         replicas: r,
         microbatches: total_mbs / r,
     };
-    let plan = build(&JobSpec::new(kind, shape).with_layers(LayerCut::Given(&layers, profile)))?;
+    let plan = build(&JobSpec::new(kind, shape).with_layers(LayerCut::Given(&layers, profile)))?
+        .into_plan();
     let costs = plan.stage_costs().expect("costs given");
     Ok(Some((plan, costs)))
 }

@@ -18,6 +18,7 @@ use crate::cluster::Cluster;
 use crate::error::{Error, Field, Result};
 use crate::plan::ir::Topology;
 use crate::plan::ir::{Hop, Op, Plan, StagePlan};
+use crate::plan::validate::ValidPlan;
 use crate::profile::Profile;
 use crate::rng::Lcg;
 use crate::search::partition::{min_max_split, prefix};
@@ -76,7 +77,7 @@ pub struct SkipResult {
     /// The time limit stopped a search before its move budget: the plan then depends on the
     /// machine's speed and load, not only on the inputs and the seed.
     pub time_limit_hit: bool,
-    pub plan: Plan,
+    pub plan: ValidPlan,
     pub full_plan: Plan,
     pub random_plan: Plan,
 }
@@ -775,7 +776,7 @@ fn check_load_cap(setup: &SkipSetup, per_pool: usize) -> Result<()> {
 }
 
 /// Refuse what cannot be scheduled, naming why, before any search.
-fn check_setup(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Result<()> {
+pub(crate) fn check_setup(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Result<()> {
     let s = setup.stages;
     let n = profile.layers.len();
     let middle = s.saturating_sub(1);
@@ -828,19 +829,20 @@ fn check_setup(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Resul
 
 /// The emitted plan keeps every rule, is valid, and fits device memory in bytes (as
 /// `simulate` and `plan` check it: a plan that does not fit is not written).
-fn check_result(plan: &Plan, cluster: &Cluster, setup: &SkipSetup) -> Result<()> {
+fn check_result(plan: Plan, cluster: &Cluster, setup: &SkipSetup) -> Result<ValidPlan> {
     let rules = SkipRules {
         skip: setup.skip,
         max_swaps: setup.max_swaps,
         max_in_flight: None,
         max_node_load: setup.max_node_load,
     };
-    check_skip_rules(plan, &rules)?;
-    crate::plan::validate::validate(plan)?;
+    check_skip_rules(&plan, &rules)?;
+    let plan = ValidPlan::new(plan)?;
     let costs = plan.stage_costs().expect("skip plans carry stage costs");
-    let devices = crate::sim::devices_for_plan(plan, cluster)?;
-    crate::sim::check_memory(plan, &costs, &devices)
-        .map_err(|e| Error::Infeasible(format!("the skip plan does not fit device memory: {e}")))
+    let devices = crate::sim::devices_for_plan(&plan, cluster)?;
+    crate::sim::check_memory(&plan, &costs, &devices)
+        .map_err(|e| Error::Infeasible(format!("the skip plan does not fit device memory: {e}")))?;
+    Ok(plan)
 }
 
 /// The search's problem: all layers but the head cut into `setup.stages` stages by compute
@@ -954,7 +956,7 @@ pub fn skip_plan(profile: &Profile, cluster: &Cluster, setup: &SkipSetup) -> Res
     let (full_t, full_plan) = pr.finish(&full_pl, &full)?;
     let (random_t, random_plan) = pr.finish(&blind, &random)?;
     let (aware_random_t, _) = pr.finish(&pl, &aware_random)?;
-    check_result(&plan, cluster, setup)?;
+    let plan = check_result(plan, cluster, setup)?;
     let skippipe = slotted_plan_time(&SimSetup {
         plan: &plan,
         stages: &pr.stage_costs,

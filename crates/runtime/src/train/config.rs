@@ -8,7 +8,7 @@ use crate::model::ModelConfig;
 use pipewright_core::cluster::Cluster;
 use pipewright_core::job::{build, JobSpec, LayerCut, PipelineShape, Routes, SkipRoutes};
 use pipewright_core::plan::ir::Plan;
-use pipewright_core::plan::validate::validate;
+use pipewright_core::plan::validate::{validate, ValidPlan};
 use pipewright_core::plan::ScheduleKind;
 use pipewright_core::profile::{Profile, STATE_COPIES};
 use serde::{Deserialize, Serialize};
@@ -79,7 +79,7 @@ impl Default for SkipSearch {
 
 /// A SkipPipe plan as training searched it, with what the search did.
 pub struct SkipPlanned {
-    pub plan: Plan,
+    pub plan: ValidPlan,
     pub moves: usize,
     pub seconds: f64,
     /// The time cap stopped the search before its moves: the plan depends on the machine.
@@ -205,7 +205,34 @@ impl TrainConfig {
     /// The whole-job plan of these settings: `replicas` copies of a `stages`-deep pipeline, its
     /// layer blocks cut into stages by the exact partitioner on the model's cost model (built
     /// by core's one path from a job spec to a plan).
-    pub fn plan(&self) -> Result<Plan> {
+    pub fn plan(&self) -> Result<ValidPlan> {
+        self.check_job(None)?;
+        let profile = self.model.cost_profile(self.rows);
+        let plan = build(&self.job_spec(&profile))?;
+        self.check_layers(&plan)?;
+        Ok(plan)
+    }
+
+    /// The SkipPipe plan of these settings with `skip` stages skipped per micro-batch: the
+    /// model's own cost profile, `cluster` (or stages x replicas identical devices), and the
+    /// [`SkipSearch`] settings. Run once per job: over MPI only the root searches.
+    pub fn skip_plan(&self, skip: usize, cluster: Option<&Cluster>) -> Result<SkipPlanned> {
+        self.check_job(Some(skip))?;
+        let profile = self.model.cost_profile(self.rows);
+        let r = pipewright_core::job::build_skip(&self.skip_spec(skip, cluster, &profile))?;
+        self.check_layers(&r.plan)?;
+        Ok(SkipPlanned {
+            plan: r.plan,
+            moves: r.moves,
+            seconds: r.scheduler_seconds,
+            time_limit_hit: r.time_limit_hit,
+        })
+    }
+
+    /// What building the plan (with `skip` stages skipped: a SkipPipe plan) would refuse before
+    /// any work, checked without building it: a launcher refuses a bad job before it starts
+    /// processes, and the route search runs only where the plan is built.
+    pub fn check_job(&self, skip: Option<usize>) -> Result<()> {
         self.check()?;
         let blocks = self.model.num_blocks();
         let stages = self.stages.saturating_mul(self.chunks);
@@ -215,16 +242,6 @@ impl TrainConfig {
                 self.model.layers
             )));
         }
-        let profile = self.model.cost_profile(self.rows);
-        let plan = build(&self.job_spec(&profile))?;
-        self.check_plan(&plan)?;
-        Ok(plan)
-    }
-
-    /// The SkipPipe plan of these settings with `skip` stages skipped per micro-batch: the
-    /// model's own cost profile, `cluster` (or stages x replicas identical devices), and the
-    /// [`SkipSearch`] settings. Run once per job: over MPI only the root searches.
-    pub fn skip_plan(&self, skip: usize, cluster: Option<&Cluster>) -> Result<SkipPlanned> {
         let s = &self.skip_search;
         if !(s.time_limit.is_finite() && s.time_limit > 0.0 && s.time_limit <= 3600.0) {
             return Err(Error::Config(format!(
@@ -233,7 +250,22 @@ impl TrainConfig {
             )));
         }
         let profile = self.model.cost_profile(self.rows);
-        let spec = JobSpec {
+        match skip {
+            Some(k) => self.skip_spec(k, None, &profile).check()?,
+            None => self.job_spec(&profile).check()?,
+        }
+        Ok(())
+    }
+
+    /// The SkipPipe job of these settings.
+    fn skip_spec<'a>(
+        &self,
+        skip: usize,
+        cluster: Option<&'a Cluster>,
+        profile: &'a Profile,
+    ) -> JobSpec<'a> {
+        let s = &self.skip_search;
+        JobSpec {
             cluster,
             routes: Routes::Skip(SkipRoutes {
                 skip,
@@ -246,16 +278,8 @@ impl TrainConfig {
                 // SkipPipe's cost model prices geo-distributed routes, not these local ones.
                 polish_moves: 0,
             }),
-            ..self.job_spec(&profile)
-        };
-        let r = pipewright_core::job::build_skip(&spec)?;
-        self.check_plan(&r.plan)?;
-        Ok(SkipPlanned {
-            plan: r.plan,
-            moves: r.moves,
-            seconds: r.scheduler_seconds,
-            time_limit_hit: r.time_limit_hit,
-        })
+            ..self.job_spec(profile)
+        }
     }
 
     /// The job these settings describe, its layers cut on `profile` (the model's costs).
@@ -272,6 +296,28 @@ impl TrainConfig {
     /// Can this model train with `plan`? Its layer count must be the model's and it must be
     /// valid.
     pub fn check_plan(&self, plan: &Plan) -> Result<()> {
+        self.check_layers(plan)?;
+        validate(plan)?;
+        Ok(())
+    }
+
+    /// `plan` as this model trains it: its layers checked against the model, and validated
+    /// unless it already is (a plan `job::build` made is taken as it is).
+    pub fn accept(&self, plan: impl Into<PlanIn>) -> Result<Plan> {
+        match plan.into() {
+            PlanIn::Valid(p) => {
+                self.check_layers(&p)?;
+                Ok(p.into_plan())
+            }
+            PlanIn::Unchecked(p) => {
+                self.check_plan(&p)?;
+                Ok(p)
+            }
+        }
+    }
+
+    /// A plan's layer count must be the model's.
+    fn check_layers(&self, plan: &Plan) -> Result<()> {
         let blocks = self.model.num_blocks();
         if plan.num_layers() != blocks {
             return Err(Error::Config(format!(
@@ -282,8 +328,35 @@ impl TrainConfig {
                 plan.num_layers().saturating_sub(2)
             )));
         }
-        validate(plan)?;
         Ok(())
+    }
+}
+
+/// A plan given to a trainer: one already validated, or one to validate (a plan file, a plan
+/// made by hand).
+pub enum PlanIn {
+    Valid(ValidPlan),
+    Unchecked(Plan),
+}
+
+impl PlanIn {
+    pub fn plan(&self) -> &Plan {
+        match self {
+            PlanIn::Valid(p) => p,
+            PlanIn::Unchecked(p) => p,
+        }
+    }
+}
+
+impl From<ValidPlan> for PlanIn {
+    fn from(p: ValidPlan) -> Self {
+        PlanIn::Valid(p)
+    }
+}
+
+impl From<Plan> for PlanIn {
+    fn from(p: Plan) -> Self {
+        PlanIn::Unchecked(p)
     }
 }
 

@@ -8,14 +8,17 @@ mod layers;
 mod plain;
 pub mod run;
 pub mod store;
+pub mod tensorboard;
 mod tied;
 mod trainer;
+pub mod writers;
 
 pub use crate::data::source::DataSource;
 pub use checkpoint::{checkpoint_config, checkpoint_run_settings, Resumed};
-pub use config::TrainConfig;
+pub use config::{PlanIn, SkipPlanned, SkipSearch, TrainConfig};
 pub use freeze::{FreezeController, FreezeSettings};
 pub use layers::{hf_layers, hf_params};
 pub use plain::PlainTrainer;
 pub use run::{Checkpointing, RunConfig, RunSink, RunStart, RunSummary, StepRow, TrainingRun};
 pub use trainer::{describe, BatchGradients, ReplanReport, StepReport, Trainer, Validation};
+pub use writers::{Fanout, MetricsFile, TensorBoard};

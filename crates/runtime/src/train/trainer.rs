@@ -4,7 +4,7 @@
 
 use super::layers::{initial_state, LayerState};
 use super::tied::Tied;
-use super::TrainConfig;
+use super::{PlanIn, TrainConfig};
 use crate::backend::{autodiff_lock, plain_device, settle};
 use crate::batch::MicroBatch;
 use crate::cache::{CacheStats, PrefixCache};
@@ -161,7 +161,7 @@ pub struct Trainer {
 
 impl Trainer {
     /// A trainer for `plan` (checked against the model), workers as threads in this process.
-    pub fn new(cfg: TrainConfig, plan: Plan) -> Result<Self> {
+    pub fn new(cfg: TrainConfig, plan: impl Into<PlanIn>) -> Result<Self> {
         Self::with_links(cfg, plan, None)
     }
 
@@ -173,7 +173,11 @@ impl Trainer {
 
     /// Like [`Trainer::new`], each message delayed as `links`' network would (worker `w` on the
     /// plan's device for `w`).
-    pub fn with_links(cfg: TrainConfig, plan: Plan, links: Option<Cluster>) -> Result<Self> {
+    pub fn with_links(
+        cfg: TrainConfig,
+        plan: impl Into<PlanIn>,
+        links: Option<Cluster>,
+    ) -> Result<Self> {
         Self::in_process(cfg, plan, links, DEFAULT_TIMEOUT)
     }
 
@@ -182,10 +186,11 @@ impl Trainer {
     /// ([`crate::machine::blas_lib::split_products`]).
     pub fn in_process(
         cfg: TrainConfig,
-        plan: Plan,
+        plan: impl Into<PlanIn>,
         links: Option<Cluster>,
         timeout: Duration,
     ) -> Result<Self> {
+        let plan = cfg.accept(plan)?;
         let transport = transport_for(&plan, links.as_ref(), timeout)?;
         crate::machine::blas_lib::split_products();
         Self::build(cfg, plan, None, links, transport, timeout)
@@ -196,10 +201,13 @@ impl Trainer {
     /// same order: steps, evaluations, checkpoints and re-plans are collective.
     pub fn distributed(
         cfg: TrainConfig,
-        plan: Plan,
+        plan: impl Into<PlanIn>,
         rank: usize,
         transport: Arc<dyn Transport>,
     ) -> Result<Self> {
+        // Every rank holds the same plan: a refusal here is every rank's, and none waits in
+        // `prepare` for one that left.
+        let plan = cfg.accept(plan)?;
         if rank >= plan.num_workers() {
             return Err(Error::Config(format!(
                 "rank {rank} has no worker in a plan of {} workers",
@@ -221,7 +229,6 @@ impl Trainer {
         timeout: Duration,
     ) -> Result<Self> {
         cfg.check()?;
-        cfg.check_plan(&plan)?;
         let plan_workers = plan.num_workers();
         let state = initial_state(&cfg)?;
         let workers = build_workers(&plan, &state, rank);
@@ -396,9 +403,9 @@ impl Trainer {
 
     /// Switch to `plan` between steps: layers and their optimizer state move in memory to the
     /// workers the new plan puts them on (other depth, boundaries, replicas or schedule).
-    pub fn replan(&mut self, plan: Plan) -> Result<ReplanReport> {
+    pub fn replan(&mut self, plan: impl Into<PlanIn>) -> Result<ReplanReport> {
         let t0 = Instant::now();
-        self.cfg.check_plan(&plan)?;
+        let plan = self.cfg.accept(plan)?;
         check_frozen(&plan, self.frozen)?;
         let state = self.layer_state()?;
         match self.rank {

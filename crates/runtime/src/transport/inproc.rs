@@ -212,15 +212,12 @@ impl Transport for InProcess {
         }
     }
 
-    fn all_reduce(
+    fn sum(
         &self,
         rank: usize,
         group: &[usize],
-        data: &mut [f32],
-    ) -> Result<(), TransportError> {
-        if group.len() <= 1 {
-            return Ok(());
-        }
+        data: Vec<f32>,
+    ) -> Result<Vec<f32>, TransportError> {
         let sum = |parts: Vec<Part>| {
             let mut it = parts.into_iter().map(|p| match p {
                 Part::Sum(v) => v,
@@ -232,11 +229,11 @@ impl Transport for InProcess {
             }
             vec![Part::Sum(acc)]
         };
-        let done = self.exchange(rank, group, Part::Sum(data.to_vec()), "all-reduce", sum)?;
-        if let Some(Part::Sum(s)) = done.first() {
-            data.copy_from_slice(s);
+        let done = self.exchange(rank, group, Part::Sum(data), "all-reduce", sum)?;
+        match done.first() {
+            Some(Part::Sum(s)) => Ok(s.clone()),
+            _ => unreachable!("an all-reduce's exchange gives its sum"),
         }
-        Ok(())
     }
 
     fn all_reduce_gradients(

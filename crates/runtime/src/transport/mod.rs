@@ -85,13 +85,24 @@ pub trait Transport: Send + Sync {
     /// Wait at worker `at` for the message `tag` that worker `from` sends.
     fn recv(&self, at: usize, from: usize, tag: Tag) -> Result<Payload, TransportError>;
     /// Sum `data` element-wise over the ranks in `group` (every member calls with the same
-    /// group, in the same order of calls); each gets the sum.
+    /// group, in the same order of calls); each gets the sum. A group of one has nothing to
+    /// add; every transport shares this framing and moves the data its own way ([`Self::sum`]).
     fn all_reduce(
         &self,
         rank: usize,
         group: &[usize],
         data: &mut [f32],
-    ) -> Result<(), TransportError>;
+    ) -> Result<(), TransportError> {
+        if group.len() <= 1 {
+            return Ok(());
+        }
+        let sum = self.sum(rank, group, data.to_vec())?;
+        data.copy_from_slice(&sum);
+        Ok(())
+    }
+    /// The element-wise sum of every member's `data` over a `group` of two or more.
+    fn sum(&self, rank: usize, group: &[usize], data: Vec<f32>)
+        -> Result<Vec<f32>, TransportError>;
     /// [`Transport::all_reduce`] of one stage's gradients among its hosts: the data-parallel
     /// all-reduce the simulator models (emulated links charge its ring time here).
     fn all_reduce_gradients(

@@ -192,22 +192,19 @@ impl Transport for Mpi {
         })
     }
 
-    fn all_reduce(
+    fn sum(
         &self,
         rank: usize,
         group: &[usize],
-        data: &mut [f32],
-    ) -> Result<(), TransportError> {
-        if group.len() <= 1 {
-            return Ok(());
-        }
+        data: Vec<f32>,
+    ) -> Result<Vec<f32>, TransportError> {
         let (reply, rx) = mpsc::channel();
         self.post(Cmd::AllReduce {
             group: group.to_vec(),
-            data: data.to_vec(),
+            data,
             reply,
         })?;
-        let sum = self.wait(
+        self.wait(
             rx,
             format!("the all-reduce over ranks {group:?}"),
             |secs, bound| TransportError::Collective {
@@ -218,9 +215,7 @@ impl Transport for Mpi {
                 secs,
                 bound,
             },
-        )?;
-        data.copy_from_slice(&sum);
-        Ok(())
+        )
     }
 
     fn all_gather(&self, rank: usize, part: Vec<u8>) -> Result<Vec<Vec<u8>>, TransportError> {

@@ -1,4 +1,4 @@
-//! `train --tensorboard DIR`: the metrics rows as TensorBoard event files, so that
+//! The metrics rows as TensorBoard event files, so that
 //! `tensorboard --logdir DIR` can watch a run. An event file is TFRecord framing (length, its
 //! masked CRC-32C, the record, its masked CRC-32C) around `Event` protocol buffers, as
 //! TensorFlow's `event.proto` and `summary.proto` define them; only the messages a scalar needs
