@@ -24,7 +24,7 @@ pub use blas::measured_peak_flops;
 mod cpu;
 mod generic;
 pub(crate) use generic::repeat_kv;
-mod llama;
+mod rmsnorm_swiglu_rope;
 
 #[backend_extension(Flex, Autodiff)]
 pub trait Kernels: Backend {
@@ -119,11 +119,14 @@ impl Kernels for Flex {
     }
 
     fn rms_norm(x: FlexTensor, w: FlexTensor, eps: f32) -> FlexTensor {
-        tensor(llama::rms_norm(&values(&x), &values(&w), eps).0, &x)
+        tensor(
+            rmsnorm_swiglu_rope::rms_norm(&values(&x), &values(&w), eps).0,
+            &x,
+        )
     }
 
     fn swiglu(g: FlexTensor, u: FlexTensor) -> FlexTensor {
-        tensor(llama::swiglu(&values(&g), &values(&u)), &g)
+        tensor(rmsnorm_swiglu_rope::swiglu(&values(&g), &values(&u)), &g)
     }
 
     fn rope(x: FlexTensor, cos: FlexTensor, sin: FlexTensor) -> FlexTensor {
@@ -136,7 +139,7 @@ fn rope_apply(x: &FlexTensor, cos: &FlexTensor, sin: &FlexTensor, inverse: bool)
     let shape = x.layout().shape();
     let t = shape[shape.num_dims() - 2];
     tensor(
-        llama::rope(&values(x), t, &values(cos), &values(sin), inverse),
+        rmsnorm_swiglu_rope::rope(&values(x), t, &values(cos), &values(sin), inverse),
         x,
     )
 }
@@ -502,7 +505,7 @@ impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
             |ops, grads| {
                 let (xh, rstd, w) = ops.state;
                 let dy = grads.consume::<Flex>(&ops.node);
-                let (dx, dw) = llama::rms_norm_backward(
+                let (dx, dw) = rmsnorm_swiglu_rope::rms_norm_backward(
                     &values(&xh),
                     &values(&rstd),
                     &values(&w),
@@ -525,7 +528,7 @@ impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
         {
             OpsKind::Tracked(prep) => {
                 let (x, w) = (x.into_primitive(), w.into_primitive());
-                let (y, xh, rstd) = llama::rms_norm(&values(&x), &values(&w), eps);
+                let (y, xh, rstd) = rmsnorm_swiglu_rope::rms_norm(&values(&x), &values(&w), eps);
                 let rows = rstd.len();
                 let rstd = FlexTensor::from_data(TensorData::new(rstd, [rows]));
                 prep.finish((tensor(xh, &x), rstd, w), tensor(y, &x))
@@ -540,7 +543,8 @@ impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
         backward!(SwiGlu, 2, (FlexTensor, FlexTensor), |ops, grads| {
             let (g, u) = ops.state;
             let dy = grads.consume::<Flex>(&ops.node);
-            let (dg, du) = llama::swiglu_backward(&values(&g), &values(&u), &values(&dy));
+            let (dg, du) =
+                rmsnorm_swiglu_rope::swiglu_backward(&values(&g), &values(&u), &values(&dy));
             let [pg, pu] = ops.parents;
             for (parent, grad) in [(pg, dg), (pu, du)] {
                 if let Some(node) = parent {

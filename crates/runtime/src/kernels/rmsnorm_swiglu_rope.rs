@@ -1,5 +1,5 @@
-//! LLaMA's element-wise and row-wise loops over plain f32 slices, forward and backward:
-//! RMSNorm, SwiGLU and rotary position embedding. As in `cpu.rs`: compiled per SIMD level,
+//! RMSNorm, SwiGLU and rotary position embedding (LLaMA's ops) as element-wise and row-wise
+//! loops over plain f32 slices, forward and backward. As in `cpu.rs`: compiled per SIMD level,
 //! split over rayon's threads, sums in a fixed order.
 
 use super::cpu::{assume_init, exp, uninit, CHUNK};
