@@ -13,7 +13,6 @@ mod output;
 mod plan;
 mod ranks;
 mod report;
-mod runtable;
 mod simulate;
 mod skip;
 mod tokenize;

@@ -1,6 +1,6 @@
 //! `train`: run a plan on the real model.
 
-use super::args::{DeviceArg, SamplingArg, TrainArgs, TransportKind};
+use super::args::{SamplingArg, TrainArgs};
 use super::sink::Progress;
 use crate::files::{check_output, load_valid_plan, write_file, write_with};
 use crate::BadInput;
@@ -14,6 +14,7 @@ use pipewright_runtime::train::run::SimComparison;
 use pipewright_runtime::train::{
     Checkpointing, PlanIn, RunConfig, RunSummary, TrainConfig, Trainer, TrainingRun,
 };
+use pipewright_runtime::train::{DeviceKind, TransportKind};
 use std::path::{Path, PathBuf};
 #[cfg(feature = "mpi")]
 use std::sync::Arc;
@@ -24,20 +25,20 @@ use std::time::Duration;
 /// local rank r `cuda:r`.
 fn device_choice(a: &TrainArgs) -> Result<pipewright_runtime::backend::DeviceChoice> {
     use pipewright_runtime::backend::DeviceChoice;
-    match (a.device, a.gpus_per_node) {
-        (DeviceArg::Cpu, None) => Ok(DeviceChoice::Cpu),
-        (DeviceArg::Cpu, Some(_)) => {
+    match (a.run.device, a.run.gpus_per_node) {
+        (DeviceKind::Cpu, None) => Ok(DeviceChoice::Cpu),
+        (DeviceKind::Cpu, Some(_)) => {
             Err(BadInput("--gpus-per-node places ranks on GPUs: it needs --device wgpu".into()).into())
         }
         (_, Some(n)) if !(1..4096).contains(&n) => Err(BadInput(format!(
             "gpus_per_node is {n}: it must be at least 1 and below 4096"
         ))
         .into()),
-        (DeviceArg::Wgpu, Some(n)) if n > 1 && a.transport == TransportKind::Threads => Err(BadInput(format!(
+        (DeviceKind::Wgpu, Some(n)) if n > 1 && a.run.transport == TransportKind::Threads => Err(BadInput(format!(
             "--gpus-per-node {n}: threads share one process's device; worker processes (--transport auto or mpi) take one GPU each"
         ))
         .into()),
-        (DeviceArg::Wgpu, n) => Ok(DeviceChoice::Wgpu(
+        (DeviceKind::Wgpu, n) => Ok(DeviceChoice::Wgpu(
             n.map(|n| crate::ranks::local_rank().unwrap_or(0) % n),
         )),
     }
@@ -50,14 +51,14 @@ fn base_config(a: &TrainArgs) -> Result<TrainConfig> {
         Some(f) => {
             let text = pipewright_core::inputs::read_file(f)?;
             let name = f.display().to_string();
-            // The [run] table is the runtable module's.
+            // The [run] table is train::settings' (the runtime's RunSettings).
             pipewright_core::error::parse_toml_split::<TrainConfig, toml::Table>(
                 &name, &text, "run",
             )?
             .0
         }
         // An unreadable checkpoint is the resume's to report.
-        None if a.resume => pipewright_runtime::train::checkpoint_config(&a.checkpoint_dir())
+        None if a.run.resume => pipewright_runtime::train::checkpoint_config(&a.checkpoint_dir())
             .map(|(cfg, _, _)| cfg)
             .unwrap_or_default(),
         None => TrainConfig::default(),
@@ -96,7 +97,7 @@ fn resume_changes(base: &TrainConfig, cfg: &TrainConfig) -> Vec<String> {
 /// On a resume without --config: that the checkpoint's settings are used, and what the flags
 /// changed of them.
 fn resume_note(a: &TrainArgs, cfg: &TrainConfig) -> Result<Option<String>> {
-    if !a.resume || a.config.is_some() {
+    if !a.run.resume || a.config.is_some() {
         return Ok(None);
     }
     let changes = resume_changes(&base_config(a)?, cfg);
@@ -130,7 +131,7 @@ fn config(a: &TrainArgs) -> Result<TrainConfig> {
         clip,
         seed
     );
-    if let Some(g) = a.global_batch {
+    if let Some(g) = a.run.global_batch {
         if g == 0 || g % cfg.replicas != 0 {
             return Err(BadInput(format!(
                 "--global-batch {g}: expected a positive multiple of the {} replicas (each replica runs global batch / replicas micro-batches)",
@@ -159,7 +160,7 @@ fn config(a: &TrainArgs) -> Result<TrainConfig> {
         ($($f:ident),*) => { $(if let Some(v) = a.$f { cfg.model.$f = v; })* };
     }
     set_model!(d_model, layers, heads, seq_len);
-    match (a.sampling, a.freeze.cache_budget.is_some()) {
+    match (a.sampling, a.run.cache_budget.is_some()) {
         (Some(SamplingArg::Windows), _) if data.task != crate::data::Task::Lm => {
             return Err(BadInput(
                 "--sampling windows draws windows of a text; a task's examples are each drawn once an epoch (leave --sampling out)"
@@ -181,7 +182,7 @@ fn config(a: &TrainArgs) -> Result<TrainConfig> {
     if a.chunks.is_none() && a.schedule.is_some() {
         cfg.chunks = cfg.schedule.default_chunks();
     }
-    if a.eval_every == 0 || a.eval_batches == 0 {
+    if a.run.eval_every == 0 || a.run.eval_batches == 0 {
         return Err(BadInput("--eval-every and --eval-batches must be at least 1".into()).into());
     }
     cfg.check()?;
@@ -212,8 +213,8 @@ type Procs = Option<std::convert::Infallible>;
 /// Start MPI if asked (before anything that may fail, so errors can be printed by rank 0 only).
 fn start_transport(a: &TrainArgs) -> Result<Procs> {
     for (flag, secs) in [
-        ("--peer-timeout", a.peer_timeout),
-        ("--startup-timeout", a.startup_timeout),
+        ("--peer-timeout", a.run.peer_timeout),
+        ("--startup-timeout", a.run.startup_timeout),
     ] {
         if !(secs.is_finite() && secs > 0.0 && secs <= 1e6) {
             return Err(BadInput(format!(
@@ -222,12 +223,14 @@ fn start_transport(a: &TrainArgs) -> Result<Procs> {
             .into());
         }
     }
-    pipewright_runtime::transport::set_startup_timeout(Duration::from_secs_f64(a.startup_timeout));
+    pipewright_runtime::transport::set_startup_timeout(Duration::from_secs_f64(
+        a.run.startup_timeout,
+    ));
     let launched = crate::ranks::launcher_tasks().is_some();
-    if a.transport == TransportKind::Auto && !launched {
+    if a.run.transport == TransportKind::Auto && !launched {
         return Ok(None);
     }
-    if a.transport == TransportKind::Threads {
+    if a.run.transport == TransportKind::Threads {
         // Started as one of several tasks, each would train the whole plan alone, on the same
         // files: refused (by task 0 only, so the message comes once).
         if let Some((who, n, me)) = crate::ranks::launcher_tasks() {
@@ -242,9 +245,10 @@ fn start_transport(a: &TrainArgs) -> Result<Procs> {
     crate::ranks::check_slurm_pmix().map_err(BadInput)?;
     #[cfg(feature = "mpi")]
     {
-        let m =
-            pipewright_runtime::transport::mpi::Mpi::start(Duration::from_secs_f64(a.peer_timeout))
-                .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let m = pipewright_runtime::transport::mpi::Mpi::start(Duration::from_secs_f64(
+            a.run.peer_timeout,
+        ))
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
         crate::ranks::set_rank(m.world().rank);
         crate::ranks::watch_signals(m.world().rank);
         crate::launch::share_cores();
@@ -265,7 +269,7 @@ fn start_transport(a: &TrainArgs) -> Result<Procs> {
 /// (this returns only if it stays in this process). `--cluster` emulates links between threads,
 /// and `--switch-plan` may change the worker count: both stay threads.
 fn as_processes(a: &TrainArgs, cfg: &TrainConfig) -> Result<()> {
-    if a.cluster.is_some() || !a.switch_plan.is_empty() {
+    if a.run.cluster.is_some() || !a.run.switch_plan.is_empty() {
         return Ok(());
     }
     let workers = worker_count(a, cfg)?;
@@ -286,10 +290,10 @@ const MKL_HINT: &str = "MKL ran single-threaded products 24% faster than Debian'
 /// file's, else a worker per stage of each replica (the route search of `--skip` runs once,
 /// in the job itself).
 fn worker_count(a: &TrainArgs, cfg: &TrainConfig) -> Result<usize> {
-    if a.plan.is_some() {
+    if a.run.plan.is_some() {
         return Ok(train_plan(a, cfg)?.0.num_workers());
     }
-    let skip = a.skip.map(|k| skip_count(cfg, k)).transpose()?;
+    let skip = a.run.skip.map(|k| skip_count(cfg, k)).transpose()?;
     cfg.check_job(skip)?;
     // Skip routes on identical devices have the pipeline's workers (`--cluster` stays threads).
     let profile = cfg.model.cost_profile(1);
@@ -302,8 +306,8 @@ fn worker_count(a: &TrainArgs, cfg: &TrainConfig) -> Result<usize> {
 /// writes nothing) its last error also in `last-error.txt` beside the checkpoints: a batch job's
 /// log may be gone, the checkpoints are not.
 pub fn cmd_train(a: TrainArgs) -> Result<()> {
-    let a = crate::runtable::apply(a)?;
-    let dir = (!a.no_checkpoint).then(|| a.checkpoint_dir());
+    let a = super::settings::apply(a)?;
+    let dir = (!a.run.no_checkpoint).then(|| a.checkpoint_dir());
     let r = train(a);
     if let (Err(e), Some(dir)) = (&r, dir) {
         // The root says why the run failed; another rank whose own step failed says so too
@@ -335,12 +339,10 @@ pub fn cmd_train(a: TrainArgs) -> Result<()> {
 fn train(a: TrainArgs) -> Result<()> {
     if a.print_config {
         #[derive(serde::Serialize)]
-        struct Run {
-            run: crate::runtable::RunTable,
+        struct Run<'a> {
+            run: &'a pipewright_runtime::train::RunSettings,
         }
-        let run = Run {
-            run: crate::runtable::RunTable::of(&a),
-        };
+        let run = Run { run: &a.run };
         print!(
             "{}\n{}",
             toml::to_string(&config(&a)?)?,
@@ -354,7 +356,7 @@ fn train(a: TrainArgs) -> Result<()> {
     pipewright_runtime::backend::choose_device(device_choice(&a)?).map_err(|e| BadInput(e.0))?;
     let procs = start_transport(&a)?;
     let mut cfg = config(&a)?;
-    if procs.is_none() && a.transport == TransportKind::Auto {
+    if procs.is_none() && a.run.transport == TransportKind::Auto {
         as_processes(&a, &cfg)?;
     }
     // After the relaunch, so that a launcher process holds no GPU context while its workers
@@ -366,8 +368,8 @@ fn train(a: TrainArgs) -> Result<()> {
     let (plan, plan_note) = agree(&procs, checked, || train_plan(&a, &cfg))?;
     let links = links(&a, plan.plan())?;
     let run_cfg = run_config(&a, &cfg, links.as_ref())?;
-    let mut trainer = trainer(&procs, cfg, plan, links, &run_cfg, a.peer_timeout)?;
-    trainer.run_settings = Some(serde_json::to_value(crate::runtable::RunTable::of(&a))?);
+    let mut trainer = trainer(&procs, cfg, plan, links, &run_cfg, a.run.peer_timeout)?;
+    trainer.run_settings = Some(a.run.clone());
     let mut run = TrainingRun::new(trainer, corpus, run_cfg)?;
     let mut sink = Progress::new(&a, run.trainer.is_root());
     sink.plan_note = plan_note;
@@ -393,14 +395,14 @@ fn train(a: TrainArgs) -> Result<()> {
     };
     #[cfg(feature = "mpi")]
     if let (Some(m), Ok(())) = (&procs, &reported) {
-        crate::ranks::finish_within(m, Duration::from_secs_f64(a.peer_timeout));
+        crate::ranks::finish_within(m, Duration::from_secs_f64(a.run.peer_timeout));
     }
     reported
 }
 
 /// Starts `--device wgpu`'s device (the CPU needs no start), or says plainly why it did not.
 fn start_device(a: &TrainArgs) -> Result<()> {
-    if a.device != DeviceArg::Wgpu {
+    if a.run.device != DeviceKind::Wgpu {
         return Ok(());
     }
     pipewright_runtime::backend::start_device().map_err(|e| {
@@ -415,37 +417,39 @@ fn start_device(a: &TrainArgs) -> Result<()> {
 /// own names).
 fn check_flags(a: &TrainArgs, cfg: &TrainConfig, mpi: bool) -> Result<()> {
     let bad = |m: &str| Err(BadInput(m.into()).into());
-    if a.compare_sim && cfg.steps < 3 {
+    if a.run.compare_sim && cfg.steps < 3 {
         return bad("--compare-sim needs at least 3 steps (the first two are left out as warm-up)");
     }
-    if a.keep == 0 {
+    if a.run.keep == 0 {
         return bad("--keep must be at least 1");
     }
-    if a.cluster.is_some() && mpi {
+    if a.run.cluster.is_some() && mpi {
         return bad("--cluster emulates links between threads; over MPI the network is real (drop --cluster)");
     }
-    if !a.switch_plan.is_empty() && a.freeze.elastic {
+    if !a.run.switch_plan.is_empty() && a.run.elastic {
         return bad(
             "--switch-plan and --elastic both change the plan during the run: use one of them",
         );
     }
     for f in a
+        .run
         .metrics
         .iter()
-        .chain(&a.trace)
-        .chain(&a.svg)
-        .chain(&a.compare_svg)
+        .chain(&a.run.trace)
+        .chain(&a.run.svg)
+        .chain(&a.run.compare_svg)
     {
         check_output(f)?;
     }
     if let Some(d) = a
+        .run
         .tensorboard
         .as_ref()
         .filter(|_| crate::ranks::RANK.get().is_none_or(|&r| r == 0))
     {
         check_writable_dir("--tensorboard", d)?;
     }
-    if !a.no_checkpoint && crate::ranks::RANK.get().is_none_or(|&r| r == 0) {
+    if !a.run.no_checkpoint && crate::ranks::RANK.get().is_none_or(|&r| r == 0) {
         check_writable_dir("--checkpoint-dir", &a.checkpoint_dir())?;
         note_replaced(a);
     }
@@ -455,14 +459,14 @@ fn check_flags(a: &TrainArgs, cfg: &TrainConfig, mpi: bool) -> Result<()> {
 /// The plan to train: a plan file, SkipPipe routes, or the schedule flags' pipeline.
 /// The plan to train, and a line for the run header on how it was made (a route search).
 fn train_plan(a: &TrainArgs, cfg: &TrainConfig) -> Result<(ValidPlan, Option<String>)> {
-    match (&a.plan, a.skip) {
+    match (&a.run.plan, a.run.skip) {
         (Some(f), _) => {
             let plan = load_valid_plan(f)?;
             cfg.check_plan(&plan)
                 .map_err(|e| BadInput(format!("{}: {e}", f.display())))?;
             Ok((plan, None))
         }
-        (None, Some(k)) => skip_train_plan(cfg, k, a.cluster.as_deref()),
+        (None, Some(k)) => skip_train_plan(cfg, k, a.run.cluster.as_deref()),
         (None, None) => Ok((cfg.plan()?, None)),
     }
 }
@@ -514,7 +518,7 @@ fn agree(
 
 /// `--cluster`'s devices for the plan's workers, whose links the threads emulate.
 fn links(a: &TrainArgs, plan: &Plan) -> Result<Option<Cluster>> {
-    let Some(f) = &a.cluster else {
+    let Some(f) = &a.run.cluster else {
         return Ok(None);
     };
     let c = Cluster::load(f)?;
@@ -524,25 +528,25 @@ fn links(a: &TrainArgs, plan: &Plan) -> Result<Option<Cluster>> {
 
 /// What the run does around its steps, from the flags.
 fn run_config(a: &TrainArgs, cfg: &TrainConfig, links: Option<&Cluster>) -> Result<RunConfig> {
-    if a.eval_every == 0 || a.eval_batches == 0 {
+    if a.run.eval_every == 0 || a.run.eval_batches == 0 {
         return Err(BadInput("--eval-every and --eval-batches must be at least 1".into()).into());
     }
     Ok(RunConfig {
-        eval_every: a.eval_every,
-        eval_batches: a.eval_batches,
-        checkpoints: (!a.no_checkpoint).then(|| Checkpointing {
+        eval_every: a.run.eval_every,
+        eval_batches: a.run.eval_batches,
+        checkpoints: (!a.run.no_checkpoint).then(|| Checkpointing {
             dir: a.checkpoint_dir(),
-            every: a.checkpoint_every,
-            keep: a.keep,
-            overwrite: a.overwrite || (a.checkpoint_dir.is_none() && !a.resume),
+            every: a.run.checkpoint_every,
+            keep: a.run.keep,
+            overwrite: a.run.overwrite || (a.run.checkpoint_dir.is_none() && !a.run.resume),
         }),
-        resume_from: a.resume.then(|| a.checkpoint_dir()),
+        resume_from: a.run.resume.then(|| a.checkpoint_dir()),
         resume_note: resume_note(a, cfg)?,
         switches: switches(a, cfg, links)?,
-        freeze: a.freeze.settings()?,
-        cache: a.freeze.cache()?,
-        compare_sim: a.compare_sim,
-        trace: a.trace.is_some() || a.svg.is_some() || a.compare_svg.is_some(),
+        freeze: crate::freeze::settings(&a.run)?,
+        cache: crate::freeze::cache(&a.run)?,
+        compare_sim: a.run.compare_sim,
+        trace: a.run.trace.is_some() || a.run.svg.is_some() || a.run.compare_svg.is_some(),
         stop: Some(&crate::ranks::STOP_REQUESTED),
     })
 }
@@ -550,7 +554,7 @@ fn run_config(a: &TrainArgs, cfg: &TrainConfig, links: Option<&Cluster>) -> Resu
 /// `--switch-plan STEP:FILE`s, each plan loaded and checked against the run.
 fn switches(a: &TrainArgs, cfg: &TrainConfig, links: Option<&Cluster>) -> Result<Vec<(u64, Plan)>> {
     let mut out = Vec::new();
-    for s in &a.switch_plan {
+    for s in &a.run.switch_plan {
         let bad = || {
             BadInput(format!(
                 "--switch-plan {s:?}: expected STEP:FILE, e.g. 20:deeper.json"
@@ -625,10 +629,10 @@ fn trainer(
 
 /// What the root prints and writes once training is done.
 fn report(a: &TrainArgs, run: &mut TrainingRun, s: &RunSummary) -> Result<()> {
-    if let (Some(f), Some(tl)) = (&a.trace, &s.timeline) {
+    if let (Some(f), Some(tl)) = (&a.run.trace, &s.timeline) {
         write_with(f, |mut w| tl.write_chrome_trace(&mut w))?;
     }
-    if let (Some(f), Some(tl)) = (&a.svg, &s.timeline) {
+    if let (Some(f), Some(tl)) = (&a.run.svg, &s.timeline) {
         let title = format!(
             "measured: {}",
             pipewright_runtime::train::describe(&run.trainer.plan)
@@ -669,7 +673,7 @@ fn report(a: &TrainArgs, run: &mut TrainingRun, s: &RunSummary) -> Result<()> {
             s.step
         ),
     }
-    if a.compare_sim {
+    if a.run.compare_sim {
         if s.steps_run < 3 {
             return Err(BadInput(format!(
                 "--compare-sim: this run took {} steps after resuming; it needs at least 3",
@@ -679,7 +683,7 @@ fn report(a: &TrainArgs, run: &mut TrainingRun, s: &RunSummary) -> Result<()> {
         }
         let c = run.sim_comparison()?;
         print_sim_comparison(&c);
-        if let (Some(f), Some(tl)) = (&a.compare_svg, &s.timeline) {
+        if let (Some(f), Some(tl)) = (&a.run.compare_svg, &s.timeline) {
             let plan = pipewright_runtime::train::describe(&run.trainer.plan);
             let titles = [
                 format!("simulated iteration {:.4} s: {plan}", c.simulated),
@@ -758,7 +762,7 @@ fn skip_train_plan(
 /// A fresh run in the default checkpoint directory replaces an earlier run's checkpoints:
 /// said once, before they go.
 fn note_replaced(a: &TrainArgs) {
-    if a.checkpoint_dir.is_some() || a.resume {
+    if a.run.checkpoint_dir.is_some() || a.run.resume {
         return;
     }
     let dir = a.checkpoint_dir();

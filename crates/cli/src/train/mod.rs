@@ -3,9 +3,10 @@
 mod args;
 mod command;
 mod profile;
+mod settings;
 mod sink;
 
-pub use args::{DeviceArg, TrainArgs, TransportKind};
+pub use args::TrainArgs;
 pub use command::cmd_train;
 pub(crate) use command::progress_bar;
 pub use profile::ProfileArgs;

@@ -41,17 +41,17 @@ impl Progress {
         );
         let mut files = Fanout::default();
         if root {
-            if let Some(f) = &a.metrics {
+            if let Some(f) = &a.run.metrics {
                 files.0.push(Box::new(MetricsFile::new(f)));
             }
-            if let Some(d) = &a.tensorboard {
+            if let Some(d) = &a.run.tensorboard {
                 files.0.push(Box::new(TensorBoard::new(d)));
             }
         }
         Progress {
             bar,
             files,
-            log_every: (root && !terminal).then_some(a.log_every),
+            log_every: (root && !terminal).then_some(a.run.log_every),
             placement: None,
             plan_note: None,
         }

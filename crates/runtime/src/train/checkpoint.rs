@@ -5,7 +5,7 @@
 
 use super::layers::{fresh_state, load_layer, named_params, optimizer, to_safetensors, LayerState};
 use super::store::{newest_verified, Writer};
-use super::{TrainConfig, Trainer};
+use super::{RunSettings, TrainConfig, Trainer};
 use crate::data::SamplerPos;
 use crate::error::{Error, Result};
 use crate::model::layer_name;
@@ -26,9 +26,21 @@ struct CheckpointState {
     /// Where the epoch sampler's next step starts.
     #[serde(default)]
     sampler: Option<SamplerPos>,
-    /// The driving program's own settings (the CLI's `[run]` table), kept for its resume.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    run: Option<serde_json::Value>,
+    /// The run's own settings, kept for its resume. A record this version cannot read (an
+    /// older or newer one) is passed over: the resume then takes the command line's.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "lenient"
+    )]
+    run: Option<RunSettings>,
+}
+
+fn lenient<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<Option<RunSettings>, D::Error> {
+    let v = serde_json::Value::deserialize(d)?;
+    Ok(serde_json::from_value(v).ok())
 }
 
 fn parse_state(ck: &Path, bytes: &[u8]) -> Result<CheckpointState> {
@@ -50,7 +62,7 @@ pub fn checkpoint_config(dir: &Path) -> Result<(TrainConfig, Plan, u64)> {
 
 /// The driving program's settings kept in the newest checkpoint that verifies in `dir` (see
 /// [`Trainer::run_settings`]), if it kept any.
-pub fn checkpoint_run_settings(dir: &Path) -> Result<Option<serde_json::Value>> {
+pub fn checkpoint_run_settings(dir: &Path) -> Result<Option<RunSettings>> {
     let (v, _) = newest_verified(dir)?;
     let bytes = v
         .files

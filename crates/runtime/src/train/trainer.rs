@@ -151,9 +151,8 @@ pub struct Trainer {
     tied: Option<Tied>,
     /// The plan's workers when the run started: over MPI, the ranks.
     workers_at_start: usize,
-    /// Settings of the program driving the run that it wants back on a resume (the CLI's
-    /// `[run]` table), written into checkpoints as they are.
-    pub run_settings: Option<serde_json::Value>,
+    /// The run's own settings, written into checkpoints for a resume to take back.
+    pub run_settings: Option<super::RunSettings>,
     /// The next step is a first one (of this trainer, or after a plan switch): its waits for
     /// peers are bounded by the startup timeout ([`crate::transport::Patience`]).
     first_step: bool,
