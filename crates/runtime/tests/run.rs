@@ -533,3 +533,32 @@ fn resuming_frozen_blocks_without_a_freeze_policy_says_what_happens() {
     );
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// The runtime's metrics writers plug into a run as any sink does: JSON lines (the start row,
+/// then one per step) and a TensorBoard event file, both through one fan-out.
+#[test]
+fn a_library_run_writes_metrics_and_tensorboard_through_the_runtimes_writers() {
+    use pipewright_runtime::train::{Fanout, MetricsFile, TensorBoard};
+    let dir = tempfile::tempdir().unwrap();
+    let (m, tb) = (dir.path().join("m.jsonl"), dir.path().join("tb"));
+    let mut run = run_of(cfg(2, 2, 3), RunConfig::default()).unwrap();
+    let mut sinks = Fanout(vec![
+        Box::new(MetricsFile::new(&m)),
+        Box::new(TensorBoard::new(&tb)),
+    ]);
+    run.run(&mut sinks).unwrap();
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(&m)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let steps: Vec<u64> = rows.iter().map(|r| r["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, [0, 1, 2, 3]);
+    assert!(rows[3]["loss"].as_f64().is_some_and(f64::is_finite));
+    let events: Vec<_> = std::fs::read_dir(&tb).unwrap().collect();
+    assert_eq!(events.len(), 1, "one event file");
+    let bytes = std::fs::metadata(events[0].as_ref().unwrap().path())
+        .unwrap()
+        .len();
+    assert!(bytes > 100, "the event file holds the rows ({bytes} bytes)");
+}

@@ -21,6 +21,7 @@ pub mod hf;
 mod hf_json;
 pub mod llama;
 pub mod registry;
+mod rules;
 pub mod spec;
 pub mod vit;
 pub use config::{Family, Llama3Scaling, ModelConfig, TaskHead};

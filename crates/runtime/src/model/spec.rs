@@ -28,6 +28,8 @@ pub struct Spec {
     pub from_hf: fn(&Value) -> Result<ModelConfig, Error>,
     /// The `config.json` of a model (what `from_pretrained` needs).
     pub to_hf: fn(&ModelConfig) -> Result<Value, Error>,
+    /// The family's own shape rules, after those every family shares (`ModelConfig::check`).
+    pub check: fn(&ModelConfig) -> Result<(), String>,
     pub layout: Layout,
     /// The Hugging Face name of the token embedding (a tied head's matrix).
     pub embedding: &'static str,

@@ -105,9 +105,10 @@ pub struct RunConfig {
 
 impl Default for RunConfig {
     fn default() -> Self {
+        let run = super::RunSettings::default();
         RunConfig {
-            eval_every: 10,
-            eval_batches: 8,
+            eval_every: run.eval_every,
+            eval_batches: run.eval_batches,
             checkpoints: None,
             resume_from: None,
             resume_note: None,

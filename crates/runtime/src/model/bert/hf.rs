@@ -12,6 +12,7 @@ pub const SPEC: Spec = Spec {
     hf_type: Some("bert"),
     from_hf: bert_config,
     to_hf: bert_to_hf,
+    check: super::rules::check,
     layout: Layout {
         embed: "bert.embeddings.",
         block: "bert.encoder.layer.",

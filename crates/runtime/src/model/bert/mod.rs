@@ -2,5 +2,6 @@
 
 mod blocks;
 pub mod hf;
+mod rules;
 
 pub use blocks::*;

@@ -10,6 +10,7 @@ pub const SPEC: Spec = Spec {
     hf_type: None,
     from_hf: no_config,
     to_hf: no_hf_config,
+    check: super::rules::check,
     layout: crate::model::llama::hf::LAYOUT,
     embedding: crate::model::llama::hf::EMBEDDING,
 };

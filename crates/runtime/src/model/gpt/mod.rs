@@ -1,3 +1,4 @@
 //! pipewright's GPT family. Its blocks are the model's defaults in `model/mod.rs`.
 
 pub mod hf;
+mod rules;

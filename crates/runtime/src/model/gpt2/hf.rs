@@ -12,6 +12,7 @@ pub const SPEC: Spec = Spec {
     hf_type: Some("gpt2"),
     from_hf: gpt2_config,
     to_hf: gpt2_to_hf,
+    check: super::rules::check,
     layout: Layout {
         embed: "transformer.",
         block: "transformer.h.",

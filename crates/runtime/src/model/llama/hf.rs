@@ -12,6 +12,7 @@ pub const SPEC: Spec = Spec {
     hf_type: Some("llama"),
     from_hf: llama_config,
     to_hf: llama_to_hf,
+    check: super::rules::check,
     layout: LAYOUT,
     embedding: EMBEDDING,
 };

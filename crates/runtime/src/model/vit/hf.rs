@@ -12,6 +12,7 @@ pub const SPEC: Spec = Spec {
     hf_type: Some("vit"),
     from_hf: vit_config,
     to_hf: vit_to_hf,
+    check: super::rules::check,
     layout: Layout {
         embed: "vit.embeddings.",
         block: "vit.encoder.layer.",
