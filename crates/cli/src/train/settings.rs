@@ -17,7 +17,7 @@ fn fill(run: &mut RunSettings, keys: Map<String, Value>, given: &[String]) -> Re
         unreachable!("the run settings are a record")
     };
     for (k, v) in keys {
-        if !given.iter().any(|g| *g == k) {
+        if !given.contains(&k) {
             now.insert(k, v);
         }
     }

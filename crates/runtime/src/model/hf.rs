@@ -130,8 +130,7 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, String> {
                         "{}: names shard {f}, which is not a file in {}",
                         index.display(),
                         dir.display()
-                    )
-                    .into())
+                    ))
                 } else {
                     Ok(p)
                 }
@@ -141,8 +140,7 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, String> {
     Err(format!(
         "{}: no model.safetensors or model.safetensors.index.json",
         dir.display()
-    )
-    .into())
+    ))
 }
 
 fn read(p: &Path) -> Result<String, String> {
@@ -175,8 +173,7 @@ fn read_weight_files(dir: &Path) -> Result<HashMap<String, HfTensor>, String> {
                 return Err(format!(
                     "{}: tensor {name} is in more than one shard",
                     file.display()
-                )
-                .into());
+                ));
             }
         }
     }
@@ -194,7 +191,9 @@ fn to_f32(dtype: safetensors::Dtype, data: &[u8]) -> Result<Vec<f32>, String> {
         Dtype::F16 => two(|b| half::f16::from_le_bytes(b).to_f32()),
         Dtype::BF16 => two(|b| half::bf16::from_le_bytes(b).to_f32()),
         other => {
-            return Err(format!("dtype {other:?} is not supported (F32, F16 and BF16 are)").into())
+            return Err(format!(
+                "dtype {other:?} is not supported (F32, F16 and BF16 are)"
+            ))
         }
     })
 }
@@ -254,8 +253,7 @@ fn take_weights(
             return Err(format!(
                 "tensor {key} has shape {:?}; this model expects {want_hf:?}",
                 t.shape
-            )
-            .into());
+            ));
         }
         let values = if transposed(shape, &key) {
             transpose(&t.values, shape[1], shape[0])
@@ -288,8 +286,7 @@ fn take_weights(
             "tensor {extra} is not a parameter of this {} model ({} such tensors)",
             cfg.family.name(),
             hf.len()
-        )
-        .into());
+        ));
     }
     Ok(out)
 }

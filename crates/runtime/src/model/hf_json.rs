@@ -57,9 +57,9 @@ pub(crate) fn refuse_unless(
     ok: impl Fn(&Value) -> bool,
 ) -> Result<(), String> {
     match v.get(key) {
-        Some(x) if !x.is_null() && !ok(x) => {
-            Err(format!("{key} = {x} is not supported by pipewright's llama").into())
-        }
+        Some(x) if !x.is_null() && !ok(x) => Err(format!(
+            "{key} = {x} is not supported by pipewright's llama"
+        )),
         _ => Ok(()),
     }
 }
@@ -75,7 +75,7 @@ pub(crate) fn causal_head(v: &Value, family: &str) -> Result<Option<TaskHead>, S
         None => Ok(None),
         Some(other) => Err(format!(
             "architectures [\"{other}\"] is not supported for {family} (supported: a causal LM or sequence classification)"
-        ).into()),
+        )),
     }
 }
 

@@ -99,7 +99,7 @@ impl ModelConfig {
         {
             Some((name, v, max)) => Err(format!(
                 "{name} {v} is past the largest pipewright takes ({max}): sizes derived from it would overflow"
-            ).into()),
+            )),
             None => Ok(()),
         }
     }

@@ -38,7 +38,7 @@ fn bert_head(v: &Value) -> Result<TaskHead, String> {
         "BertForQuestionAnswering" => Ok(TaskHead::Span),
         other => Err(format!(
             "architectures [\"{other}\"] is not supported for bert (supported: BertForSequenceClassification, BertForQuestionAnswering)"
-        ).into()),
+        )),
     }
 }
 

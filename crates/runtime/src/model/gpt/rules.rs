@@ -12,16 +12,14 @@ pub(crate) fn check(m: &ModelConfig) -> Result<(), String> {
     if let Some((name, _)) = llama_only.iter().find(|(_, set)| *set) {
         return Err(format!(
             "{name} is a llama setting; the gpt family does not take it (set family = \"llama\")"
-        )
-        .into());
+        ));
     }
     if m.ffn.is_some_and(|f| f != 4 * m.d_model) {
         return Err(format!(
             "ffn {} : the gpt family's MLP is 4 d_model = {} wide",
             m.ffn.unwrap_or(0),
             4 * m.d_model
-        )
-        .into());
+        ));
     }
     Ok(())
 }

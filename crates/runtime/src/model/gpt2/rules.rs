@@ -16,8 +16,7 @@ pub(crate) fn check(m: &ModelConfig) -> Result<(), String> {
             "layer_norm_epsilon {} is not supported (pipewright's LayerNorm uses {})",
             m.norm_eps(),
             crate::kernels::LN_EPS
-        )
-        .into());
+        ));
     }
     Ok(())
 }

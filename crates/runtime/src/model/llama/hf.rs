@@ -80,12 +80,15 @@ fn llama_config(v: &Value) -> Result<ModelConfig, Error> {
 /// `None` for plain rotary positions; llama3 scaling; anything else refused by name.
 fn rope_scaling(key: &str, s: &Value) -> Result<Option<Llama3Scaling>, String> {
     if !s.is_object() {
-        return Err(format!("{key} must be an object (or null), found {}", kind_of(s)).into());
+        return Err(format!(
+            "{key} must be an object (or null), found {}",
+            kind_of(s)
+        ));
     }
     let kind = match s.get("rope_type").or(s.get("type")) {
         None | Some(Value::Null) => "default",
         Some(Value::String(k)) => k.as_str(),
-        Some(x) => return Err(format!("rope_type must be a string, found {x}").into()),
+        Some(x) => return Err(format!("rope_type must be a string, found {x}")),
     };
     match kind {
         "default" => Ok(None),
@@ -100,8 +103,7 @@ fn rope_scaling(key: &str, s: &Value) -> Result<Option<Llama3Scaling>, String> {
         }
         other => Err(format!(
             "rope scaling type \"{other}\" is not supported (supported: default, llama3)"
-        )
-        .into()),
+        )),
     }
 }
 

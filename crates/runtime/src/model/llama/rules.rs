@@ -8,24 +8,22 @@ pub(crate) fn check(m: &ModelConfig) -> Result<(), String> {
         return Err(format!(
             "kv_heads {kv} must divide heads {} (grouped-query attention)",
             m.heads
-        )
-        .into());
+        ));
     }
     if !m.head_dim().is_multiple_of(2) {
         return Err(format!(
             "head dimension {} (d_model / heads) must be even for rotary positions",
             m.head_dim()
-        )
-        .into());
+        ));
     }
     if m.ffn() == 0 {
         return Err("ffn (intermediate_size) must be positive".into());
     }
     if !(m.rope_theta().is_finite() && m.rope_theta() > 1.0) {
-        return Err(format!("rope_theta {} must be > 1", m.rope_theta()).into());
+        return Err(format!("rope_theta {} must be > 1", m.rope_theta()));
     }
     if !(m.norm_eps().is_finite() && m.norm_eps() > 0.0) {
-        return Err(format!("norm_eps {} must be > 0", m.norm_eps()).into());
+        return Err(format!("norm_eps {} must be > 0", m.norm_eps()));
     }
     if let Some(s) = &m.rope_scaling {
         let ok = s.factor.is_finite()
@@ -37,7 +35,7 @@ pub(crate) fn check(m: &ModelConfig) -> Result<(), String> {
             return Err(format!(
                 "rope_scaling (llama3) with factor {}, low_freq_factor {}, high_freq_factor {}, original_max_position_embeddings {}: needs factor >= 1, 0 < low_freq_factor < high_freq_factor and original_max_position_embeddings > 0",
                 s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_position_embeddings
-            ).into());
+            ));
         }
     }
     Ok(())

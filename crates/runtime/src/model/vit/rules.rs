@@ -13,16 +13,14 @@ pub(crate) fn check(m: &ModelConfig) -> Result<(), String> {
             "image {} must be a whole number of patches of {}, with channels and ffn positive",
             m.image(),
             m.patch()
-        )
-        .into());
+        ));
     }
     if m.seq_len != m.patches() + 1 {
         return Err(format!(
             "seq_len {} must be the {} patches and the class token",
             m.seq_len,
             m.patches()
-        )
-        .into());
+        ));
     }
     Ok(())
 }
