@@ -13,6 +13,7 @@ use error::Error;
 
 pub mod bert;
 mod config;
+mod costs;
 pub mod error;
 pub mod generate;
 pub mod gpt;
@@ -20,6 +21,7 @@ pub mod gpt2;
 pub mod hf;
 mod hf_json;
 pub mod llama;
+mod parts;
 pub mod registry;
 mod rules;
 pub mod spec;

@@ -30,6 +30,12 @@ pub struct Spec {
     pub to_hf: fn(&ModelConfig) -> Result<Value, Error>,
     /// The family's own shape rules, after those every family shares (`ModelConfig::check`).
     pub check: fn(&ModelConfig) -> Result<(), String>,
+    /// Parameters of the embedding, of a block and of the head (None on overflow).
+    pub layer_params: fn(&ModelConfig) -> Option<(usize, usize, usize)>,
+    /// Multiply-adds per token of a block's matrices.
+    pub block_flops: fn(&ModelConfig) -> f64,
+    /// A short name for profiles and logs.
+    pub describe: fn(&ModelConfig) -> String,
     pub layout: Layout,
     /// The Hugging Face name of the token embedding (a tied head's matrix).
     pub embedding: &'static str,

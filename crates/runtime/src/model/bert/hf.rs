@@ -13,6 +13,9 @@ pub const SPEC: Spec = Spec {
     from_hf: bert_config,
     to_hf: bert_to_hf,
     check: super::rules::check,
+    layer_params: super::costs::layer_params,
+    block_flops: crate::model::parts::biased_block_flops,
+    describe: super::costs::describe,
     layout: Layout {
         embed: "bert.embeddings.",
         block: "bert.encoder.layer.",

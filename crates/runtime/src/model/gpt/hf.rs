@@ -11,6 +11,9 @@ pub const SPEC: Spec = Spec {
     from_hf: no_config,
     to_hf: no_hf_config,
     check: super::rules::check,
+    layer_params: super::costs::layer_params,
+    block_flops: super::costs::block_flops,
+    describe: super::costs::describe,
     layout: crate::model::llama::hf::LAYOUT,
     embedding: crate::model::llama::hf::EMBEDDING,
 };

@@ -13,6 +13,9 @@ pub const SPEC: Spec = Spec {
     from_hf: llama_config,
     to_hf: llama_to_hf,
     check: super::rules::check,
+    layer_params: super::costs::layer_params,
+    block_flops: super::costs::block_flops,
+    describe: super::costs::describe,
     layout: LAYOUT,
     embedding: EMBEDDING,
 };

@@ -13,6 +13,9 @@ pub const SPEC: Spec = Spec {
     from_hf: vit_config,
     to_hf: vit_to_hf,
     check: super::rules::check,
+    layer_params: super::costs::layer_params,
+    block_flops: crate::model::parts::biased_block_flops,
+    describe: super::costs::describe,
     layout: Layout {
         embed: "vit.embeddings.",
         block: "vit.encoder.layer.",

@@ -1,6 +1,7 @@
 //! The ViT family: its layer blocks and its Hugging Face form.
 
 mod blocks;
+mod costs;
 pub mod hf;
 mod rules;
 
