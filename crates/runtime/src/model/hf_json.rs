@@ -56,9 +56,14 @@ pub(crate) fn refuse_unless(
     key: &str,
     ok: impl Fn(&Value) -> bool,
 ) -> Result<(), String> {
+    // The family by its own name (every config that reaches here has a model_type).
+    let family = v
+        .get("model_type")
+        .and_then(Value::as_str)
+        .unwrap_or("model");
     match v.get(key) {
         Some(x) if !x.is_null() && !ok(x) => Err(format!(
-            "{key} = {x} is not supported by pipewright's llama"
+            "{key} = {x} is not supported by pipewright's {family}"
         )),
         _ => Ok(()),
     }
@@ -110,4 +115,18 @@ pub(crate) fn num_labels(v: &Value) -> Result<usize, String> {
             .and_then(Value::as_object)
             .map_or(2, |m| m.len()),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn an_unsupported_value_is_refused_naming_the_family() {
+        let v = serde_json::json!({"model_type": "bert", "hidden_act": "relu"});
+        let e = super::refuse_unless(&v, "hidden_act", |x| x == "gelu").unwrap_err();
+        assert_eq!(
+            e,
+            "hidden_act = \"relu\" is not supported by pipewright's bert"
+        );
+        assert!(super::refuse_unless(&v, "qkv_bias", |x| x == true).is_ok());
+    }
 }
