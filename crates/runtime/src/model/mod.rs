@@ -4,9 +4,9 @@
 //! pre-LayerNorm blocks of causal multi-head attention and a GELU MLP) or LLaMA
 //! ([`llama`]).
 
-use crate::kernels::{causal_attention, gelu, layer_norm, OutputGrad, LN_EPS};
+use crate::kernels::{OutputGrad, LN_EPS};
 use burn::module::{Module, ParamId};
-use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use burn::nn::{LayerNorm, LayerNormConfig, Linear};
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Int, Tensor};
 use error::Error;
@@ -17,6 +17,7 @@ mod costs;
 pub mod error;
 pub mod generate;
 pub mod gpt;
+pub use gpt::{Block, Embed, Head};
 pub mod gpt2;
 pub mod hf;
 mod hf_json;
@@ -34,74 +35,6 @@ pub(crate) fn positions(tokens: &Tensor<2, Int>) -> Tensor<2, Int> {
     Tensor::<1, Int>::arange(0..t as i64, &tokens.device())
         .reshape([1, t])
         .repeat_dim(0, b)
-}
-
-#[derive(Module, Debug)]
-pub struct Embed {
-    tok: Embedding,
-    pos: Embedding,
-}
-
-impl Embed {
-    pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
-        let pos = positions(&tokens);
-        self.tok.forward(tokens) + self.pos.forward(pos)
-    }
-}
-
-#[derive(Module, Debug)]
-pub struct Block {
-    ln1: LayerNorm,
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
-    ln2: LayerNorm,
-    fc: Linear,
-    proj: Linear,
-    #[module(skip)]
-    heads: usize,
-}
-
-impl Block {
-    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        self.forward_with(x, &mut None)
-    }
-
-    fn forward_with(&self, x: Tensor<3>, cap: &mut Option<&mut Deferred>) -> Tensor<3> {
-        let [b, t, d] = x.dims();
-        let (h, dh) = (self.heads, d / self.heads);
-        let a = layer_norm(&self.ln1, x.clone());
-        let split = |y: Tensor<3>| y.reshape([b, t, h, dh]).swap_dims(1, 2);
-        let (q, k, v) = (
-            split(linear(&self.q, a.clone(), cap)),
-            split(linear(&self.k, a.clone(), cap)),
-            split(linear(&self.v, a, cap)),
-        );
-        let scale = 1.0 / (dh as f32).sqrt();
-        let att = causal_attention(q, k, v, scale)
-            .swap_dims(1, 2)
-            .reshape([b, t, d]);
-        let x = x + linear(&self.o, att, cap);
-        let hidden = gelu(linear(&self.fc, layer_norm(&self.ln2, x.clone()), cap));
-        x + linear(&self.proj, hidden, cap)
-    }
-}
-
-#[derive(Module, Debug)]
-pub struct Head {
-    ln: LayerNorm,
-    out: Linear,
-}
-
-impl Head {
-    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        self.forward_with(x, &mut None)
-    }
-
-    fn forward_with(&self, x: Tensor<3>, cap: &mut Option<&mut Deferred>) -> Tensor<3> {
-        linear(&self.out, layer_norm(&self.ln, x), cap)
-    }
 }
 
 /// Weight gradients of Linear layers held back from the input-gradient backward (B) so that a
@@ -209,7 +142,7 @@ impl Layers {
     pub fn new(cfg: &ModelConfig, seed: u64, device: &Device) -> Self {
         device.seed(seed); // burn draws its initial values first; ours replace them below
         let blocks = match cfg.family {
-            Family::Gpt => gpt_blocks(cfg, device),
+            Family::Gpt => gpt::build(cfg, device),
             Family::Llama => llama::build(cfg, device),
             Family::Gpt2 => gpt2::build(cfg, device),
             Family::Bert => bert::build(cfg, device),
@@ -307,37 +240,6 @@ pub(crate) fn layer_norm_of(d: usize, device: &Device) -> LayerNorm {
     LayerNormConfig::new(d)
         .with_epsilon(LN_EPS as f64)
         .init(device)
-}
-
-fn gpt_blocks(cfg: &ModelConfig, device: &Device) -> Vec<LayerBlock> {
-    let d = cfg.d_model;
-    let lin = |i: usize, o: usize| LinearConfig::new(i, o).init(device);
-    let ln = || layer_norm_of(d, device);
-    let embed = Embed {
-        tok: EmbeddingConfig::new(cfg.vocab, d).init(device),
-        pos: EmbeddingConfig::new(cfg.seq_len, d).init(device),
-    };
-    let block = |_| {
-        LayerBlock::Block(Block {
-            ln1: ln(),
-            q: lin(d, d),
-            k: lin(d, d),
-            v: lin(d, d),
-            o: lin(d, d),
-            ln2: ln(),
-            fc: lin(d, 4 * d),
-            proj: lin(4 * d, d),
-            heads: cfg.heads,
-        })
-    };
-    let head = Head {
-        ln: ln(),
-        out: lin(d, cfg.vocab),
-    };
-    std::iter::once(LayerBlock::Embed(embed))
-        .chain((0..cfg.layers).map(block))
-        .chain(std::iter::once(LayerBlock::Head(head)))
-        .collect()
 }
 
 /// A copy with its own autodiff leaves. Clones share parameter nodes, and burn's autodiff merges

@@ -1,5 +1,8 @@
-//! pipewright's GPT family. Its blocks are the model's defaults in `model/mod.rs`.
+//! pipewright's GPT family: its layer blocks, rules and costs (no Hugging Face form).
 
+mod blocks;
 mod costs;
 pub mod hf;
 mod rules;
+
+pub use blocks::*;
