@@ -8,21 +8,26 @@ use super::args::TrainArgs;
 use crate::BadInput;
 use anyhow::Result;
 use pipewright_runtime::train::{ElasticBatch, RunSettings};
-use serde_json::{Map, Value};
 
-/// Set each setting whose flag was not given on the command line from `keys` (a table's
-/// keys, by name); the values are checked as the record's own types.
-fn fill(run: &mut RunSettings, keys: Map<String, Value>, given: &[String]) -> Result<()> {
-    let Value::Object(mut now) = serde_json::to_value(&*run)? else {
-        unreachable!("the run settings are a record")
-    };
-    for (k, v) in keys {
-        if !given.contains(&k) {
-            now.insert(k, v);
-        }
-    }
-    *run = serde_json::from_value(Value::Object(now))?;
-    Ok(())
+/// The flags that shape the generated plan: a plan file cannot go with them, and a resume
+/// that names them leaves the checkpoint's plan behind.
+const SHAPE: [&str; 6] = [
+    "schedule",
+    "stages",
+    "chunks",
+    "replicas",
+    "microbatches",
+    "global_batch",
+];
+
+/// Take each of `from`'s `keys` whose flag was not given on the command line.
+fn fill(run: &mut RunSettings, from: &RunSettings, keys: &[&str], given: &[String]) {
+    let keys: Vec<&str> = keys
+        .iter()
+        .copied()
+        .filter(|k| !given.iter().any(|g| g == k))
+        .collect();
+    run.take(from, &keys);
 }
 
 /// Fill the flags not given on the command line from `--config`'s `[run]` table, then check
@@ -32,17 +37,18 @@ pub fn apply(mut a: TrainArgs) -> Result<TrainArgs> {
     if let Some(f) = a.config.clone() {
         let text = pipewright_core::inputs::read_file(&f)?;
         let name = f.display().to_string();
-        // Typed first, so that a wrong key or value is named with its line; then its keys.
-        pipewright_core::error::parse_toml_split::<toml::Table, RunSettings>(&name, &text, "run")?;
-        let (_, table) = pipewright_core::error::parse_toml_split::<toml::Table, Map<String, Value>>(
-            &name, &text, "run",
-        )?;
-        if let Some(t) = table {
-            fill(&mut a.run, t, &a.given)?;
+        // Typed, so that a wrong key or value is named with its line; then which keys it sets.
+        let split = pipewright_core::error::parse_toml_split::<toml::Table, RunSettings>;
+        if let (_, Some(table)) = split(&name, &text, "run")? {
+            let (_, keys) = pipewright_core::error::parse_toml_split::<toml::Table, toml::Table>(
+                &name, &text, "run",
+            )?;
+            let keys: Vec<&str> = keys.iter().flatten().map(|(k, _)| k.as_str()).collect();
+            fill(&mut a.run, &table, &keys, &a.given);
         }
     } else if a.run.resume {
-        if let Some(t) = from_checkpoint(&a) {
-            fill(&mut a.run, t, &a.given)?;
+        if let Some((kept, keys)) = from_checkpoint(&a) {
+            fill(&mut a.run, &kept, &keys, &a.given);
         }
     }
     let bad = |m: &str| Err(BadInput(m.into()).into());
@@ -52,15 +58,7 @@ pub fn apply(mut a: TrainArgs) -> Result<TrainArgs> {
             .find(|f| a.given.iter().any(|g| g == *f))
             .copied()
     };
-    let shape = [
-        "schedule",
-        "stages",
-        "chunks",
-        "replicas",
-        "microbatches",
-        "global_batch",
-    ];
-    if let (Some(_), Some(f)) = (&a.run.plan, given(&shape)) {
+    if let (Some(_), Some(f)) = (&a.run.plan, given(&SHAPE)) {
         return bad(&format!(
             "--{} cannot change a plan file's plan (plan in --config's [run]): drop one",
             f.replace('_', "-")
@@ -107,30 +105,22 @@ pub fn apply(mut a: TrainArgs) -> Result<TrainArgs> {
 /// `[run]` table, as `train` keeps it in checkpoints), less those that name this invocation:
 /// resume, overwrite, no_checkpoint and checkpoint_dir, and its plan when flags name another. An unreadable checkpoint is the
 /// resume's to report; a table this version does not know is passed over.
-fn from_checkpoint(a: &TrainArgs) -> Option<Map<String, Value>> {
+fn from_checkpoint(a: &TrainArgs) -> Option<(RunSettings, Vec<&'static str>)> {
     let kept = pipewright_runtime::train::checkpoint_run_settings(&a.checkpoint_dir()).ok()??;
-    let Ok(Value::Object(mut t)) = serde_json::to_value(kept) else {
-        return None;
-    };
-    for k in ["resume", "overwrite", "no_checkpoint", "checkpoint_dir"] {
-        t.remove(k);
-    }
     // A resume may run under another plan: one named by flags replaces the checkpoint's plan
     // file, skip and switches.
-    let shape = [
-        "plan",
-        "skip",
-        "schedule",
-        "stages",
-        "chunks",
-        "replicas",
-        "microbatches",
-        "global_batch",
-    ];
-    if a.given.iter().any(|g| shape.contains(&g.as_str())) {
-        for k in ["plan", "skip", "switch_plan"] {
-            t.remove(k);
-        }
+    let replanned = a
+        .given
+        .iter()
+        .any(|g| ["plan", "skip"].contains(&g.as_str()) || SHAPE.contains(&g.as_str()));
+    let mut leave = vec!["resume", "overwrite", "no_checkpoint", "checkpoint_dir"];
+    if replanned {
+        leave.extend(["plan", "skip", "switch_plan"]);
     }
-    Some(t)
+    let keys = RunSettings::KEYS
+        .iter()
+        .copied()
+        .filter(|k| !leave.contains(k))
+        .collect();
+    Some((kept, keys))
 }

@@ -245,7 +245,7 @@ impl TrainConfig {
         let s = &self.skip_search;
         if !(s.time_limit.is_finite() && s.time_limit > 0.0 && s.time_limit <= 3600.0) {
             return Err(Error::Config(format!(
-                "skip_search.time_limit {}: seconds between 0 and 3600",
+                "skip_search.time_limit {:?}: seconds between 0 and 3600",
                 s.time_limit
             )));
         }

@@ -43,6 +43,29 @@ pub enum ElasticBatch {
     Scale,
 }
 
+/// Declares [`RunSettings`] once, and from the same field list what a merge needs: every key,
+/// and taking the named keys' values from another record.
+macro_rules! run_settings {
+    ($(#[$m:meta])* pub struct $name:ident { $($(#[$fm:meta])* pub $f:ident: $t:ty,)* }) => {
+        $(#[$m])*
+        pub struct $name { $($(#[$fm])* pub $f: $t,)* }
+
+        impl $name {
+            /// Every key, in order (a key is its field's, and its flag's, name).
+            pub const KEYS: &[&str] = &[$(stringify!($f)),*];
+
+            /// Take the value of each key in `keys` from `from` (a configuration's table, a
+            /// resumed checkpoint's record), leaving the others as they are.
+            pub fn take(&mut self, from: &$name, keys: &[&str]) {
+                $(if keys.contains(&stringify!($f)) {
+                    self.$f = from.$f.clone();
+                })*
+            }
+        }
+    };
+}
+
+run_settings! {
 /// See the module's doc. Each field is named as its flag (`--eval-every` is `eval_every`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "clap", derive(clap::Args))]
@@ -207,6 +230,7 @@ pub struct RunSettings {
     #[cfg_attr(feature = "clap", arg(long, requires = "cache_budget"))]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cache_dir: Option<PathBuf>,
+}
 }
 
 impl Default for RunSettings {
