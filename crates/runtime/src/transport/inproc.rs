@@ -212,12 +212,7 @@ impl Transport for InProcess {
         }
     }
 
-    fn sum(
-        &self,
-        rank: usize,
-        group: &[usize],
-        data: Vec<f32>,
-    ) -> Result<Vec<f32>, TransportError> {
+    fn sum(&self, rank: usize, group: &[usize], data: &mut [f32]) -> Result<(), TransportError> {
         let sum = |parts: Vec<Part>| {
             let mut it = parts.into_iter().map(|p| match p {
                 Part::Sum(v) => v,
@@ -229,9 +224,12 @@ impl Transport for InProcess {
             }
             vec![Part::Sum(acc)]
         };
-        let done = self.exchange(rank, group, Part::Sum(data), "all-reduce", sum)?;
+        let done = self.exchange(rank, group, Part::Sum(data.to_vec()), "all-reduce", sum)?;
         match done.first() {
-            Some(Part::Sum(s)) => Ok(s.clone()),
+            Some(Part::Sum(s)) => {
+                data.copy_from_slice(s);
+                Ok(())
+            }
             _ => unreachable!("an all-reduce's exchange gives its sum"),
         }
     }

@@ -96,13 +96,10 @@ pub trait Transport: Send + Sync {
         if group.len() <= 1 {
             return Ok(());
         }
-        let sum = self.sum(rank, group, data.to_vec())?;
-        data.copy_from_slice(&sum);
-        Ok(())
+        self.sum(rank, group, data)
     }
-    /// The element-wise sum of every member's `data` over a `group` of two or more.
-    fn sum(&self, rank: usize, group: &[usize], data: Vec<f32>)
-        -> Result<Vec<f32>, TransportError>;
+    /// `data` becomes the element-wise sum of every member's over a `group` of two or more.
+    fn sum(&self, rank: usize, group: &[usize], data: &mut [f32]) -> Result<(), TransportError>;
     /// [`Transport::all_reduce`] of one stage's gradients among its hosts: the data-parallel
     /// all-reduce the simulator models (emulated links charge its ring time here).
     fn all_reduce_gradients(

@@ -192,19 +192,14 @@ impl Transport for Mpi {
         })
     }
 
-    fn sum(
-        &self,
-        rank: usize,
-        group: &[usize],
-        data: Vec<f32>,
-    ) -> Result<Vec<f32>, TransportError> {
+    fn sum(&self, rank: usize, group: &[usize], data: &mut [f32]) -> Result<(), TransportError> {
         let (reply, rx) = mpsc::channel();
         self.post(Cmd::AllReduce {
             group: group.to_vec(),
-            data,
+            data: data.to_vec(),
             reply,
         })?;
-        self.wait(
+        let sum = self.wait(
             rx,
             format!("the all-reduce over ranks {group:?}"),
             |secs, bound| TransportError::Collective {
@@ -215,7 +210,9 @@ impl Transport for Mpi {
                 secs,
                 bound,
             },
-        )
+        )?;
+        data.copy_from_slice(&sum);
+        Ok(())
     }
 
     fn all_gather(&self, rank: usize, part: Vec<u8>) -> Result<Vec<Vec<u8>>, TransportError> {
