@@ -294,11 +294,8 @@ fn worker_count(a: &TrainArgs, cfg: &TrainConfig) -> Result<usize> {
         return Ok(train_plan(a, cfg)?.0.num_workers());
     }
     let skip = a.run.skip.map(|k| skip_count(cfg, k)).transpose()?;
-    cfg.check_job(skip)?;
     // Skip routes on identical devices have the pipeline's workers (`--cluster` stays threads).
-    let profile = cfg.model.cost_profile(1);
-    cfg.job_spec(&profile)
-        .workers()
+    cfg.check_job(skip)?
         .ok_or_else(|| BadInput("--stages x --replicas is past the largest count".into()).into())
 }
 

@@ -231,8 +231,9 @@ impl TrainConfig {
 
     /// What building the plan (with `skip` stages skipped: a SkipPipe plan) would refuse before
     /// any work, checked without building it: a launcher refuses a bad job before it starts
-    /// processes, and the route search runs only where the plan is built.
-    pub fn check_job(&self, skip: Option<usize>) -> Result<()> {
+    /// processes, and the route search runs only where the plan is built. Returns the plan's
+    /// workers (on identical devices; none past the largest count).
+    pub fn check_job(&self, skip: Option<usize>) -> Result<Option<usize>> {
         self.check()?;
         let blocks = self.model.num_blocks();
         let stages = self.stages.saturating_mul(self.chunks);
@@ -250,11 +251,12 @@ impl TrainConfig {
             )));
         }
         let profile = self.model.cost_profile(self.rows);
-        match skip {
-            Some(k) => self.skip_spec(k, None, &profile).check()?,
-            None => self.job_spec(&profile).check()?,
-        }
-        Ok(())
+        let spec = match skip {
+            Some(k) => self.skip_spec(k, None, &profile),
+            None => self.job_spec(&profile),
+        };
+        spec.check()?;
+        Ok(spec.workers())
     }
 
     /// The SkipPipe job of these settings.
