@@ -2,29 +2,8 @@
 //! how a family's settings default, what is refused, and what each layer block costs.
 
 use super::error::Error;
+use super::Family;
 use serde::{Deserialize, Serialize};
-
-/// A family of transformers: how a layer block is built.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Family {
-    /// pipewright's own byte-level GPT: learned positions, pre-LayerNorm blocks with biases,
-    /// exact GELU MLP of width 4 d_model.
-    #[default]
-    Gpt,
-    /// LLaMA (Hugging Face `LlamaForCausalLM`): RMSNorm, rotary positions, grouped-query
-    /// attention, SwiGLU MLP, no biases.
-    Llama,
-    /// GPT-2 (Hugging Face `GPT2LMHeadModel`): learned positions, pre-LayerNorm blocks with
-    /// a fused q/k/v projection and the tanh GELU, an LM head tied to the token embedding.
-    Gpt2,
-    /// BERT (Hugging Face `BertForSequenceClassification`, `BertForQuestionAnswering`):
-    /// post-LayerNorm bidirectional encoder with a task head.
-    Bert,
-    /// ViT (Hugging Face `ViTForImageClassification`): patches of an image, a class token,
-    /// pre-LayerNorm bidirectional encoder, classifier.
-    Vit,
-}
 
 /// What the last layer block predicts, when it is not the next token.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -34,18 +13,6 @@ pub enum TaskHead {
     Classify { classes: usize },
     /// An answer span: start and end logits over the positions.
     Span,
-}
-
-impl Family {
-    pub fn name(self) -> &'static str {
-        match self {
-            Family::Gpt => "gpt",
-            Family::Llama => "llama",
-            Family::Gpt2 => "gpt2",
-            Family::Bert => "bert",
-            Family::Vit => "vit",
-        }
-    }
 }
 
 impl std::fmt::Display for TaskHead {

@@ -3,7 +3,7 @@
 //! Greedy by default (temperature 0), as transformers' `generate` is.
 
 use super::error::Error;
-use super::llama::KvCache;
+use super::llama::{KvCache, Layer};
 use super::{LayerBlock, Stage, StageInput};
 use crate::backend::{autodiff_lock, plain_device};
 use burn::module::Module;
@@ -55,12 +55,10 @@ fn sample(
         .valid()
     };
     // A KV cache for llama; the other families recompute the whole window each token.
-    let cached = model.layers.iter().all(|l| {
-        matches!(
-            l,
-            LayerBlock::LlamaEmbed(_) | LayerBlock::LlamaBlock(_) | LayerBlock::LlamaHead(_)
-        )
-    });
+    let cached = model
+        .layers
+        .iter()
+        .all(|l| l.family() == super::Family::Llama);
     let mut rng = pipewright_core::rng::SplitMix64::new(how.seed);
     let mut caches: Vec<KvCache> = vec![None; model.layers.len()];
     let mut tokens = prompt.to_vec();
@@ -98,9 +96,9 @@ fn forward_cached(model: &Stage, new: &[i64], start: usize, caches: &mut [KvCach
     let mut x: Option<Tensor<3>> = None;
     for (layer, cache) in model.layers.iter().zip(caches.iter_mut()) {
         x = Some(match (layer, x) {
-            (LayerBlock::LlamaEmbed(e), _) => e.forward(ids(new)),
-            (LayerBlock::LlamaBlock(b), Some(h)) => b.forward_cached(h, start, cache),
-            (LayerBlock::LlamaHead(h), Some(x)) => {
+            (LayerBlock::Llama(Layer::Embed(e)), _) => e.forward(ids(new)),
+            (LayerBlock::Llama(Layer::Block(b)), Some(h)) => b.forward_cached(h, start, cache),
+            (LayerBlock::Llama(Layer::Head(h)), Some(x)) => {
                 h.forward_with(x, &super::Ctx::default(), &mut None)
             }
             _ => unreachable!("a cached model is llama's embedding, blocks and head in order"),

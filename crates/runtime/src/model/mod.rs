@@ -27,7 +27,9 @@ pub mod registry;
 mod rules;
 pub mod spec;
 pub mod vit;
-pub use config::{Family, Llama3Scaling, ModelConfig, TaskHead};
+pub use config::{Llama3Scaling, ModelConfig, TaskHead};
+pub(crate) mod layer;
+pub use registry::{Family, LayerBlock};
 
 /// The position of every token of `[b, t]` ids: `0..t` in each row.
 pub(crate) fn positions(tokens: &Tensor<2, Int>) -> Tensor<2, Int> {
@@ -141,13 +143,7 @@ pub struct Layers {
 impl Layers {
     pub fn new(cfg: &ModelConfig, seed: u64, device: &Device) -> Self {
         device.seed(seed); // burn draws its initial values first; ours replace them below
-        let blocks = match cfg.family {
-            Family::Gpt => gpt::build(cfg, device),
-            Family::Llama => llama::build(cfg, device),
-            Family::Gpt2 => gpt2::build(cfg, device),
-            Family::Bert => bert::build(cfg, device),
-            Family::Vit => vit::build(cfg, device),
-        };
+        let blocks = LayerBlock::build(cfg, device);
         // burn's initialisers draw from a process-wide generator that other threads share, so
         // weights are set here from our own generator: GPT-2 style N(0, 0.02)-like uniform for
         // matrices, zero biases, norms' ones and zeros as built.
@@ -184,20 +180,15 @@ impl Layers {
 /// A tied model's head starts as the embedding's matrix (transposed: burn's Linear keeps
 /// `[in, out]`); training keeps the two equal (see `train::tied`).
 fn tie(blocks: &mut [LayerBlock]) {
-    let w = match blocks.first() {
-        Some(LayerBlock::LlamaEmbed(e)) => e.embed_tokens.weight.val(),
-        Some(LayerBlock::Gpt2Embed(e)) => e.wte.weight.val(),
-        _ => return,
+    let Some(w) = blocks.first().and_then(LayerBlock::token_embedding) else {
+        return;
     };
     let [v, d] = w.dims();
     let vals = w.into_data().try_into_vec::<f32>().expect("f32 weights");
     let t = hf::transpose(&vals, v, d);
-    let head = match blocks.last_mut() {
-        Some(LayerBlock::LlamaHead(h)) => h.lm_head.as_mut(),
-        Some(LayerBlock::Gpt2Head(h)) => h.lm_head.as_mut(),
-        _ => None,
+    let Some(head) = blocks.last_mut().and_then(LayerBlock::lm_head_mut) else {
+        return;
     };
-    let Some(head) = head else { return };
     let device = head.weight.val().device();
     head.weight = head.weight.clone().map(|_| {
         Tensor::<2>::from_data(burn::tensor::TensorData::new(t, [d, v]), &device).require_grad()
@@ -312,29 +303,6 @@ impl burn::module::ModuleMapper for Init {
     }
 }
 
-/// One layer block of the model: what a plan's stages are made of, and the unit that owns
-/// parameters and optimizer state (so state survives any change of plan).
-// A model has a few dozen of these; boxing the large variant would buy nothing.
-#[allow(clippy::large_enum_variant)]
-#[derive(Module, Debug)]
-pub enum LayerBlock {
-    Embed(Embed),
-    Block(Block),
-    Head(Head),
-    LlamaEmbed(llama::LlamaEmbed),
-    LlamaBlock(llama::LlamaBlock),
-    LlamaHead(llama::LlamaHead),
-    Gpt2Embed(gpt2::Gpt2Embed),
-    Gpt2Block(gpt2::Gpt2Block),
-    Gpt2Head(gpt2::Gpt2Head),
-    BertEmbed(bert::BertEmbed),
-    BertBlock(bert::BertBlock),
-    BertHead(bert::BertHead),
-    VitEmbed(vit::VitEmbed),
-    VitBlock(vit::VitBlock),
-    VitHead(vit::VitHead),
-}
-
 /// What the first stage of a route takes from a micro-batch: its pixels (vit) or its tokens.
 pub fn batch_input(mb: &crate::batch::MicroBatch, device: &Device) -> StageInput {
     match mb.image {
@@ -397,58 +365,6 @@ impl Ctx {
                 x.narrow(1, t - 1, 1)
             }
         }
-    }
-}
-
-impl LayerBlock {
-    fn forward_with(
-        &self,
-        x: StageInput,
-        ctx: &Ctx,
-        cap: &mut Option<&mut Deferred>,
-    ) -> Result<Tensor<3>, String> {
-        Ok(match (self, x) {
-            (LayerBlock::Embed(e), StageInput::Tokens(t)) => e.forward(t),
-            (LayerBlock::BertEmbed(e), StageInput::Tokens(t)) => e.forward(t, ctx),
-            (LayerBlock::VitEmbed(e), StageInput::Pixels(p)) => e.forward(p),
-            (LayerBlock::VitBlock(b), StageInput::Hidden(h)) => b.forward_with(h, cap),
-            (LayerBlock::VitHead(h), StageInput::Hidden(x)) => h.forward_with(x, cap),
-            (LayerBlock::VitEmbed(_), _) => {
-                return Err(
-                    "the vit embedding takes pixels (pixel_values), and only first on a route"
-                        .into(),
-                )
-            }
-            (_, StageInput::Pixels(_)) => {
-                return Err("pixels go to a vit model's patch embedding only".into())
-            }
-            (LayerBlock::BertBlock(b), StageInput::Hidden(h)) => b.forward_with(h, ctx, cap),
-            (LayerBlock::BertHead(h), StageInput::Hidden(x)) => h.forward_with(x, cap),
-            (LayerBlock::LlamaEmbed(e), StageInput::Tokens(t)) => e.forward(t),
-            (LayerBlock::Gpt2Embed(e), StageInput::Tokens(t)) => e.forward(t),
-            (LayerBlock::Gpt2Block(b), StageInput::Hidden(h)) => b.forward_with(h, cap),
-            (LayerBlock::Gpt2Head(h), StageInput::Hidden(x)) => h.forward_with(x, ctx, cap),
-            (LayerBlock::Block(b), StageInput::Hidden(h)) => b.forward_with(h, cap),
-            (LayerBlock::LlamaBlock(b), StageInput::Hidden(h)) => b.forward_with(h, cap),
-            (LayerBlock::Head(h), StageInput::Hidden(x)) => h.forward_with(x, cap),
-            (LayerBlock::LlamaHead(h), StageInput::Hidden(x)) => h.forward_with(x, ctx, cap),
-            (
-                LayerBlock::Embed(_)
-                | LayerBlock::LlamaEmbed(_)
-                | LayerBlock::Gpt2Embed(_)
-                | LayerBlock::BertEmbed(_),
-                StageInput::Hidden(_),
-            ) => {
-                return Err(
-                    "the embedding got hidden states (it must come first on a route)".into(),
-                )
-            }
-            (_, StageInput::Tokens(_)) => {
-                return Err(
-                    "a layer after the embedding got tokens (routes start at the embedding)".into(),
-                )
-            }
-        })
     }
 }
 
@@ -525,15 +441,6 @@ impl Stage {
 
     /// Does the stage end with the head (its output is logits)?
     pub fn has_head(&self) -> bool {
-        matches!(
-            self.layers.last(),
-            Some(
-                LayerBlock::Head(_)
-                    | LayerBlock::LlamaHead(_)
-                    | LayerBlock::Gpt2Head(_)
-                    | LayerBlock::BertHead(_)
-                    | LayerBlock::VitHead(_)
-            )
-        )
+        self.layers.last().is_some_and(LayerBlock::is_head)
     }
 }

@@ -1,16 +1,17 @@
-//! The model families, registered once: a new family adds its folder and one line here.
+//! The model families, registered once: a new family adds its folder and one line here, which
+//! gives it a [`Family`] name, a [`LayerBlock`] variant and a place in [`FAMILIES`].
 
 use super::spec::Spec;
-use super::Family;
+use super::ModelConfig;
 
-/// Every family's entry.
-pub const FAMILIES: [&Spec; 5] = [
-    &super::gpt::hf::SPEC,
-    &super::llama::hf::SPEC,
-    &super::gpt2::hf::SPEC,
-    &super::bert::hf::SPEC,
-    &super::vit::hf::SPEC,
-];
+// `Variant => folder`, the default family first.
+super::layer::families! {
+    Gpt => gpt,
+    Llama => llama,
+    Gpt2 => gpt2,
+    Bert => bert,
+    Vit => vit,
+}
 
 /// `family`'s entry.
 pub fn spec(family: Family) -> &'static Spec {

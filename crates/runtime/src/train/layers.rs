@@ -5,7 +5,7 @@ use super::TrainConfig;
 use crate::backend::train_device;
 use crate::error::{Error, Result};
 use crate::model::{layer_name, LayerBlock, Layers};
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::module::{ModuleMapper, ModuleVisitor, Param};
 use burn::optim::{AdamWConfig, ModuleOptimizer};
 use burn::tensor::{Tensor, TensorData};
 
@@ -104,47 +104,6 @@ pub fn hf_params(
     crate::model::hf::to_hf(model, params, grads.is_some())
 }
 
-/// Visit the module inside a layer block, so names start at the block's own fields.
-fn visit_inner<V: ModuleVisitor>(b: &LayerBlock, v: &mut V) {
-    match b {
-        LayerBlock::Embed(m) => m.visit(v),
-        LayerBlock::Block(m) => m.visit(v),
-        LayerBlock::Head(m) => m.visit(v),
-        LayerBlock::LlamaEmbed(m) => m.visit(v),
-        LayerBlock::LlamaBlock(m) => m.visit(v),
-        LayerBlock::LlamaHead(m) => m.visit(v),
-        LayerBlock::Gpt2Embed(m) => m.visit(v),
-        LayerBlock::Gpt2Block(m) => m.visit(v),
-        LayerBlock::Gpt2Head(m) => m.visit(v),
-        LayerBlock::BertEmbed(m) => m.visit(v),
-        LayerBlock::BertBlock(m) => m.visit(v),
-        LayerBlock::BertHead(m) => m.visit(v),
-        LayerBlock::VitEmbed(m) => m.visit(v),
-        LayerBlock::VitBlock(m) => m.visit(v),
-        LayerBlock::VitHead(m) => m.visit(v),
-    }
-}
-
-fn map_inner<M: ModuleMapper>(b: LayerBlock, m: &mut M) -> LayerBlock {
-    match b {
-        LayerBlock::Embed(x) => LayerBlock::Embed(x.map(m)),
-        LayerBlock::Block(x) => LayerBlock::Block(x.map(m)),
-        LayerBlock::Head(x) => LayerBlock::Head(x.map(m)),
-        LayerBlock::LlamaEmbed(x) => LayerBlock::LlamaEmbed(x.map(m)),
-        LayerBlock::LlamaBlock(x) => LayerBlock::LlamaBlock(x.map(m)),
-        LayerBlock::LlamaHead(x) => LayerBlock::LlamaHead(x.map(m)),
-        LayerBlock::Gpt2Embed(x) => LayerBlock::Gpt2Embed(x.map(m)),
-        LayerBlock::Gpt2Block(x) => LayerBlock::Gpt2Block(x.map(m)),
-        LayerBlock::Gpt2Head(x) => LayerBlock::Gpt2Head(x.map(m)),
-        LayerBlock::BertEmbed(x) => LayerBlock::BertEmbed(x.map(m)),
-        LayerBlock::BertBlock(x) => LayerBlock::BertBlock(x.map(m)),
-        LayerBlock::BertHead(x) => LayerBlock::BertHead(x.map(m)),
-        LayerBlock::VitEmbed(x) => LayerBlock::VitEmbed(x.map(m)),
-        LayerBlock::VitBlock(x) => LayerBlock::VitBlock(x.map(m)),
-        LayerBlock::VitHead(x) => LayerBlock::VitHead(x.map(m)),
-    }
-}
-
 /// (name, shape, values) of every parameter, names prefixed.
 struct Named {
     prefix: String,
@@ -226,7 +185,7 @@ pub(super) fn named_params<'a>(
     };
     for (i, block) in layers {
         named.prefix = format!("{}.", layer_name(i, num_blocks));
-        visit_inner(block, &mut named);
+        block.visit_inner(&mut named);
     }
     named
         .out
@@ -263,7 +222,7 @@ pub(super) fn load_layer(
         path: Vec::new(),
         error: None,
     };
-    let block = map_inner(template, &mut l);
+    let block = template.map_inner(&mut l);
     match l.error {
         Some(e) => Err(e),
         None => Ok(block),

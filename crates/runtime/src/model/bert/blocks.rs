@@ -122,9 +122,28 @@ impl BertHead {
     }
 }
 
+crate::model::layer::family_layer!(BertEmbed, BertBlock, BertHead);
+
+impl crate::model::layer::FamilyLayer for Layer {
+    fn forward_with(
+        &self,
+        x: crate::model::StageInput,
+        ctx: &crate::model::Ctx,
+        cap: &mut Option<&mut Deferred>,
+    ) -> Result<Tensor<3>, String> {
+        use crate::model::StageInput;
+        Ok(match (self, x) {
+            (Layer::Embed(e), StageInput::Tokens(t)) => e.forward(t, ctx),
+            (Layer::Block(b), StageInput::Hidden(h)) => b.forward_with(h, ctx, cap),
+            (Layer::Head(h), StageInput::Hidden(x)) => h.forward_with(x, cap),
+            (l, x) => return Err(crate::model::layer::misplaced(l.is_embed(), &x)),
+        })
+    }
+}
+
 /// A fresh model's layer blocks (weights drawn later by the model's initialiser).
-pub(crate) fn build(cfg: &ModelConfig, device: &Device) -> Vec<crate::model::LayerBlock> {
-    use crate::model::LayerBlock as L;
+pub(crate) fn build(cfg: &ModelConfig, device: &Device) -> Vec<Layer> {
+    use Layer as L;
     let (d, eps) = (cfg.d_model, cfg.norm_eps());
     let lin = |i: usize, o: usize| LinearConfig::new(i, o).init(device);
     let ln = || LayerNormConfig::new(d).with_epsilon(eps).init(device);
@@ -132,7 +151,7 @@ pub(crate) fn build(cfg: &ModelConfig, device: &Device) -> Vec<crate::model::Lay
         dense: lin(i, d),
         layer_norm: ln(),
     };
-    let embed = L::BertEmbed(BertEmbed {
+    let embed = L::Embed(BertEmbed {
         word_embeddings: EmbeddingConfig::new(cfg.vocab, d).init(device),
         position_embeddings: EmbeddingConfig::new(cfg.max_positions(), d).init(device),
         token_type_embeddings: EmbeddingConfig::new(cfg.type_vocab(), d).init(device),
@@ -140,7 +159,7 @@ pub(crate) fn build(cfg: &ModelConfig, device: &Device) -> Vec<crate::model::Lay
         eps,
     });
     let block = |_| {
-        L::BertBlock(BertBlock {
+        L::Block(BertBlock {
             attention: BertAttention {
                 self_attn: BertSelf {
                     query: lin(d, d),
@@ -172,6 +191,6 @@ pub(crate) fn build(cfg: &ModelConfig, device: &Device) -> Vec<crate::model::Lay
     };
     std::iter::once(embed)
         .chain((0..cfg.layers).map(block))
-        .chain(std::iter::once(L::BertHead(head)))
+        .chain(std::iter::once(L::Head(head)))
         .collect()
 }

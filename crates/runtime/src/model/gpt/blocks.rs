@@ -2,7 +2,7 @@
 //! attention and a GELU MLP; a final LayerNorm and the LM head.
 
 use crate::kernels::{causal_attention, gelu, layer_norm};
-use crate::model::{layer_norm_of, linear, positions, Deferred, LayerBlock, ModelConfig};
+use crate::model::{layer_norm_of, linear, positions, Deferred, ModelConfig};
 use burn::module::Module;
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor};
@@ -75,7 +75,26 @@ impl Head {
     }
 }
 
-pub(crate) fn build(cfg: &ModelConfig, device: &Device) -> Vec<LayerBlock> {
+crate::model::layer::family_layer!(Embed, Block, Head);
+
+impl crate::model::layer::FamilyLayer for Layer {
+    fn forward_with(
+        &self,
+        x: crate::model::StageInput,
+        _ctx: &crate::model::Ctx,
+        cap: &mut Option<&mut Deferred>,
+    ) -> Result<Tensor<3>, String> {
+        use crate::model::StageInput;
+        Ok(match (self, x) {
+            (Layer::Embed(e), StageInput::Tokens(t)) => e.forward(t),
+            (Layer::Block(b), StageInput::Hidden(h)) => b.forward_with(h, cap),
+            (Layer::Head(h), StageInput::Hidden(x)) => h.forward_with(x, cap),
+            (l, x) => return Err(crate::model::layer::misplaced(l.is_embed(), &x)),
+        })
+    }
+}
+
+pub(crate) fn build(cfg: &ModelConfig, device: &Device) -> Vec<Layer> {
     let d = cfg.d_model;
     let lin = |i: usize, o: usize| LinearConfig::new(i, o).init(device);
     let ln = || layer_norm_of(d, device);
@@ -84,7 +103,7 @@ pub(crate) fn build(cfg: &ModelConfig, device: &Device) -> Vec<LayerBlock> {
         pos: EmbeddingConfig::new(cfg.seq_len, d).init(device),
     };
     let block = |_| {
-        LayerBlock::Block(Block {
+        Layer::Block(Block {
             ln1: ln(),
             q: lin(d, d),
             k: lin(d, d),
@@ -100,8 +119,8 @@ pub(crate) fn build(cfg: &ModelConfig, device: &Device) -> Vec<LayerBlock> {
         ln: ln(),
         out: lin(d, cfg.vocab),
     };
-    std::iter::once(LayerBlock::Embed(embed))
+    std::iter::once(Layer::Embed(embed))
         .chain((0..cfg.layers).map(block))
-        .chain(std::iter::once(LayerBlock::Head(head)))
+        .chain(std::iter::once(Layer::Head(head)))
         .collect()
 }

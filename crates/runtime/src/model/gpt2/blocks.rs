@@ -95,18 +95,50 @@ impl Gpt2Head {
     }
 }
 
+crate::model::layer::family_layer!(Gpt2Embed, Gpt2Block, Gpt2Head);
+
+impl crate::model::layer::FamilyLayer for Layer {
+    fn forward_with(
+        &self,
+        x: crate::model::StageInput,
+        ctx: &crate::model::Ctx,
+        cap: &mut Option<&mut Deferred>,
+    ) -> Result<Tensor<3>, String> {
+        use crate::model::StageInput;
+        Ok(match (self, x) {
+            (Layer::Embed(e), StageInput::Tokens(t)) => e.forward(t),
+            (Layer::Block(b), StageInput::Hidden(h)) => b.forward_with(h, cap),
+            (Layer::Head(h), StageInput::Hidden(x)) => h.forward_with(x, ctx, cap),
+            (l, x) => return Err(crate::model::layer::misplaced(l.is_embed(), &x)),
+        })
+    }
+    fn token_embedding(&self) -> Option<Tensor<2>> {
+        match self {
+            Layer::Embed(e) => Some(e.wte.weight.val()),
+            _ => None,
+        }
+    }
+
+    fn lm_head_mut(&mut self) -> Option<&mut burn::nn::Linear> {
+        match self {
+            Layer::Head(h) => h.lm_head.as_mut(),
+            _ => None,
+        }
+    }
+}
+
 /// A fresh model's layer blocks (weights drawn later by the model's initialiser).
-pub(crate) fn build(cfg: &ModelConfig, device: &Device) -> Vec<crate::model::LayerBlock> {
-    use crate::model::LayerBlock as L;
+pub(crate) fn build(cfg: &ModelConfig, device: &Device) -> Vec<Layer> {
+    use Layer as L;
     let d = cfg.d_model;
     let lin = |i: usize, o: usize| LinearConfig::new(i, o).init(device);
     let ln = || crate::model::layer_norm_of(d, device);
-    let embed = L::Gpt2Embed(Gpt2Embed {
+    let embed = L::Embed(Gpt2Embed {
         wte: EmbeddingConfig::new(cfg.vocab, d).init(device),
         wpe: EmbeddingConfig::new(cfg.max_positions(), d).init(device),
     });
     let block = |_| {
-        L::Gpt2Block(Gpt2Block {
+        L::Block(Gpt2Block {
             ln_1: ln(),
             attn: Gpt2Attention {
                 c_attn: lin(d, 3 * d),
@@ -121,7 +153,7 @@ pub(crate) fn build(cfg: &ModelConfig, device: &Device) -> Vec<crate::model::Lay
         })
     };
     let (lm_head, score) = crate::model::head_linears(cfg, device);
-    let head = L::Gpt2Head(Gpt2Head {
+    let head = L::Head(Gpt2Head {
         ln_f: ln(),
         lm_head,
         score,

@@ -241,17 +241,49 @@ impl LlamaHead {
     }
 }
 
+crate::model::layer::family_layer!(LlamaEmbed, LlamaBlock, LlamaHead);
+
+impl crate::model::layer::FamilyLayer for Layer {
+    fn forward_with(
+        &self,
+        x: crate::model::StageInput,
+        ctx: &crate::model::Ctx,
+        cap: &mut Option<&mut Deferred>,
+    ) -> Result<Tensor<3>, String> {
+        use crate::model::StageInput;
+        Ok(match (self, x) {
+            (Layer::Embed(e), StageInput::Tokens(t)) => e.forward(t),
+            (Layer::Block(b), StageInput::Hidden(h)) => b.forward_with(h, cap),
+            (Layer::Head(h), StageInput::Hidden(x)) => h.forward_with(x, ctx, cap),
+            (l, x) => return Err(crate::model::layer::misplaced(l.is_embed(), &x)),
+        })
+    }
+    fn token_embedding(&self) -> Option<Tensor<2>> {
+        match self {
+            Layer::Embed(e) => Some(e.embed_tokens.weight.val()),
+            _ => None,
+        }
+    }
+
+    fn lm_head_mut(&mut self) -> Option<&mut burn::nn::Linear> {
+        match self {
+            Layer::Head(h) => h.lm_head.as_mut(),
+            _ => None,
+        }
+    }
+}
+
 /// A fresh model's layer blocks (weights drawn later by the model's initialiser).
-pub(crate) fn build(cfg: &ModelConfig, device: &Device) -> Vec<crate::model::LayerBlock> {
-    use crate::model::LayerBlock as L;
+pub(crate) fn build(cfg: &ModelConfig, device: &Device) -> Vec<Layer> {
+    use Layer as L;
     let (d, eps) = (cfg.d_model, cfg.norm_eps());
     let kv = cfg.kv_heads() * cfg.head_dim();
     let lin = |i: usize, o: usize| LinearConfig::new(i, o).with_bias(false).init(device);
-    let embed = L::LlamaEmbed(LlamaEmbed {
+    let embed = L::Embed(LlamaEmbed {
         embed_tokens: EmbeddingConfig::new(cfg.vocab, d).init(device),
     });
     let block = |_| {
-        L::LlamaBlock(LlamaBlock {
+        L::Block(LlamaBlock {
             input_layernorm: RmsNorm::new(d, eps, device),
             self_attn: Attention {
                 q_proj: lin(d, d),
@@ -271,7 +303,7 @@ pub(crate) fn build(cfg: &ModelConfig, device: &Device) -> Vec<crate::model::Lay
         })
     };
     let (lm_head, score) = crate::model::head_linears(cfg, device);
-    let head = L::LlamaHead(LlamaHead {
+    let head = L::Head(LlamaHead {
         norm: RmsNorm::new(d, eps, device),
         lm_head,
         score,

@@ -115,15 +115,40 @@ impl VitHead {
     }
 }
 
+crate::model::layer::family_layer!(VitEmbed, VitBlock, VitHead);
+
+impl crate::model::layer::FamilyLayer for Layer {
+    fn forward_with(
+        &self,
+        x: crate::model::StageInput,
+        _ctx: &crate::model::Ctx,
+        cap: &mut Option<&mut Deferred>,
+    ) -> Result<Tensor<3>, String> {
+        use crate::model::StageInput;
+        Ok(match (self, x) {
+            (Layer::Embed(e), StageInput::Pixels(p)) => e.forward(p),
+            (Layer::Embed(_), _) => {
+                return Err(
+                    "the vit embedding takes pixels (pixel_values), and only first on a route"
+                        .into(),
+                )
+            }
+            (Layer::Block(b), StageInput::Hidden(h)) => b.forward_with(h, cap),
+            (Layer::Head(h), StageInput::Hidden(x)) => h.forward_with(x, cap),
+            (l, x) => return Err(crate::model::layer::misplaced(l.is_embed(), &x)),
+        })
+    }
+}
+
 /// A fresh model's layer blocks (weights drawn later by the model's initialiser).
-pub(crate) fn build(cfg: &ModelConfig, device: &Device) -> Vec<crate::model::LayerBlock> {
-    use crate::model::LayerBlock as L;
+pub(crate) fn build(cfg: &ModelConfig, device: &Device) -> Vec<Layer> {
+    use Layer as L;
     let (d, eps) = (cfg.d_model, cfg.norm_eps());
     let (c, p) = (cfg.channels(), cfg.patch());
     let lin = |i: usize, o: usize| LinearConfig::new(i, o).init(device);
     let ln = || LayerNormConfig::new(d).with_epsilon(eps).init(device);
     let dense = |i: usize, o: usize| VitDense { dense: lin(i, o) };
-    let embed = L::VitEmbed(VitEmbed {
+    let embed = L::Embed(VitEmbed {
         cls_token: Param::from_tensor(Tensor::zeros([1, 1, d], device)),
         position_embeddings: Param::from_tensor(Tensor::zeros([1, cfg.patches() + 1, d], device)),
         patch_embeddings: VitPatches {
@@ -132,7 +157,7 @@ pub(crate) fn build(cfg: &ModelConfig, device: &Device) -> Vec<crate::model::Lay
         patch: p,
     });
     let block = |_| {
-        L::VitBlock(VitBlock {
+        L::Block(VitBlock {
             layernorm_before: ln(),
             attention: VitAttention {
                 attention: VitSelf {
@@ -153,7 +178,7 @@ pub(crate) fn build(cfg: &ModelConfig, device: &Device) -> Vec<crate::model::Lay
         Some(TaskHead::Classify { classes }) => classes,
         _ => unreachable!("checked: a vit model has a classification head"),
     };
-    let head = L::VitHead(VitHead {
+    let head = L::Head(VitHead {
         layernorm: ln(),
         classifier: lin(d, classes),
         eps,
