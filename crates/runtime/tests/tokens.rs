@@ -221,3 +221,33 @@ fn tokenize_resumes_to_the_same_shards_and_round_trips() {
     assert!(err.contains("3.txt") && err.contains("changed"), "{err}");
     assert!(files(&part) == before, "a refused resume changed files");
 }
+
+/// A model's own WordPiece tokenizer (all-MiniLM-L6-v2's tokenizer.json) gives the ids
+/// transformers' AutoTokenizer gives (scripts/wordpiece-fixture): [CLS] and [SEP] added, BERT's
+/// normaliser on accents, Chinese characters, e-mail headers and very long words, and a long
+/// text cut to a window before [SEP] is added. The padding to 128 the file carries is not
+/// applied (transformers pads per call, pipewright per micro-batch).
+#[test]
+fn wordpiece_ids_equal_transformers_autotokenizer() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/wordpiece");
+    let t = Tokenizer::load(dir.join("tokenizer.json").to_str().unwrap()).unwrap();
+    let expected: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    let cases = expected["cases"].as_array().unwrap();
+    assert!(cases.len() >= 12);
+    for c in cases {
+        let text = c["text"].as_str().unwrap();
+        let want: Vec<u32> = c["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        let max = c["max_length"].as_u64().map_or(usize::MAX, |m| m as usize);
+        let (ids, cut) = t.encode_example(text, max).unwrap();
+        assert_eq!(ids, want, "{text:?} at max_length {max}");
+        let whole = t.encode_example(text, usize::MAX).unwrap().0;
+        assert_eq!(cut, whole.len() > max, "{text:?}: cut");
+        assert_eq!((ids[0], *ids.last().unwrap()), (101, 102), "[CLS] .. [SEP]");
+    }
+}

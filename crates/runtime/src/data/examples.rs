@@ -138,12 +138,12 @@ impl Examples {
                     .into())
                 }
             };
-            let ids = tok.encode_example(&text)?;
+            let (ids, cut) = tok.encode_example(&text, seq_len)?;
             if ids.is_empty() {
                 return Err(format!("{at}: the text is empty").into());
             }
-            ex.truncated += (ids.len() > seq_len) as usize;
-            let n = ids.len().min(seq_len);
+            ex.truncated += cut as usize;
+            let n = ids.len();
             ex.tokens.extend(ids[..n].iter().map(|&i| i as i64));
             ex.tokens.extend(std::iter::repeat_n(pad, seq_len - n));
             ex.mask.extend((0..seq_len).map(|i| (i < n) as i64));

@@ -200,7 +200,14 @@ fn examples(s: &DataSource, model: &mut ModelConfig, tok: &Tokenizer, seed: u64)
     }
     // The training labels make the classes (the run checks a classifier's head has room).
     let (train, classes) = load(data, None)?;
-    let name = data.display().to_string();
+    let name = match train.truncated {
+        0 => data.display().to_string(),
+        cut => format!(
+            "{} ({cut} of {} texts cut to {seq_len} tokens)",
+            data.display(),
+            train.len()
+        ),
+    };
     let ids = if vit { 0 } else { tok.vocab_size() };
     // A CIFAR directory brings its own test set.
     let cifar_test = (vit && data.is_dir())

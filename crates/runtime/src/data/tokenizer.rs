@@ -1,7 +1,7 @@
 //! Tokenizers: bytes (the default), GPT-2's and cl100k's BPE ranks embedded in `tiktoken-rs`,
 //! or a Hugging Face `tokenizer.json` through the `tokenizers` crate (built pure Rust).
 
-use super::error::Result;
+use super::error::{Error, Result};
 use std::path::Path;
 
 /// Byte tokens as text; an id past the bytes (a model of a larger vocabulary) as `<id>`.
@@ -70,8 +70,14 @@ impl Tokenizer {
                 "--tokenizer {spec}: not bytes, gpt2, cl100k, a tokenizer.json file or a directory with one"
             ).into());
         }
-        let tok = tokenizers::Tokenizer::from_file(&file)
+        let mut tok = tokenizers::Tokenizer::from_file(&file)
             .map_err(|e| format!("{}: not a Hugging Face tokenizer.json: {e}", file.display()))?;
+        // A tokenizer.json may carry the padding and truncation it was last used with
+        // (all-MiniLM-L6-v2's pads every text to 128 [PAD]s); transformers sets both per call
+        // and so does pipewright (cut to the window, padded to the micro-batch, masked).
+        tok.with_padding(None);
+        tok.with_truncation(None)
+            .map_err(|e| format!("{}: {e}", file.display()))?;
         let ids = tok
             .get_vocab(true)
             .values()
@@ -131,17 +137,32 @@ impl Tokenizer {
         })
     }
 
-    /// One example's ids for a task: as [`Tokenizer::encode`], with the special tokens a
-    /// Hugging Face tokenizer adds around a sequence (BERT's [CLS] and [SEP]).
-    pub fn encode_example(&self, text: &str) -> Result<Vec<u32>> {
-        match self {
-            Tokenizer::Hf { tok, path, .. } => Ok(tok
-                .encode(text, true)
-                .map_err(|e| format!("{path}: {e}"))?
-                .get_ids()
-                .to_vec()),
-            _ => self.encode(text),
+    /// One example's ids for a task, at most `max` of them, and whether the text was cut: as
+    /// [`Tokenizer::encode`], with the special tokens a Hugging Face tokenizer adds around a
+    /// sequence (BERT's [CLS] and [SEP]). A long text is cut before those are added, as
+    /// transformers' `truncation=True` does, so a cut example still ends with [SEP].
+    pub fn encode_example(&self, text: &str, max: usize) -> Result<(Vec<u32>, bool)> {
+        let Tokenizer::Hf { tok, path, .. } = self else {
+            let mut ids = self.encode(text)?;
+            let cut = ids.len() > max;
+            ids.truncate(max);
+            return Ok((ids, cut));
+        };
+        let fail = |e: tokenizers::Error| Error::from(format!("{path}: {e}"));
+        let mut e = tok.encode(text, false).map_err(fail)?;
+        use tokenizers::PostProcessor;
+        let added = tok
+            .get_post_processor()
+            .map_or(0, |p| p.added_tokens(false));
+        let room = max.saturating_sub(added);
+        let cut = e.len() > room;
+        if cut {
+            e.truncate(room, 0, tokenizers::TruncationDirection::Right);
         }
+        let e = tok.post_process(e, None, true).map_err(fail)?;
+        let mut ids = e.get_ids().to_vec();
+        ids.truncate(max); // a window shorter than the special tokens themselves
+        Ok((ids, cut))
     }
 
     /// A question and its context as one sequence: ids, segment ids (0: question, 1:
