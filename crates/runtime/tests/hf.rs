@@ -399,3 +399,83 @@ fn ill_typed_config_fields_are_refused_by_name() {
         "{err}"
     );
 }
+
+/// A bare `BertModel` directory (names without `bert.`, an I64 `position_ids` buffer, no
+/// classifier; the pooler kept or not) with the encoder of the `bert-classify` fixture.
+fn bare_bert(with_pooler: bool) -> tempfile::TempDir {
+    let src = fixture("bert-classify");
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    cfg["architectures"] = serde_json::json!(["BertModel"]);
+    for k in ["id2label", "label2id"] {
+        cfg.as_object_mut().unwrap().remove(k);
+    }
+    std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut kept: Vec<(String, safetensors::tensor::TensorView)> = st
+        .tensors()
+        .into_iter()
+        .filter(|(n, _)| n.starts_with("bert.") && (with_pooler || !n.contains("pooler")))
+        .map(|(n, v)| (n["bert.".len()..].to_string(), v))
+        .collect();
+    let ids: Vec<u8> = (0..64i64).flat_map(|i| i.to_le_bytes()).collect();
+    kept.push((
+        "embeddings.position_ids".into(),
+        safetensors::tensor::TensorView::new(safetensors::Dtype::I64, vec![1, 64], &ids).unwrap(),
+    ));
+    let out = safetensors::serialize(kept, None).unwrap();
+    std::fs::write(dir.path().join("model.safetensors"), out).unwrap();
+    dir
+}
+
+/// A bare encoder takes its task's head fresh from the seed (as transformers'
+/// `BertForSequenceClassification.from_pretrained` of a `BertModel`: N(0, 0.02) matrices, zero
+/// biases) and every encoder weight as saved; its pooler is pretrained when the directory
+/// has one, else fresh too. The index buffer is passed over by name.
+#[test]
+fn a_bare_bert_gets_a_fresh_head_and_keeps_its_encoder() {
+    use pipewright_runtime::model::TaskHead;
+    let full = fixture("bert-classify");
+    let text = std::fs::read_to_string(full.join("config.json")).unwrap();
+    let reference = config_from_hf(&text, "bert-classify").unwrap();
+    let want = hf_params(&reference, &hf_layers(&reference, &full, 1).unwrap(), None);
+    for with_pooler in [true, false] {
+        let dir = bare_bert(with_pooler);
+        let text = std::fs::read_to_string(dir.path().join("config.json")).unwrap();
+        let bare = config_from_hf(&text, "bare").unwrap();
+        assert_eq!(bare.head, None, "a BertModel has no head");
+        let model = bare.with_head(Some(TaskHead::Classify { classes: 5 }));
+        let (blocks, fresh) = pipewright_runtime::train::hf_start(&model, dir.path(), 9).unwrap();
+        let pooler = if with_pooler { 0 } else { 2 };
+        assert_eq!(fresh.len(), 2 + pooler, "{fresh:?}");
+        assert!(fresh.iter().all(|n| n.starts_with("head.")), "{fresh:?}");
+        let got = hf_params(&model, &blocks, None);
+        for (name, shape, v) in &got {
+            let fresh_here = name.starts_with("classifier.")
+                || (!with_pooler && name.starts_with("bert.pooler."));
+            if fresh_here {
+                if name.ends_with("bias") {
+                    assert!(v.iter().all(|&x| x == 0.0), "{name}");
+                } else {
+                    let n = v.len() as f64;
+                    let sd = (v.iter().map(|&x| (x as f64).powi(2)).sum::<f64>() / n).sqrt();
+                    assert!((0.012..0.028).contains(&sd), "{name}: std {sd}");
+                }
+                continue;
+            }
+            let (_, s, w) = want.iter().find(|(n, ..)| n == name).expect(name);
+            assert_eq!((shape, v), (s, w), "{name} differs from the saved encoder");
+        }
+        assert_eq!(
+            got.iter()
+                .filter(|(n, ..)| n.starts_with("classifier."))
+                .count(),
+            2
+        );
+        // The same seed, the same head.
+        let (again, _) = pipewright_runtime::train::hf_start(&model, dir.path(), 9).unwrap();
+        assert_eq!(hf_params(&model, &again, None), got);
+    }
+}

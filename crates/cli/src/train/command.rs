@@ -131,6 +131,11 @@ fn config(a: &TrainArgs) -> Result<TrainConfig> {
         clip,
         seed
     );
+    // A learning rate below the schedule's floor takes the floor down with it (to a tenth of
+    // it, the defaults' ratio) unless --min-lr says otherwise: a fine-tune's --lr 5e-5 alone.
+    if a.lr.is_some() && a.min_lr.is_none() {
+        cfg.min_lr = cfg.min_lr.min(cfg.lr / 10.0);
+    }
     if let Some(g) = a.run.global_batch {
         if g == 0 || g % cfg.replicas != 0 {
             return Err(BadInput(format!(
@@ -185,8 +190,32 @@ fn config(a: &TrainArgs) -> Result<TrainConfig> {
     if a.run.eval_every == 0 || a.run.eval_batches == 0 {
         return Err(BadInput("--eval-every and --eval-batches must be at least 1".into()).into());
     }
-    cfg.check()?;
+    as_trained(&cfg)?.check()?;
     Ok(cfg)
+}
+
+/// `cfg` as it will train: a bare encoder (a `BertModel` directory: no head yet) with the
+/// head its task gives it when the data opens. With no task (language modelling) a family that
+/// has no LM head is refused here.
+fn as_trained(cfg: &TrainConfig) -> Result<std::borrow::Cow<'_, TrainConfig>> {
+    use pipewright_runtime::data::source::Task;
+    use pipewright_runtime::model::{registry, TaskHead};
+    let task = cfg.data.as_ref().map_or(Task::Lm, |d| d.task);
+    let head = match (cfg.model.head, task) {
+        (None, Task::Classify) => TaskHead::Classify { classes: 2 },
+        (None, Task::Qa) => TaskHead::Span,
+        (None, Task::Lm) if registry::spec(cfg.model.family).task_only => {
+            return Err(BadInput(format!(
+                "--model: this {} model has no task head and no LM head (a bare encoder); fine-tune it with --task classify or --task qa",
+                cfg.model.family.name()
+            ))
+            .into())
+        }
+        _ => return Ok(std::borrow::Cow::Borrowed(cfg)),
+    };
+    let mut probe = cfg.clone();
+    probe.model = probe.model.with_head(Some(head));
+    Ok(std::borrow::Cow::Owned(probe))
 }
 
 /// A progress bar of `len` steps on a terminal (hidden otherwise: logs stay clean).
@@ -295,7 +324,8 @@ fn worker_count(a: &TrainArgs, cfg: &TrainConfig) -> Result<usize> {
     }
     let skip = a.run.skip.map(|k| skip_count(cfg, k)).transpose()?;
     // Skip routes on identical devices have the pipeline's workers (`--cluster` stays threads).
-    cfg.check_job(skip)?
+    as_trained(cfg)?
+        .check_job(skip)?
         .ok_or_else(|| BadInput("--stages x --replicas is past the largest count".into()).into())
 }
 

@@ -40,7 +40,12 @@ pub fn config_from_hf(text: &str, what: &str) -> Result<ModelConfig, Error> {
         None => return Err(format!("{what}: no model_type").into()),
     };
     let cfg = (spec.from_hf)(&v).map_err(|e| format!("{what}: {e}"))?;
-    cfg.check().map_err(|e| format!("{what}: {e}"))?;
+    // A bare encoder has no head until its task gives it one: checked with one.
+    let as_trained = match cfg.head {
+        None if spec.task_only => cfg.with_head(Some(super::TaskHead::Span)),
+        _ => cfg.clone(),
+    };
+    as_trained.check().map_err(|e| format!("{what}: {e}"))?;
     Ok(cfg)
 }
 
@@ -163,6 +168,12 @@ fn read_weight_files(dir: &Path) -> Result<HashMap<String, HfTensor>, String> {
                 .map_err(|e| format!("{}: not a valid safetensors file ({e})", file.display()))
         })?;
         for (name, view) in st.tensors() {
+            // Index buffers, not parameters (transformers saves BERT's as I64).
+            if name.ends_with("embeddings.position_ids")
+                || name.ends_with("embeddings.token_type_ids")
+            {
+                continue;
+            }
             let values = to_f32(view.dtype(), view.data())
                 .map_err(|e| format!("{}: tensor {name}: {e}", file.display()))?;
             let shape = view.shape().to_vec();
@@ -203,7 +214,7 @@ fn to_f32(dtype: safetensors::Dtype, data: &[u8]) -> Result<Vec<f32>, String> {
 /// head takes the embedding's matrix. Missing, misshaped and left-over tensors are named.
 ///
 /// With `new_head` (a fine-tune for another task than the checkpoint's) the head's parts
-/// (`lm_head`, `score`, `classifier`, `qa_outputs`, BERT's pooler) are read where the
+/// (`lm_head`, `score`, `classifier`, `qa_outputs`, BERT's and ViT's poolers) are read where the
 /// checkpoint has them in the shape wanted, else left out of the result for the caller to
 /// start fresh; the checkpoint's other head parts are dropped, as transformers does.
 pub fn from_hf(
@@ -222,6 +233,15 @@ fn take_weights(
     new_head: bool,
 ) -> Result<BTreeMap<String, HfTensor>, String> {
     let mut out = BTreeMap::new();
+    // A bare model (`BertModel`, `LlamaModel`, ...) saves its names without the task model's
+    // prefix (`bert.`, `model.`, ...).
+    let base = registry::spec(cfg.family).layout.base;
+    if !base.is_empty() && !hf.keys().any(|k| k.starts_with(base)) {
+        hf = hf
+            .into_iter()
+            .map(|(k, t)| (format!("{base}{k}"), t))
+            .collect();
+    }
     let embedding = hf.get(embedding_name(cfg)).cloned();
     let task_part = |k: &str| {
         new_head
@@ -231,6 +251,7 @@ fn take_weights(
                 "classifier.",
                 "qa_outputs.",
                 "bert.pooler.",
+                "vit.pooler.",
             ]
             .iter()
             .any(|p| k.starts_with(p))

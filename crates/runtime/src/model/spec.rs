@@ -39,4 +39,7 @@ pub struct Spec {
     pub layout: Layout,
     /// The Hugging Face name of the token embedding (a tied head's matrix).
     pub embedding: &'static str,
+    /// The family has no LM head: it is trained for a task only, and its bare encoder
+    /// (`BertModel`, `ViTModel`) gets the task's head fresh.
+    pub task_only: bool,
 }

@@ -28,12 +28,46 @@ pub(crate) fn fresh_state(cfg: &TrainConfig) -> Vec<LayerState> {
 
 /// The state a run starts from: the pretrained weights of `cfg.pretrained` when it names a
 /// Hugging Face directory, else fresh ones from the seed.
-pub(crate) fn initial_state(cfg: &TrainConfig) -> Result<Vec<LayerState>> {
+/// With pretrained weights, also a line for the run header on the parts that start fresh.
+pub(crate) fn initial_state(cfg: &TrainConfig) -> Result<(Vec<LayerState>, Option<String>)> {
     let Some(dir) = &cfg.pretrained else {
-        return Ok(fresh_state(cfg));
+        return Ok((fresh_state(cfg), None));
     };
-    let blocks = hf_layers(&cfg.model, dir, cfg.seed)?;
-    Ok(blocks.into_iter().map(|b| (b, optimizer(cfg))).collect())
+    let (blocks, fresh) = hf_start(&cfg.model, dir, cfg.seed)?;
+    let state = blocks.into_iter().map(|b| (b, optimizer(cfg))).collect();
+    Ok((state, fresh_note(&cfg.model, dir, cfg.seed, &fresh)))
+}
+
+/// What of a task's head starts fresh, for the run header; BERT's pooler is said either way
+/// (transformers' `BertForSequenceClassification` classifies [CLS] through it).
+fn fresh_note(
+    model: &crate::model::ModelConfig,
+    dir: &std::path::Path,
+    seed: u64,
+    fresh: &[String],
+) -> Option<String> {
+    let head = model.head?;
+    let (pooler, outs): (Vec<&String>, Vec<&String>) =
+        fresh.iter().partition(|n| n.contains("pooler."));
+    let mut parts: Vec<&str> = outs
+        .iter()
+        .map(|n| n.rsplit('.').nth(1).unwrap_or(n))
+        .collect();
+    parts.dedup();
+    let mut note = match parts.is_empty() {
+        true => format!("head: {head}, pretrained"),
+        false => format!(
+            "head: {head}, {} fresh from seed {seed} (as transformers: matrices from N(0, initializer_range), biases 0)",
+            parts.join(", ")
+        ),
+    };
+    if model.family == crate::model::Family::Bert {
+        note += &match pooler.is_empty() {
+            true => format!("; [CLS] pooler pretrained (from {})", dir.display()),
+            false => format!("; [CLS] pooler fresh ({} has none)", dir.display()),
+        };
+    }
+    Some(note)
 }
 
 /// The layer blocks of `model` with the weights of the Hugging Face directory `dir`.
@@ -42,6 +76,17 @@ pub fn hf_layers(
     dir: &std::path::Path,
     seed: u64,
 ) -> std::result::Result<Vec<LayerBlock>, crate::model::error::Error> {
+    hf_start(model, dir, seed).map(|(blocks, _)| blocks)
+}
+
+/// [`hf_layers`], and the checkpoint names of the parameters the directory did not have (a
+/// new task's head), which start from `seed` as transformers starts them: matrices from
+/// N(0, initializer_range), biases zero.
+pub fn hf_start(
+    model: &crate::model::ModelConfig,
+    dir: &std::path::Path,
+    seed: u64,
+) -> std::result::Result<(Vec<LayerBlock>, Vec<String>), crate::model::error::Error> {
     use crate::model::error::Error as ModelError;
     let blocks = Layers::new(model, seed, &train_device()).into_blocks();
     let fresh = named_params(blocks.iter().enumerate(), model.layers);
@@ -49,32 +94,57 @@ pub fn hf_layers(
         .iter()
         .map(|(n, s, _)| (n.clone(), s.clone()))
         .collect();
-    let saved = crate::model::hf::config_from_hf(
-        &std::fs::read_to_string(dir.join("config.json")).map_err(|e| {
-            ModelError::Config(format!("{}: {e}", dir.join("config.json").display()))
-        })?,
-        &dir.display().to_string(),
-    )?;
+    let text = std::fs::read_to_string(dir.join("config.json"))
+        .map_err(|e| ModelError::Config(format!("{}: {e}", dir.join("config.json").display())))?;
+    let saved = crate::model::hf::config_from_hf(&text, &dir.display().to_string())?;
+    let std = serde_json::from_str::<serde_json::Value>(&text)
+        .ok()
+        .and_then(|v| {
+            v.get("initializer_range")
+                .and_then(serde_json::Value::as_f64)
+        })
+        .unwrap_or(0.02);
+    let mut rng = pipewright_core::rng::SplitMix64::new(seed ^ 0x6865_6164); // "head"
     let hf = crate::model::hf::read_weights(dir)?;
     let mut ours = crate::model::hf::from_hf(model, &wanted, hf, saved.head != model.head)
         .map_err(|e| ModelError::Weights(format!("{}: {e}", dir.display())))?;
     // A new task's output layer starts from the seed.
-    let mut entries = Vec::new();
+    let (mut entries, mut started) = (Vec::new(), Vec::new());
     for (n, shape, bytes) in fresh {
         let bytes = match ours.remove(&n) {
             Some(t) => t.values.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            None => bytes,
+            None if shape.len() == 2 => {
+                started.push(n.clone());
+                let count = shape.iter().product::<usize>();
+                (0..count)
+                    .flat_map(|_| ((normal(&mut rng) * std) as f32).to_le_bytes())
+                    .collect()
+            }
+            None => {
+                started.push(n.clone());
+                bytes
+            }
         };
         entries.push((n, safetensors::Dtype::F32, shape, bytes));
     }
     let bytes = to_safetensors(&entries).map_err(ModelError::Weights)?;
     let tensors = safetensors::SafeTensors::deserialize(&bytes)
         .map_err(|e| ModelError::Weights(e.to_string()))?;
-    blocks
+    let blocks = blocks
         .into_iter()
         .enumerate()
         .map(|(i, b)| load_layer(b, &tensors, i, model.layers).map_err(ModelError::Weights))
-        .collect()
+        .collect::<std::result::Result<_, _>>()?;
+    Ok((blocks, started))
+}
+
+/// A standard normal draw (Box-Muller).
+fn normal(rng: &mut pipewright_core::rng::SplitMix64) -> f64 {
+    let u = |r: &mut pipewright_core::rng::SplitMix64| {
+        ((r.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    };
+    let (a, b) = (u(rng), u(rng));
+    (-2.0 * a.ln()).sqrt() * (std::f64::consts::TAU * b).cos()
 }
 
 /// The model's parameters under Hugging Face names and shapes (what `export` writes), or

@@ -18,7 +18,7 @@ pub use crate::data::source::DataSource;
 pub use checkpoint::{checkpoint_config, checkpoint_run_settings, Resumed};
 pub use config::{PlanIn, SkipPlanned, SkipSearch, TrainConfig};
 pub use freeze::{FreezeController, FreezeSettings};
-pub use layers::{hf_layers, hf_params};
+pub use layers::{hf_layers, hf_params, hf_start};
 pub use plain::PlainTrainer;
 pub use run::{Checkpointing, RunConfig, RunSink, RunStart, RunSummary, StepRow, TrainingRun};
 pub use settings::{DeviceKind, ElasticBatch, RunSettings, TransportKind};

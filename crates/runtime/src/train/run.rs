@@ -194,7 +194,7 @@ impl StepRow<'_> {
     /// The metrics row (JSON lines): the one place that names its fields.
     pub fn to_json(&self) -> Value {
         let r = self.report;
-        json!({"step": r.step, "loss": r.loss, "val_loss": self.val_loss, "val_perplexity": self.val_loss.map(f64::exp), "accuracy": self.accuracy, "f1": self.f1, "tokens_per_s": self.tokens_per_s(), "samples_per_s": self.samples_per_s, "lr": r.lr, "grad_norm": r.grad_norm, "busy": r.busy, "seconds": r.seconds, "frozen_layers": self.frozen, "mfu": self.mfu, "stages": self.stages, "replicas": self.replicas, "cache": self.cache.as_ref().map(|c| json!({"hits": c.hits, "extended": c.extended, "misses": c.misses, "memory_bytes": c.memory_bytes, "disk_bytes": c.disk_bytes, "not_kept": c.not_kept}))})
+        json!({"step": r.step, "loss": r.loss, "val_loss": self.val_loss, "val_perplexity": self.val_loss.map(f64::exp), "accuracy": self.accuracy, "f1": self.f1, "tokens_per_s": self.tokens_per_s(), "samples_per_s": self.samples_per_s, "lr": r.lr, "grad_norm": r.grad_norm, "layer_grad_norms": r.layer_norms, "busy": r.busy, "seconds": r.seconds, "frozen_layers": self.frozen, "mfu": self.mfu, "stages": self.stages, "replicas": self.replicas, "cache": self.cache.as_ref().map(|c| json!({"hits": c.hits, "extended": c.extended, "misses": c.misses, "memory_bytes": c.memory_bytes, "disk_bytes": c.disk_bytes, "not_kept": c.not_kept}))})
     }
 }
 
@@ -493,7 +493,11 @@ impl TrainingRun {
                 true => format!(" in epochs of {}", self.epoch_steps),
                 false => String::new(),
             },
-        )
+        ) + &self
+            .trainer
+            .start_note
+            .as_ref()
+            .map_or(String::new(), |n| format!("\n{n}"))
     }
 
     /// One step and what follows it: validation, metrics, checkpoint, profiling, freezing and

@@ -151,6 +151,8 @@ pub struct Trainer {
     tied: Option<Tied>,
     /// The plan's workers when the run started: over MPI, the ranks.
     workers_at_start: usize,
+    /// For the run header: which parts of pretrained weights' head start fresh.
+    pub start_note: Option<String>,
     /// The run's own settings, written into checkpoints for a resume to take back.
     pub run_settings: Option<super::RunSettings>,
     /// The next step is a first one (of this trainer, or after a plan switch): its waits for
@@ -229,7 +231,7 @@ impl Trainer {
     ) -> Result<Self> {
         cfg.check()?;
         let plan_workers = plan.num_workers();
-        let state = initial_state(&cfg)?;
+        let (state, start_note) = initial_state(&cfg)?;
         let workers = build_workers(&plan, &state, rank);
         Ok(Trainer {
             sampler: cfg.sampler(),
@@ -248,6 +250,7 @@ impl Trainer {
             frozen: 0,
             step: 0,
             keep_checkpoints: 3,
+            start_note,
             workers_at_start: plan_workers,
             run_settings: None,
             first_step: true,

@@ -29,18 +29,21 @@ pub const SPEC: Spec = Spec {
         ],
     },
     embedding: "model.embed_tokens.weight",
+    task_only: true,
 };
 
 /// BERT's task head from `architectures`: sequence classification (`num_labels`, or the size
-/// of `id2label`) or extractive question answering.
-fn bert_head(v: &Value) -> Result<TaskHead, String> {
+/// of `id2label`) or extractive question answering; none for the bare encoder (`BertModel`),
+/// which the task gives a fresh one.
+fn bert_head(v: &Value) -> Result<Option<TaskHead>, String> {
     match architecture(v).unwrap_or("") {
-        "BertForSequenceClassification" => Ok(TaskHead::Classify {
+        "BertForSequenceClassification" => Ok(Some(TaskHead::Classify {
             classes: num_labels(v)?,
-        }),
-        "BertForQuestionAnswering" => Ok(TaskHead::Span),
+        })),
+        "BertForQuestionAnswering" => Ok(Some(TaskHead::Span)),
+        "BertModel" => Ok(None),
         other => Err(format!(
-            "architectures [\"{other}\"] is not supported for bert (supported: BertForSequenceClassification, BertForQuestionAnswering)"
+            "architectures [\"{other}\"] is not supported for bert (supported: BertForSequenceClassification, BertForQuestionAnswering, and the bare BertModel)"
         )),
     }
 }
@@ -60,7 +63,7 @@ fn bert_config(v: &Value) -> Result<ModelConfig, Error> {
         ffn: Some(need(v, "intermediate_size")?),
         norm_eps: Some(f64_field(v, "layer_norm_eps")?.unwrap_or(1e-12)),
         max_positions: Some(positions),
-        head: Some(bert_head(v)?),
+        head: bert_head(v)?,
         type_vocab: Some(usize_field(v, "type_vocab_size")?.unwrap_or(2)),
         ..ModelConfig::default()
     })

@@ -16,6 +16,7 @@ pub const SPEC: Spec = Spec {
     describe: super::costs::describe,
     layout: crate::model::llama::hf::LAYOUT,
     embedding: crate::model::llama::hf::EMBEDDING,
+    task_only: false,
 };
 
 /// Never called: the registry finds families by their `model_type`, and gpt has none.

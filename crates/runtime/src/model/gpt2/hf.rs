@@ -24,6 +24,7 @@ pub const SPEC: Spec = Spec {
         renames: &NORMS,
     },
     embedding: "transformer.wte.weight",
+    task_only: false,
 };
 
 fn gpt2_config(v: &Value) -> Result<ModelConfig, Error> {

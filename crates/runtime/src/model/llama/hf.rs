@@ -18,6 +18,7 @@ pub const SPEC: Spec = Spec {
     describe: super::costs::describe,
     layout: LAYOUT,
     embedding: EMBEDDING,
+    task_only: false,
 };
 
 /// `LlamaForCausalLM`'s names (pipewright's GPT keeps them too).

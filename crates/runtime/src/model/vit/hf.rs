@@ -24,20 +24,25 @@ pub const SPEC: Spec = Spec {
         renames: &NORMS,
     },
     embedding: "model.embed_tokens.weight",
+    task_only: true,
 };
 
 fn vit_config(v: &Value) -> Result<ModelConfig, Error> {
     refuse_unless(v, "hidden_act", |x| x == "gelu")?;
     refuse_unless(v, "qkv_bias", |x| x == true)?;
-    let arch = architecture(v);
-    if arch.is_some_and(|a| a != "ViTForImageClassification") {
-        return Err(format!(
-            "architectures [{:?}] is not supported for vit (supported: ViTForImageClassification)",
-            arch.unwrap_or("")
-        )
-        .into());
-    }
-    let classes = num_labels(v)?;
+    // The bare encoder (`ViTModel`) has no head: the task gives it a fresh one.
+    let head = match architecture(v) {
+        None | Some("ViTForImageClassification") => Some(TaskHead::Classify {
+            classes: num_labels(v)?,
+        }),
+        Some("ViTModel") => None,
+        Some(other) => {
+            return Err(format!(
+                "architectures [{other:?}] is not supported for vit (supported: ViTForImageClassification, and the bare ViTModel)"
+            )
+            .into())
+        }
+    };
     let (image, patch) = (need(v, "image_size")?, need(v, "patch_size")?);
     if patch == 0 || image % patch != 0 {
         return Err(format!(
@@ -55,7 +60,7 @@ fn vit_config(v: &Value) -> Result<ModelConfig, Error> {
         seq_len: (image / patch).saturating_pow(2).saturating_add(1),
         ffn: Some(need(v, "intermediate_size")?),
         norm_eps: Some(f64_field(v, "layer_norm_eps")?.unwrap_or(1e-12)),
-        head: Some(TaskHead::Classify { classes }),
+        head,
         image: Some(image),
         patch: Some(patch),
         channels: Some(usize_field(v, "num_channels")?.unwrap_or(3)),
