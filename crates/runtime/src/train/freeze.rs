@@ -11,14 +11,15 @@ use pipewright_core::policy::elastic::{
     elastic_layout, frozen_profile, keep_unless_faster, peak_memory, ElasticChoice, GlobalBatch,
     Shape,
 };
-use pipewright_core::policy::freeze::{max_frozen, FreezePolicy};
+use pipewright_core::policy::freeze::{default_interval, max_frozen, FreezePolicy};
 use pipewright_core::profile::Profile;
 
 /// What freezes when, and whether the layout follows.
 #[derive(Debug, Clone, PartialEq)]
 pub struct FreezeSettings {
     pub policy: FreezePolicy,
-    /// Steps between freeze decisions (default: once per epoch of the training data).
+    /// Steps between freeze decisions (default: a tenth of an epoch, at least 10 steps;
+    /// `policy::freeze::default_interval`).
     pub every: Option<u64>,
     /// Re-cut the training layers over the fastest depth that fits, and turn freed workers
     /// into more data-parallel replicas (AutoPipe + AutoDP).
@@ -64,7 +65,7 @@ impl FreezeController {
             .map_err(|e| Error::Config(format!("freeze policy: {e}")))?;
         let cfg = &trainer.cfg;
         let plan = &trainer.plan;
-        let every = a.every.unwrap_or(epoch_steps);
+        let every = a.every.unwrap_or(default_interval(epoch_steps));
         if every == 0 {
             return Err(Error::Config(
                 "steps between freeze decisions must be at least 1".into(),

@@ -185,7 +185,7 @@ pub struct RunSettings {
     /// (the released rule, L (1 - (1 - alpha)^e) after decision e) or `off`.
     #[cfg_attr(feature = "clap", arg(long, value_enum, default_value_t = RunSettings::default().freeze))]
     pub freeze: FreezeMode,
-    /// Steps between freeze decisions (default: once per epoch of the training text).
+    /// Steps between freeze decisions (default: a tenth of an epoch, at least 10 steps).
     #[cfg_attr(feature = "clap", arg(long))]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub freeze_every: Option<u64>,
