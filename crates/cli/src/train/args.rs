@@ -47,7 +47,7 @@ pub struct TrainArgs {
     pub(crate) steps: Option<u64>,
     #[arg(long, help = dflt("Peak learning rate (linear warmup, then cosine down to --min-lr)", |c| c.lr))]
     pub(crate) lr: Option<f64>,
-    #[arg(long, help = dflt("Learning rate at the last step (with --lr alone: at most a tenth of it)", |c| c.min_lr))]
+    #[arg(long, help = dflt("Learning rate at the last step (a --lr below it alone: a tenth of that)", |c| c.min_lr))]
     pub(crate) min_lr: Option<f64>,
     #[arg(long, help = dflt("Warmup steps", |c| c.warmup))]
     pub(crate) warmup: Option<u64>,

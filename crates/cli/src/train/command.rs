@@ -133,8 +133,8 @@ fn config(a: &TrainArgs) -> Result<TrainConfig> {
     );
     // A learning rate below the schedule's floor takes the floor down with it (to a tenth of
     // it, the defaults' ratio) unless --min-lr says otherwise: a fine-tune's --lr 5e-5 alone.
-    if a.lr.is_some() && a.min_lr.is_none() {
-        cfg.min_lr = cfg.min_lr.min(cfg.lr / 10.0);
+    if a.lr.is_some() && a.min_lr.is_none() && cfg.min_lr > cfg.lr {
+        cfg.min_lr = cfg.lr / 10.0;
     }
     if let Some(g) = a.run.global_batch {
         if g == 0 || g % cfg.replicas != 0 {

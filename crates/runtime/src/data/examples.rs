@@ -22,6 +22,8 @@ pub struct Examples {
     pub labels: Vec<i64>,
     /// Texts longer than `seq_len` tokens, cut to it.
     pub truncated: usize,
+    /// Lines of the file that were not UTF-8, read lossily.
+    pub lossy: usize,
     /// Images instead of texts: `len()` of `[c, h, w]` values each, row-major.
     pub pixels: Vec<f32>,
     pub image: Option<[usize; 3]>,
@@ -109,11 +111,12 @@ impl Examples {
         seq_len: usize,
         classes: Option<&Classes>,
     ) -> Result<(Examples, Classes)> {
-        let rows = records(path, fields)?;
+        let (rows, lossy) = records(path, fields)?;
         let found = classes_of(&rows)?;
         let classes = classes.cloned().unwrap_or(found);
         let mut ex = Examples {
             seq_len,
+            lossy,
             ..Examples::default()
         };
         let pad = tok.eot().unwrap_or(0) as i64;
@@ -440,6 +443,23 @@ mod tests {
         assert_eq!((x.labels.clone(), x.truncated), (vec![1, 0], 1));
         let (y, _) = Examples::load(&c, &Tokenizer::Bytes, &f, 4, None).unwrap();
         assert_eq!(x, y);
+    }
+
+    /// An e-mail in Latin-1 inside a JSON-lines file is read, its stray bytes as U+FFFD, and
+    /// counted; the other lines are untouched.
+    #[test]
+    fn lines_that_are_not_utf8_are_read_lossily_and_counted() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("mail.jsonl");
+        let mut bytes = b"{\"text\": \"caf\xe9 au lait\", \"label\": \"ham\"}\n".to_vec();
+        bytes.extend_from_slice("{\"text\": \"naïve\", \"label\": \"spam\"}\n".as_bytes());
+        std::fs::write(&p, &bytes).unwrap();
+        let (x, _) = Examples::load(&p, &Tokenizer::Bytes, &Fields::default(), 16, None).unwrap();
+        assert_eq!(x.lossy, 1);
+        let caf: Vec<i64> = "caf\u{fffd} au".bytes().map(i64::from).collect();
+        assert_eq!(x.tokens[..caf.len()], caf[..]);
+        let naive: Vec<i64> = "naïve".bytes().map(i64::from).collect();
+        assert_eq!(x.tokens[16..16 + naive.len()], naive[..]);
     }
 
     #[test]

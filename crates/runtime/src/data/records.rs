@@ -46,13 +46,14 @@ pub fn regular(path: &Path) -> Result<()> {
 }
 
 /// Texts and labels of a JSONL or CSV file (by extension: `.csv` is CSV, anything else JSON
-/// lines), each with where it was read ("file:line").
-pub fn records(path: &Path, f: &Fields) -> Result<Vec<Record>> {
+/// lines), each with where it was read ("file:line"), and how many lines were not UTF-8 (read
+/// with U+FFFD for the bytes that were not: e-mails in Latin-1 are data, not a broken file).
+pub fn records(path: &Path, f: &Fields) -> Result<(Vec<Record>, usize)> {
     let name = path.display().to_string();
     regular(path)?;
-    let text = match path.extension().is_some_and(|x| x == "parquet") {
-        true => String::new(), // binary: read by its reader
-        false => std::fs::read_to_string(path).map_err(|e| format!("{name}: cannot read: {e}"))?,
+    let (text, lossy) = match path.extension().is_some_and(|x| x == "parquet") {
+        true => (String::new(), 0), // binary: read by its reader
+        false => lossy_text(&std::fs::read(path).map_err(|e| format!("{name}: cannot read: {e}"))?),
     };
     let ext = path.extension().and_then(|x| x.to_str()).unwrap_or("");
     let rows = match ext {
@@ -63,7 +64,24 @@ pub fn records(path: &Path, f: &Fields) -> Result<Vec<Record>> {
     if rows.is_empty() {
         return Err(format!("{name}: no examples (an empty data set)").into());
     }
-    Ok(rows)
+    Ok((rows, lossy))
+}
+
+/// `bytes` as text, and how many of its lines were not UTF-8 (each decoded lossily).
+fn lossy_text(bytes: &[u8]) -> (String, usize) {
+    if let Ok(s) = std::str::from_utf8(bytes) {
+        return (s.to_string(), 0);
+    }
+    let mut bad = 0;
+    let lines: Vec<String> = bytes
+        .split(|&b| b == b'\n')
+        .map(|l| {
+            let s = String::from_utf8_lossy(l);
+            bad += matches!(s, std::borrow::Cow::Owned(_)) as usize;
+            s.into_owned()
+        })
+        .collect();
+    (lines.join("\n"), bad)
 }
 
 fn jsonl_records(name: &str, text: &str, f: &Fields) -> Result<Vec<Record>> {

@@ -200,13 +200,20 @@ fn examples(s: &DataSource, model: &mut ModelConfig, tok: &Tokenizer, seed: u64)
     }
     // The training labels make the classes (the run checks a classifier's head has room).
     let (train, classes) = load(data, None)?;
-    let name = match train.truncated {
-        0 => data.display().to_string(),
-        cut => format!(
-            "{} ({cut} of {} texts cut to {seq_len} tokens)",
-            data.display(),
+    let mut notes = Vec::new();
+    if train.truncated > 0 {
+        notes.push(format!(
+            "{} of {} texts cut to {seq_len} tokens",
+            train.truncated,
             train.len()
-        ),
+        ));
+    }
+    if train.lossy > 0 {
+        notes.push(format!("{} lines not UTF-8, read lossily", train.lossy));
+    }
+    let name = match notes.is_empty() {
+        true => data.display().to_string(),
+        false => format!("{} ({})", data.display(), notes.join("; ")),
     };
     let ids = if vit { 0 } else { tok.vocab_size() };
     // A CIFAR directory brings its own test set.
