@@ -110,6 +110,14 @@ fn resume_note(a: &TrainArgs, cfg: &TrainConfig) -> Result<Option<String>> {
     }))
 }
 
+/// A learning rate below the schedule's floor takes the floor down with it (to a tenth of it,
+/// the defaults' ratio) unless --min-lr says otherwise: a fine-tune's --lr 5e-5 alone.
+fn lower_lr_floor(a: &TrainArgs, cfg: &mut TrainConfig) {
+    if a.lr.is_some() && a.min_lr.is_none() && cfg.min_lr > cfg.lr {
+        cfg.min_lr = cfg.lr / 10.0;
+    }
+}
+
 /// The run's settings: the config file (or a resumed checkpoint's), then the flags over it.
 fn config(a: &TrainArgs) -> Result<TrainConfig> {
     let mut cfg = base_config(a)?;
@@ -131,11 +139,7 @@ fn config(a: &TrainArgs) -> Result<TrainConfig> {
         clip,
         seed
     );
-    // A learning rate below the schedule's floor takes the floor down with it (to a tenth of
-    // it, the defaults' ratio) unless --min-lr says otherwise: a fine-tune's --lr 5e-5 alone.
-    if a.lr.is_some() && a.min_lr.is_none() && cfg.min_lr > cfg.lr {
-        cfg.min_lr = cfg.lr / 10.0;
-    }
+    lower_lr_floor(a, &mut cfg);
     if let Some(g) = a.run.global_batch {
         if g == 0 || g % cfg.replicas != 0 {
             return Err(BadInput(format!(
