@@ -251,3 +251,27 @@ fn wordpiece_ids_equal_transformers_autotokenizer() {
         assert_eq!((ids[0], *ids.last().unwrap()), (101, 102), "[CLS] .. [SEP]");
     }
 }
+
+/// A long text is read from a prefix once that prefix gives more tokens than the window keeps:
+/// the ids and the cut flag are those of the whole text, for windows from 3 tokens up, on
+/// texts whose words, spaces and line breaks fall anywhere around the prefix's end.
+#[test]
+fn a_long_text_cut_from_a_prefix_gives_the_whole_texts_ids() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/wordpiece");
+    let t = Tokenizer::load(dir.join("tokenizer.json").to_str().unwrap()).unwrap();
+    let mail = "Subject: Re: [ILUG] Café naïve résumé\r\n\r\nDear friend,\tCLICK http://example.com/?a=1&b=2 \
+                NOW!!! 中文分词 supercalifragilisticexpialidocious ";
+    for reps in [1usize, 7, 40, 400] {
+        let text = mail.repeat(reps) + &"x".repeat(reps);
+        let whole = t.encode(&text).unwrap();
+        for max in [3usize, 16, 128, 512] {
+            let (ids, cut) = t.encode_example(&text, max).unwrap();
+            let room = max - 2;
+            let mut want = vec![101];
+            want.extend(&whole[..whole.len().min(room)]);
+            want.push(102);
+            assert_eq!(ids, want, "{reps} copies, max {max}");
+            assert_eq!(cut, whole.len() > room, "{reps} copies, max {max}");
+        }
+    }
+}

@@ -361,6 +361,12 @@ impl TrainingRun {
             &mut quiet
         };
         let resumed = self.resume(sink)?;
+        // Every held-out example is scored; a large set takes a while before any output.
+        if let (true, n @ 500..) = (self.corpus.is_task(), self.corpus.val.len()) {
+            sink.note(&format!(
+                "scoring the {n} held-out examples before the first step"
+            ));
+        }
         let first = self
             .trainer
             .validate(&self.corpus, self.cfg.eval_batches, &[])?;
