@@ -216,7 +216,7 @@ fn search(
 
 /// The simulated iteration time and fullest worker's memory of `plan` with the stage costs of
 /// `profile` (a frozen, maybe cached one).
-fn price(plan: &Plan, profile: &Profile, cluster: &Cluster) -> Result<(Plan, f64, u64)> {
+pub(crate) fn price(plan: &Plan, profile: &Profile, cluster: &Cluster) -> Result<(Plan, f64, u64)> {
     let mut plan = plan.clone();
     let costs = profile.stage_costs(&plan.layers_per_stage());
     for (st, c) in plan.stages.iter_mut().zip(&costs) {
