@@ -479,3 +479,21 @@ fn a_bare_bert_gets_a_fresh_head_and_keeps_its_encoder() {
         assert_eq!(hf_params(&model, &again, None), got);
     }
 }
+
+/// A fresh head's spread: transformers' 0.02 by default, the config's when it is a number in
+/// (0, 1], else refused by name (a negative one drew a head of std 1 and a loss of 9).
+#[test]
+fn initializer_range_is_read_checked() {
+    use pipewright_runtime::model::hf::initializer_range;
+    assert_eq!(initializer_range("{}", "c").unwrap(), 0.02);
+    assert_eq!(
+        initializer_range(r#"{"initializer_range": 0.05}"#, "c").unwrap(),
+        0.05
+    );
+    for bad in ["-1", "0", "1e300", "\"x\""] {
+        let e = initializer_range(&format!(r#"{{"initializer_range": {bad}}}"#), "c")
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("c: initializer_range"), "{bad}: {e}");
+    }
+}

@@ -275,3 +275,34 @@ fn a_long_text_cut_from_a_prefix_gives_the_whole_texts_ids() {
         }
     }
 }
+
+/// A model directory's tokenizer.json that is a FIFO or a directory is refused by name; it was
+/// once passed over, and the model trained on bytes. No tokenizer.json at all: bytes.
+#[test]
+fn a_model_dirs_tokenizer_that_is_not_a_file_is_refused() {
+    let d = scratch("model-dir-tok");
+    assert!(Tokenizer::of_model_dir(&d).is_none());
+    std::fs::create_dir(d.join("tokenizer.json")).unwrap();
+    let e = Tokenizer::of_model_dir(&d)
+        .unwrap()
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("tokenizer.json") && e.contains("not a regular file"),
+        "{e}"
+    );
+    std::fs::remove_dir(d.join("tokenizer.json")).unwrap();
+    let fifo = d.join("tokenizer.json");
+    assert!(std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+    let e = Tokenizer::of_model_dir(&d)
+        .unwrap()
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("not a regular file"), "{e}");
+}

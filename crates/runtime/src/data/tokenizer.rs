@@ -91,10 +91,18 @@ impl Tokenizer {
         })
     }
 
-    /// The tokenizer of a model directory when it has one.
+    /// The tokenizer of a model directory when it has one. A `tokenizer.json` that is there
+    /// but not a regular file (a FIFO, a directory) is refused, not passed over: bytes in its
+    /// place would train the model on ids it never saw.
     pub fn of_model_dir(dir: &Path) -> Option<Result<Self>> {
         let f = dir.join("tokenizer.json");
-        f.is_file().then(|| Self::load(&f.display().to_string()))
+        if f.symlink_metadata().is_err() {
+            return None;
+        }
+        Some(match pipewright_core::inputs::regular_file(&f) {
+            Ok(_) => Self::load(&f.display().to_string()),
+            Err(e) => Err(e.to_string().into()),
+        })
     }
 
     /// The tokenizer a run reads with: `spec` when one is named, else that of the model

@@ -49,6 +49,20 @@ pub fn config_from_hf(text: &str, what: &str) -> Result<ModelConfig, Error> {
     Ok(cfg)
 }
 
+/// The spread of a fresh head's matrices (`initializer_range`, default 0.02, as transformers):
+/// a number in (0, 1], else refused by name (a negative one once drew a head of std 1).
+pub fn initializer_range(text: &str, what: &str) -> Result<f64, Error> {
+    let v: Value =
+        serde_json::from_str(text).map_err(|e| format!("{what}: not a JSON config: {e}"))?;
+    match super::hf_json::f64_field(&v, "initializer_range").map_err(|e| format!("{what}: {e}"))? {
+        None => Ok(0.02),
+        Some(r) if r > 0.0 && r <= 1.0 => Ok(r),
+        Some(r) => {
+            Err(format!("{what}: initializer_range {r}: expected a number in (0, 1]").into())
+        }
+    }
+}
+
 /// The Hugging Face `config.json` of a model (what `from_pretrained` needs).
 pub fn config_to_hf(cfg: &ModelConfig) -> Result<Value, Error> {
     (registry::spec(cfg.family).to_hf)(cfg)

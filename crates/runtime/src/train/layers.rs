@@ -97,13 +97,7 @@ pub fn hf_start(
     let text = std::fs::read_to_string(dir.join("config.json"))
         .map_err(|e| ModelError::Config(format!("{}: {e}", dir.join("config.json").display())))?;
     let saved = crate::model::hf::config_from_hf(&text, &dir.display().to_string())?;
-    let std = serde_json::from_str::<serde_json::Value>(&text)
-        .ok()
-        .and_then(|v| {
-            v.get("initializer_range")
-                .and_then(serde_json::Value::as_f64)
-        })
-        .unwrap_or(0.02);
+    let std = crate::model::hf::initializer_range(&text, &dir.display().to_string())?;
     let mut rng = pipewright_core::rng::SplitMix64::new(seed ^ 0x6865_6164); // "head"
     let hf = crate::model::hf::read_weights(dir)?;
     let mut ours = crate::model::hf::from_hf(model, &wanted, hf, saved.head != model.head)
