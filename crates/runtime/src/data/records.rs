@@ -53,7 +53,7 @@ pub fn records(path: &Path, f: &Fields) -> Result<(Vec<Record>, usize)> {
     regular(path)?;
     let (text, lossy) = match path.extension().is_some_and(|x| x == "parquet") {
         true => (String::new(), 0), // binary: read by its reader
-        false => lossy_text(&std::fs::read(path).map_err(|e| format!("{name}: cannot read: {e}"))?),
+        false => lossy_text(std::fs::read(path).map_err(|e| format!("{name}: cannot read: {e}"))?),
     };
     let ext = path.extension().and_then(|x| x.to_str()).unwrap_or("");
     let rows = match ext {
@@ -68,10 +68,12 @@ pub fn records(path: &Path, f: &Fields) -> Result<(Vec<Record>, usize)> {
 }
 
 /// `bytes` as text, and how many of its lines were not UTF-8 (each decoded lossily).
-fn lossy_text(bytes: &[u8]) -> (String, usize) {
-    if let Ok(s) = std::str::from_utf8(bytes) {
-        return (s.to_string(), 0);
-    }
+fn lossy_text(bytes: Vec<u8>) -> (String, usize) {
+    // Valid UTF-8 (the usual case) becomes the string without a copy.
+    let bytes = match String::from_utf8(bytes) {
+        Ok(s) => return (s, 0),
+        Err(e) => e.into_bytes(),
+    };
     let mut bad = 0;
     let lines: Vec<String> = bytes
         .split(|&b| b == b'\n')
