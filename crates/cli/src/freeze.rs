@@ -13,7 +13,7 @@ pub fn settings(r: &RunSettings) -> Result<Option<FreezeSettings>> {
     if r.freeze == FreezeMode::Off {
         if r.elastic || r.freeze_every.is_some() {
             return Err(BadInput(
-                "--elastic and --freeze-every need --freeze adaptive or schedule".into(),
+                "--elastic and --freeze-every need --freeze adaptive, schedule or critical".into(),
             )
             .into());
         }
@@ -48,7 +48,8 @@ pub fn cache(r: &RunSettings) -> Result<Option<std::sync::Arc<PrefixCache>>> {
     };
     if r.freeze == FreezeMode::Off {
         return Err(BadInput(
-            "--cache-budget caches frozen layers: it needs --freeze adaptive or schedule".into(),
+            "--cache-budget caches frozen layers: it needs --freeze adaptive, schedule or critical"
+                .into(),
         )
         .into());
     }

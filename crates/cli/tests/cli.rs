@@ -1064,7 +1064,7 @@ fn freeze_and_elastic_training() {
     let _ = std::fs::remove_dir_all(&dir);
     bad(
         &[&["train", "--elastic", "--steps", "1"][..], &model].concat(),
-        "need --freeze adaptive or schedule",
+        "need --freeze adaptive, schedule or critical",
     );
     bad(
         &[

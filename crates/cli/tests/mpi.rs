@@ -81,6 +81,14 @@ fn checkpoint_params(ck: &Path) -> (TrainConfig, Plan, Vec<f32>) {
     (cfg, plan, t.flat_params().unwrap())
 }
 
+/// The largest difference between two parameter vectors.
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max)
+}
+
 fn exact_under_mpi(np: usize, flags: &[&str]) {
     exact_within(np, flags, 1e-5);
 }
@@ -115,11 +123,7 @@ fn exact_within(np: usize, flags: &[&str], tol: f32) {
     }
     let want = plain.flat_params();
     assert_eq!(got.len(), want.len());
-    let worst = got
-        .iter()
-        .zip(&want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0f32, f32::max);
+    let worst = max_diff(&got, &want);
     assert!(worst <= tol, "{np} ranks {flags:?}: max |diff| {worst}");
 }
 
@@ -328,11 +332,7 @@ fn a_switch_of_plan_moves_state_between_processes_exactly() {
     };
     let mpi = run(Some(2), &d.join("ck-mpi"));
     let threads = run(None, &d.join("ck-threads"));
-    let worst = mpi
-        .iter()
-        .zip(&threads)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0f32, f32::max);
+    let worst = max_diff(&mpi, &threads);
     assert!(worst <= 1e-5, "max |diff| {worst}");
 }
 
@@ -393,6 +393,77 @@ fn elastic_freezing_under_mpi_turns_freed_ranks_into_replicas() {
     let all = run("11", true);
     assert!(all.contains("frozen again on"), "{all}");
     let _ = std::fs::remove_dir_all(&d);
+}
+
+/// `--freeze critical` over MPI: the blocks each step ran with frozen, whole or by weight only
+/// (the metrics rows say which), and plain training that leaves the same blocks out of the
+/// optimizer at the same steps end with the same parameters, with B/W split and without.
+#[test]
+fn critical_freezing_under_mpi_equals_plain_training_without_those_blocks() {
+    let _one = one_at_a_time();
+    for schedule in ["1f1b", "zbh1"] {
+        let d = dir(&format!("critical-{schedule}"));
+        let (m, ck) = (d.join("m.jsonl"), d.join("ck"));
+        let o = mpirun(2)
+            .args(["train", "--transport", "mpi", "--stages", "2"])
+            .args([
+                "--schedule",
+                schedule,
+                "--steps",
+                "8",
+                "--microbatches",
+                "4",
+            ])
+            .args([
+                "--eval-every",
+                "8",
+                "--eval-batches",
+                "1",
+                "--freeze",
+                "critical",
+            ])
+            .args(["--freeze-every", "1", "--freeze-threshold", "10"])
+            .args(TINY_L4)
+            .arg("--metrics")
+            .arg(&m)
+            .arg("--checkpoint-dir")
+            .arg(&ck)
+            .output()
+            .unwrap();
+        let all = text(&o);
+        assert!(o.status.success(), "{all}");
+        let rows: Vec<serde_json::Value> = std::fs::read_to_string(&m)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter(|r| r["loss"].is_number())
+            .collect();
+        assert_eq!(rows.len(), 8, "{all}");
+        let (cfg, plan, got) = checkpoint_params(&ck);
+        let mut plain = PlainTrainer::new(cfg, &plan);
+        let corpus = Corpus::builtin();
+        let mut most = 0;
+        for r in &rows {
+            plain.frozen = r["frozen_layers"].as_u64().unwrap() as usize;
+            plain.weight_only = r["weight_only_frozen"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|b| b.as_u64().unwrap() as usize)
+                .collect();
+            most = most.max(plain.weight_only.len());
+            plain.train_step(&corpus);
+        }
+        assert!(
+            most >= 1,
+            "{schedule}: no block frozen by weight only: {all}"
+        );
+        assert!(all.contains("simulated iteration"), "{all}");
+        let want = plain.flat_params();
+        let worst = max_diff(&got, &want);
+        assert!(worst <= 1e-5, "{schedule}: max |diff| {worst}");
+        let _ = std::fs::remove_dir_all(&d);
+    }
 }
 
 /// Preemption: SIGUSR1 (Slurm's `--signal`) to the launcher reaches every rank; they agree to
@@ -466,11 +537,7 @@ fn preempt(name: &str, signal: impl Fn(u32, &Path)) {
     let o = run(&straight, &target, false).output().unwrap();
     assert!(o.status.success(), "{}", text(&o));
     let (a, b) = (checkpoint_params(&ck).2, checkpoint_params(&straight).2);
-    let worst = a
-        .iter()
-        .zip(&b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0f32, f32::max);
+    let worst = max_diff(&a, &b);
     assert!(worst <= 1e-6, "resumed after the stop differs by {worst}");
     let _ = std::fs::remove_dir_all(&d);
 }
@@ -555,11 +622,7 @@ fn tied_llama_over_four_ranks_equals_the_same_plan_in_threads() {
         threads.train_step(&corpus).unwrap();
     }
     let want = threads.flat_params().unwrap();
-    let worst = got
-        .iter()
-        .zip(&want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0f32, f32::max);
+    let worst = max_diff(&got, &want);
     assert!(
         got.len() == want.len() && worst <= 1e-5,
         "max |diff| {worst}"

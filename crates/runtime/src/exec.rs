@@ -88,6 +88,17 @@ pub struct Worker {
     /// Layer blocks `0..frozen` are frozen: they run forward only, outside autodiff (the
     /// trainer keeps the frozen prefix inside stage 0, whose input is tokens).
     pub frozen: usize,
+    /// Layer blocks past the prefix frozen for their weights only (`--freeze critical`): their
+    /// input gradient still flows to the blocks before them, but their weights take no part in
+    /// autodiff, so no backward computes (or W defers) their weight gradients.
+    pub weight_only: Vec<usize>,
+}
+
+impl Worker {
+    /// Does layer block `layer` (model order) train: sum gradients and take optimizer steps?
+    pub fn trains(&self, layer: usize) -> bool {
+        layer >= self.frozen && !self.weight_only.contains(&layer)
+    }
 }
 
 /// What one worker reports after an iteration's forward and backward.
@@ -185,9 +196,9 @@ struct Iteration<'a> {
     actions: Vec<TimedAction>,
     spans: std::cell::RefCell<Vec<TimedSpan>>,
     logits: Vec<(usize, Payload)>,
-    /// A held stage with a frozen prefix: that prefix without autodiff, and the layers after
-    /// it, split once per iteration rather than per micro-batch.
-    frozen_split: Vec<Option<(Stage, Stage)>>,
+    /// Each held stage as it runs when some of its blocks are frozen (once per iteration
+    /// rather than per micro-batch); `None`: the held module as it is.
+    frozen_split: Vec<Option<FrozenSplit>>,
 }
 
 impl<'a> Iteration<'a> {
@@ -366,10 +377,12 @@ impl<'a> Iteration<'a> {
             .frozen
             .saturating_sub(held.first_layer)
             .min(stage.layers.len());
-        match (input, k, &self.frozen_split[slot]) {
-            (None, 0, _) => Ok((crate::model::batch_input(mb, &train_device()), stage)),
-            (Some(h), 0, _) => Ok((StageInput::Hidden(h.clone()), stage)),
-            (None, _, Some((pre, rest))) => {
+        let split = self.frozen_split[slot].as_ref();
+        let run = split.map_or(stage, |s| &s.run);
+        match (input, k, split.and_then(|s| s.prefix.as_ref())) {
+            (None, 0, _) => Ok((crate::model::batch_input(mb, &train_device()), run)),
+            (Some(h), 0, _) => Ok((StageInput::Hidden(h.clone()), run)),
+            (None, _, Some(pre)) => {
                 // The frozen prefix: forward without autodiff (or read from the cache); its
                 // output enters the graph as a constant.
                 let h = match self.input.cache {
@@ -379,7 +392,7 @@ impl<'a> Iteration<'a> {
                     None => pre.forward(crate::model::batch_input(mb, &plain_device())),
                 };
                 let h = Tensor::<3>::from_data(h.to_data(), &train_device());
-                Ok((StageInput::Hidden(h), rest))
+                Ok((StageInput::Hidden(h), run))
             }
             _ => Err(self.bad(format!(
                 "{a}: {k} frozen layer blocks of stage {} (the frozen prefix must stay inside stage 0, with a layer that trains after it)",
@@ -481,22 +494,43 @@ impl<'a> Iteration<'a> {
     }
 }
 
-/// Each held stage's frozen prefix (as a non-autodiff copy) and the layers after it.
-fn frozen_splits(worker: &Worker) -> Vec<Option<(Stage, Stage)>> {
+/// A held stage with frozen blocks, as it runs: the frozen prefix as a non-autodiff copy (if
+/// the stage holds one), and the layers after it, weight-only frozen ones without gradients.
+struct FrozenSplit {
+    prefix: Option<Stage>,
+    run: Stage,
+}
+
+fn frozen_splits(worker: &Worker) -> Vec<Option<FrozenSplit>> {
     let _guard = autodiff_lock();
     worker
         .stages
         .iter()
         .map(|h| {
+            let n = h.module.layers.len();
             let k = worker.frozen.saturating_sub(h.first_layer);
-            (k > 0 && k < h.module.layers.len()).then(|| {
-                let pre = Stage {
-                    layers: h.module.layers[..k].to_vec(),
-                };
-                let rest = Stage {
-                    layers: h.module.layers[k..].to_vec(),
-                };
-                (pre.valid(), rest)
+            let weight_only = (k..n).any(|j| worker.weight_only.contains(&(h.first_layer + j)));
+            // A prefix covering the whole stage cannot run (`stage_input` refuses it).
+            if k >= n || (k == 0 && !weight_only) {
+                return None;
+            }
+            let prefix = (k > 0).then(|| Stage {
+                layers: h.module.layers[..k].to_vec(),
+            });
+            let run = Stage {
+                layers: (k..n)
+                    .map(|j| {
+                        let l = h.module.layers[j].clone();
+                        match worker.weight_only.contains(&(h.first_layer + j)) {
+                            true => burn::module::Module::no_grad(l),
+                            false => l,
+                        }
+                    })
+                    .collect(),
+            };
+            Some(FrozenSplit {
+                prefix: prefix.map(|p| p.valid()),
+                run,
             })
         })
         .collect()

@@ -346,6 +346,61 @@ fn split_backward_defers_linear_weight_gradients() {
     assert!(max(&sum, &fused) < 1e-5, "B + W != fused backward");
 }
 
+/// A weight-only frozen block (its parameters outside autodiff) passes the same input gradient
+/// back, and neither the fused backward nor B or W computes any gradient of its weights.
+#[test]
+fn a_weight_only_frozen_block_computes_no_weight_gradient() {
+    use pipewright_runtime::backend::train_device;
+    use pipewright_runtime::burn::module::Module;
+    use pipewright_runtime::burn::tensor::{Distribution, Tensor};
+    use pipewright_runtime::grads::{add_grads, GradSource};
+    use pipewright_runtime::model::{Deferred, Layers, Stage, StageInput};
+    let cfg = tiny("zbh1", 1, 1, 1).model;
+    let dev = train_device();
+    let stage = Layers::new(&cfg, 3, &dev).stage(1, 3);
+    let mut frozen = Stage {
+        layers: stage.layers.clone(),
+    };
+    frozen.layers[0] = frozen.layers[0].clone().no_grad();
+    let shape = [2, cfg.seq_len, cfg.d_model];
+    let x = Tensor::<3>::random(shape, Distribution::Normal(0.0, 1.0), &dev);
+    let dy = Tensor::<3>::random(shape, Distribution::Normal(0.0, 1.0), &dev);
+    let n0 = stage.layers[0].num_params();
+    let run = |s: &Stage, split: bool| {
+        let x = x.clone().require_grad();
+        let mut d = Deferred::default();
+        let y = match split {
+            true => s
+                .forward_split(StageInput::Hidden(x.clone()), &Default::default(), &mut d)
+                .unwrap(),
+            false => s.forward(StageInput::Hidden(x.clone())),
+        };
+        let g = (y * dy.clone()).sum().backward();
+        let mut grads = Vec::new();
+        add_grads(&stage, &GradSource::Autodiff(&g), &mut grads);
+        let mut w = vec![0.0; grads.len()];
+        add_grads(&stage, &GradSource::Deferred(&d.weight_grads()), &mut w);
+        let dx = x.grad(&g).unwrap().into_data().try_to_vec::<f32>().unwrap();
+        (grads, w, dx)
+    };
+    for split in [false, true] {
+        let (g_all, w_all, dx_all) = run(&stage, split);
+        let (g, w, dx) = run(&frozen, split);
+        assert_eq!(dx, dx_all, "split {split}: input gradient");
+        assert!(
+            g[..n0].iter().chain(&w[..n0]).all(|&v| v == 0.0),
+            "split {split}"
+        );
+        assert!(g_all[..n0].iter().chain(&w_all[..n0]).any(|&v| v != 0.0));
+        // The block after it trains as before.
+        assert_eq!(g[n0..], g_all[n0..], "split {split}");
+        assert_eq!(w[n0..], w_all[n0..], "split {split}");
+    }
+    // The stage it was cloned from still trains (no_grad changed the clone only).
+    let (g_again, _, _) = run(&stage, false);
+    assert!(g_again[..n0].iter().any(|&v| v != 0.0));
+}
+
 /// SkipPipe: the routes the skip-plan scheduler emits (skipped stages, swaps where it chose
 /// them, the head on each data node, pools shared by both data nodes) train exactly as each
 /// micro-batch's layer sequence would on one worker.
@@ -458,6 +513,58 @@ fn frozen_prefix_and_elastic_replan_stay_exact() {
         &plain.flat_params(),
         "elastic",
     );
+}
+
+/// Weight-only freezing (`--freeze critical`): with a prefix frozen whole and two blocks past it
+/// frozen for their weights only (their backward passes the input gradient on and skips the
+/// weight products), every schedule trains the other blocks exactly as plain training that
+/// merely leaves those blocks out of the optimizer, and the frozen blocks do not move.
+#[test]
+fn weight_only_frozen_blocks_stay_exact_on_every_schedule() {
+    let corpus = Corpus::builtin();
+    let skips = routed(1, 4, |mb| match mb {
+        0 => vec![0, 2, 3],
+        1 => vec![0, 1, 3],
+        _ => vec![0, 1, 2, 3],
+    });
+    let mut cases: Vec<(String, TrainConfig, PlanIn)> = Vec::new();
+    for schedule in ["gpipe", "1f1b", "interleaved", "zbh1", "zbv", "zb-auto"] {
+        for (p, d) in [(2, 1), (4, 1), (2, 2)] {
+            let cfg = tiny(schedule, p, d, 4);
+            let plan = cfg.plan().unwrap();
+            cases.push((format!("{schedule} P={p} D={d}"), cfg, plan.into()));
+        }
+    }
+    cases.push(("skip routes".into(), tiny("1f1b", 4, 1, 4), skips.into()));
+    let counts = fresh_counts(&tiny("1f1b", 1, 1, 1));
+    let offset = |b: usize| counts[..b].iter().sum::<usize>();
+    let block = |flat: &[f32], b: usize| flat[offset(b)..offset(b + 1)].to_vec();
+    for (what, cfg, plan) in cases {
+        let mut plain = PlainTrainer::new(cfg.clone(), plan.plan());
+        let mut pipe = Trainer::new(cfg.clone(), plan).unwrap();
+        step_both(&mut pipe, &mut plain, &corpus, &what);
+        // A prefix where stage 0 has room for one, and blocks 3 and 5 (any stage) by weight.
+        let prefix = pipewright_core::policy::freeze::max_frozen(&pipe.plan).min(1);
+        pipe.set_frozen(prefix).unwrap();
+        pipe.set_weight_only(&[5, 3]).unwrap();
+        assert_eq!(pipe.weight_only(), [3, 5]);
+        (plain.frozen, plain.weight_only) = (prefix, vec![3, 5]);
+        let before = pipe.flat_params().unwrap();
+        for _ in 0..2 {
+            step_both(&mut pipe, &mut plain, &corpus, &what);
+        }
+        let after = pipe.flat_params().unwrap();
+        assert_close(&after, &plain.flat_params(), &what);
+        for b in 0..counts.len() {
+            let still = block(&before, b) == block(&after, b);
+            let frozen = b < prefix || b == 3 || b == 5;
+            assert_eq!(still, frozen, "{what}: block {b} moved: {}", !still);
+        }
+    }
+    // The head always trains.
+    let mut pipe =
+        Trainer::new(tiny("1f1b", 2, 1, 4), tiny("1f1b", 2, 1, 4).plan().unwrap()).unwrap();
+    assert!(pipe.set_weight_only(&[7]).is_err());
 }
 
 /// Parameters per layer block of `cfg`'s model, in model order.

@@ -6,8 +6,8 @@
 //!   still need it) and drops its weight gradient (W) only, wherever it sits.
 //!
 //! A settled block whose freezing does not shorten the simulated iteration keeps training: it
-//! would cost accuracy and buy no time. This is the decision alone; the runtime does not yet
-//! run weight-only freezing, so `train` has no `--freeze critical` yet.
+//! would cost accuracy and buy no time. `train --freeze critical` runs it (the runtime's
+//! `train::freeze`), with weight-only blocks outside autodiff (`Worker::weight_only`).
 
 use super::elastic::{frozen_profile, price};
 use super::freeze::max_frozen;
@@ -45,9 +45,11 @@ pub fn weight_frozen_profile(profile: &Profile, prefix: usize, weight_only: &[us
 }
 
 /// Greedily, the settled block whose freezing shortens `plan`'s simulated iteration most,
-/// while one shortens it by more than `min_gain` (relative), starting from `prefix` and
-/// `weight_only`. A weight-only block the prefix reaches joins the prefix; the prefix stays
-/// where `plan` can run it (`max_frozen`). `settled[i]`: block `i` may freeze.
+/// while one shortens it by more than `min_gain` (relative) and fewer than `max_new` blocks
+/// have been added, starting from `prefix` and `weight_only`. A weight-only block the prefix
+/// reaches joins the prefix; the prefix stays where `plan` can run it (`max_frozen`).
+/// `settled[i]`: block `i` may freeze.
+#[allow(clippy::too_many_arguments)]
 pub fn choose(
     plan: &Plan,
     profile: &Profile,
@@ -56,22 +58,22 @@ pub fn choose(
     prefix: usize,
     weight_only: &[usize],
     min_gain: f64,
+    max_new: usize,
 ) -> Result<CriticalChoice> {
     let time = |p: usize, w: &[usize]| -> Result<f64> {
         Ok(price(plan, &weight_frozen_profile(profile, p, w), cluster)?.1)
     };
-    let (mut p, mut w) = normalise(prefix, weight_only.to_vec());
+    let limit = max_frozen(plan).max(prefix);
+    let (mut p, mut w) = normalise(prefix, weight_only.to_vec(), limit);
     let before = time(p, &w)?;
     let mut now = before;
-    loop {
+    let start = p + w.len();
+    while p + w.len() < start + max_new {
         let mut best: Option<(f64, usize, Vec<usize>)> = None;
         for i in (p..settled.len()).filter(|&i| settled[i] && !w.contains(&i)) {
             let mut nw = w.clone();
             nw.push(i);
-            let (np, nw) = normalise(p, nw);
-            if np > max_frozen(plan) {
-                continue;
-            }
+            let (np, nw) = normalise(p, nw, limit);
             let t = time(np, &nw)?;
             if t < now * (1.0 - min_gain) && best.as_ref().is_none_or(|b| t < b.0) {
                 best = Some((t, np, nw));
@@ -88,11 +90,12 @@ pub fn choose(
     })
 }
 
-/// Weight-only blocks that touch the prefix join it (frozen whole); the rest sorted.
-fn normalise(mut prefix: usize, mut w: Vec<usize>) -> (usize, Vec<usize>) {
+/// Weight-only blocks that touch the prefix join it (frozen whole) while the prefix is under
+/// `limit` (what the plan's stage 0 can hold); the rest stay weight-only, sorted.
+pub fn normalise(mut prefix: usize, mut w: Vec<usize>, limit: usize) -> (usize, Vec<usize>) {
     w.sort_unstable();
     w.dedup();
-    while let Some(at) = w.iter().position(|&i| i == prefix) {
+    while let Some(at) = w.iter().position(|&i| i == prefix && prefix < limit) {
         w.remove(at);
         prefix += 1;
     }
@@ -133,10 +136,7 @@ mod tests {
                 .filter(|b| mask >> b & 1 == 1)
                 .map(|b| idx[b])
                 .collect();
-            let (p, w) = normalise(0, w);
-            if p > max_frozen(plan) {
-                continue;
-            }
+            let (p, w) = normalise(0, w, max_frozen(plan));
             let t = price(plan, &weight_frozen_profile(prof, p, &w), cl)
                 .unwrap()
                 .1;
@@ -154,7 +154,7 @@ mod tests {
         let pl = plan(&[4, 4]);
         let cl = Cluster::uniform(2);
         let settled = [true, true, true, false, false, true, true, false];
-        let c = choose(&pl, &prof, &cl, &settled, 0, &[], 0.001).unwrap();
+        let c = choose(&pl, &prof, &cl, &settled, 0, &[], 0.001, usize::MAX).unwrap();
         assert_eq!((c.prefix, c.weight_only.clone()), (3, vec![5, 6]), "{c:?}");
         assert_eq!((c.before, c.after), (204.0, 150.0));
         assert!(c.after < c.before);
@@ -172,7 +172,7 @@ mod tests {
         pl.set_layers(&[4, 4]);
         let cl = Cluster::uniform(2);
         let settled = [false, false, true, false, false, false, false, false];
-        let c = choose(&pl, &prof, &cl, &settled, 0, &[], 0.001).unwrap();
+        let c = choose(&pl, &prof, &cl, &settled, 0, &[], 0.001, usize::MAX).unwrap();
         let alone = price(&pl, &weight_frozen_profile(&prof, 0, &[2]), &cl)
             .unwrap()
             .1;
@@ -189,7 +189,7 @@ mod tests {
         // Under 1F1B the same block's W is in the last micro-batch's fused backward, which
         // ends the iteration: there it pays, and is chosen.
         let one = plan(&[4, 4]);
-        let c = choose(&one, &prof, &cl, &settled, 0, &[], 0.001).unwrap();
+        let c = choose(&one, &prof, &cl, &settled, 0, &[], 0.001, usize::MAX).unwrap();
         assert_eq!(c.weight_only, vec![2], "{c:?}");
     }
 
@@ -202,24 +202,34 @@ mod tests {
             [true; 8],
             [false, true, false, true, false, true, false, true],
         ] {
-            let c = choose(&pl, &prof, &cl, &settled, 0, &[], 0.001).unwrap();
+            let c = choose(&pl, &prof, &cl, &settled, 0, &[], 0.001, usize::MAX).unwrap();
             assert!(c.after <= c.before, "{c:?}");
             assert!(c.prefix <= max_frozen(&pl));
             for &i in &c.weight_only {
-                assert!(settled[i] && i > c.prefix, "{c:?}");
+                assert!(settled[i] && i >= c.prefix, "{c:?}");
             }
             let best = brute_force(&pl, &prof, &cl, &settled);
             assert!(c.after <= best * 1.10 + 1e-9, "{} against {best}", c.after);
         }
+        // At most `max_new` blocks a decision: the one that gains most.
+        let one = choose(&pl, &prof, &cl, &[true; 8], 0, &[], 0.001, 1).unwrap();
+        assert_eq!(one.prefix + one.weight_only.len(), 1, "{one:?}");
+        let all = choose(&pl, &prof, &cl, &[true; 8], 0, &[], 0.001, usize::MAX).unwrap();
+        assert!(
+            one.after >= all.after && one.after < one.before,
+            "{one:?} {all:?}"
+        );
         // Nothing settled: nothing changes.
-        let c = choose(&pl, &prof, &cl, &[false; 8], 0, &[], 0.001).unwrap();
+        let c = choose(&pl, &prof, &cl, &[false; 8], 0, &[], 0.001, usize::MAX).unwrap();
         assert_eq!((c.prefix, c.weight_only.len(), c.after), (0, 0, c.before));
     }
 
     #[test]
     fn weight_only_blocks_that_touch_the_prefix_join_it() {
-        assert_eq!(normalise(2, vec![4, 2, 3, 6]), (5, vec![6]));
-        assert_eq!(normalise(0, vec![1]), (0, vec![1]));
+        assert_eq!(normalise(2, vec![4, 2, 3, 6], 8), (5, vec![6]));
+        assert_eq!(normalise(0, vec![1], 8), (0, vec![1]));
+        // Stage 0 holds a prefix of 3 at most: the blocks after it stay weight-only.
+        assert_eq!(normalise(0, vec![0, 1, 2, 3, 4], 3), (3, vec![3, 4]));
         let p = weight_frozen_profile(&profile(&[]), 1, &[3]);
         assert_eq!((p.layers[0].backward(), p.layers[3].backward()), (0.0, 1.0));
         assert_eq!(

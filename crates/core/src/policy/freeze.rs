@@ -27,6 +27,9 @@ pub enum FreezeMode {
     Off,
     Adaptive,
     Schedule,
+    /// The adaptive rule's settled blocks, frozen where the simulator says it shortens the
+    /// iteration: a prefix whole, others by weight only (`policy::critical`).
+    Critical,
 }
 
 /// The knobs of both rules.
@@ -98,37 +101,69 @@ impl FreezePolicy {
                 let f = freezable as f64 * (1.0 - (1.0 - self.alpha).powi(e as i32));
                 f.floor() as usize
             }
-            FreezeMode::Adaptive => {
-                let active = freezable.saturating_sub(frozen);
-                // At least one layer may go per decision, at most alpha of the active ones.
-                let step = ((self.alpha * active as f64).floor() as usize).max(1);
+            // A prefix alone (the critical policy's choice of others is `policy::critical`'s).
+            FreezeMode::Adaptive | FreezeMode::Critical => {
                 let settled = (frozen..freezable)
-                    .take_while(|&l| self.settled(l, frozen, freezable, norms))
+                    .take_while(|&l| self.settled(l, frozen, freezable, &[], norms))
                     .count();
-                frozen + settled.min(step)
+                frozen + settled.min(self.step(freezable - frozen.min(freezable)))
             }
         };
         want.clamp(frozen, cap.max(frozen))
     }
 
+    /// At least one block may freeze per decision, at most alpha of the `active` ones.
+    pub fn step(&self, active: usize) -> usize {
+        ((self.alpha * active as f64).floor() as usize).max(1)
+    }
+
+    /// For `--freeze critical`: whether each freezable block has settled, judged one by one
+    /// (not only as a prefix). False inside the prefix `0..frozen` and for the `weight_only`
+    /// blocks already frozen, which also leave the shares' sum (their norm is 0 now).
+    pub fn settled_blocks(
+        &self,
+        frozen: usize,
+        weight_only: &[usize],
+        freezable: usize,
+        norms: &[Vec<f64>],
+    ) -> Vec<bool> {
+        (0..freezable)
+            .map(|l| {
+                l >= frozen
+                    && !weight_only.contains(&l)
+                    && self.settled(l, frozen, freezable, weight_only, norms)
+            })
+            .collect()
+    }
+
     /// Has layer `l`'s share of the gradient norm (its norm over the sum of the transformer
-    /// blocks still training) changed by less than the bar (relative) between each of the last
-    /// `window` pairs of decisions? The bar is the threshold, or the percentile of the changes
-    /// of the transformer blocks still training at that pair if larger. (The embedding, layer
-    /// 0, goes by layer 1.)
-    fn settled(&self, l: usize, frozen: usize, freezable: usize, norms: &[Vec<f64>]) -> bool {
+    /// blocks still training, less `skip`) changed by less than the bar (relative) between
+    /// each of the last `window` pairs of decisions? The bar is the threshold, or the
+    /// percentile of the changes of the transformer blocks still training at that pair if
+    /// larger. (The embedding, layer 0, goes by layer 1.)
+    fn settled(
+        &self,
+        l: usize,
+        frozen: usize,
+        freezable: usize,
+        skip: &[usize],
+        norms: &[Vec<f64>],
+    ) -> bool {
         if norms.len() <= self.window {
             return false;
         }
+        // The embedding goes by the first transformer block that still trains.
+        let judge = (1..freezable).find(|k| !skip.contains(k)).unwrap_or(1);
         let (l, first) = match freezable > 1 {
-            true => (l.max(1), frozen.max(1)),
+            true => (if l == 0 { judge } else { l }, frozen.max(1)),
             false => (l, frozen),
         };
         // A block's share of the training blocks' summed norm: the norms of all blocks rise
         // and fall together with the batch and the loss (MiniLM's by +-50% between decisions
         // of a fine-tune), which hides how the gradient spreads over the layers.
+        let training = || (first..freezable).filter(|k| !skip.contains(k));
         let share = |row: &[f64], l: usize| {
-            let total: f64 = (first..freezable).filter_map(|k| row.get(k)).sum();
+            let total: f64 = training().filter_map(|k| row.get(k)).sum();
             row.get(l)
                 .map(|&x| x / total)
                 .filter(|x| x.is_finite() && *x > 0.0)
@@ -141,7 +176,7 @@ impl FreezePolicy {
             let Some(c) = change(w, l) else {
                 return false;
             };
-            let mut all: Vec<f64> = (first..freezable).filter_map(|k| change(w, k)).collect();
+            let mut all: Vec<f64> = training().filter_map(|k| change(w, k)).collect();
             c < self.threshold.max(percentile(&mut all, self.percentile))
         })
     }
@@ -180,6 +215,40 @@ pub fn max_frozen(plan: &crate::plan::ir::Plan) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn settled_blocks_are_judged_one_by_one_past_the_prefix() {
+        let p = FreezePolicy {
+            mode: FreezeMode::Critical,
+            ..FreezePolicy::default()
+        };
+        // Five blocks: 1 and 3 keep their share, 2 and 4 swing; block 0 goes by block 1.
+        let rows = [
+            vec![1.0, 1.0, 1.0, 1.0, 1.0],
+            vec![1.0, 1.0, 2.0, 1.0, 0.5],
+            vec![1.0, 1.0, 0.5, 1.0, 2.0],
+        ];
+        let total = |r: &Vec<f64>| r[1..].iter().sum::<f64>();
+        let norms: Vec<Vec<f64>> = rows
+            .iter()
+            .map(|r| r.iter().map(|x| x * total(r)).collect())
+            .collect();
+        assert_eq!(
+            p.settled_blocks(0, &[], 5, &norms),
+            [true, true, false, true, false]
+        );
+        // The prefix and the weight-only blocks are frozen already, not settled again; a
+        // prefix alone stops at the first block that swings.
+        assert_eq!(
+            p.settled_blocks(1, &[3], 5, &norms),
+            [false, true, false, false, false]
+        );
+        assert_eq!(p.decide(3, 0, 5, &norms), 1);
+        // With block 1's weights frozen, the embedding goes by block 2, which swings.
+        assert!(!p.settled_blocks(0, &[1], 5, &norms)[0]);
+        assert_eq!(p.step(10), 3);
+        assert_eq!(p.step(1), 1);
+    }
 
     #[test]
     fn decisions_come_a_tenth_of_an_epoch_apart_but_at_least_ten_steps() {

@@ -95,6 +95,8 @@ impl Deferred {
 pub(crate) fn linear(l: &Linear, x: Tensor<3>, cap: &mut Option<&mut Deferred>) -> Tensor<3> {
     let (w, b) = (l.weight.val(), l.bias.as_ref().map(|b| b.val()));
     match cap {
+        // A weight-only frozen layer (its weights outside autodiff) has no gradient to defer.
+        _ if !w.is_require_grad() => crate::kernels::linear(x, w, b),
         None => crate::kernels::linear(x, w, b),
         Some(d) => {
             let [n, t, i] = x.dims();

@@ -23,6 +23,9 @@ struct CheckpointState {
     /// Layer blocks frozen (AutoFreeze) when it was written.
     #[serde(default)]
     frozen: usize,
+    /// Layer blocks frozen for their weights only (`--freeze critical`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    weight_only: Vec<usize>,
     /// Where the epoch sampler's next step starts.
     #[serde(default)]
     sampler: Option<SamplerPos>,
@@ -81,6 +84,8 @@ pub struct Resumed {
     /// Layer blocks frozen when it was written (the trainer keeps them frozen when this
     /// run's plan has room for them in stage 0; else re-plan and call `set_frozen`).
     pub frozen: usize,
+    /// Layer blocks frozen for their weights only (kept frozen on any plan).
+    pub weight_only: Vec<usize>,
 }
 
 impl Trainer {
@@ -123,6 +128,7 @@ impl Trainer {
             config: self.cfg.clone(),
             plan: self.plan.clone(),
             frozen: self.frozen(),
+            weight_only: self.weight_only().to_vec(),
             sampler: self.sampler.position(),
             run: self.run_settings.clone(),
         };
@@ -177,11 +183,14 @@ impl Trainer {
         if self.set_frozen(state.frozen).is_err() {
             self.set_frozen(0)?;
         }
+        self.set_weight_only(&state.weight_only)
+            .map_err(|e| Error::checkpoint(ck.join("state.json"), format!("weight_only: {e}")))?;
         Ok(Resumed {
             path: ck,
             step: state.step,
             fallback,
             frozen: state.frozen,
+            weight_only: state.weight_only,
         })
     }
 }

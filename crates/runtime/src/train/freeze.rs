@@ -7,12 +7,17 @@ use crate::error::{Error, Result};
 use pipewright_core::cluster::Cluster;
 use pipewright_core::plan::ir::Plan;
 use pipewright_core::plan::ScheduleKind;
+use pipewright_core::policy::critical::{choose, weight_frozen_profile};
 use pipewright_core::policy::elastic::{
     elastic_layout, frozen_profile, keep_unless_faster, peak_memory, ElasticChoice, GlobalBatch,
     Shape,
 };
-use pipewright_core::policy::freeze::{default_interval, max_frozen, FreezePolicy};
+use pipewright_core::policy::freeze::{default_interval, max_frozen, FreezeMode, FreezePolicy};
 use pipewright_core::profile::Profile;
+
+/// The least relative shortening of the simulated iteration for which `--freeze critical`
+/// freezes one more settled block: a block whose freezing buys under 1% keeps training.
+const CRITICAL_MIN_GAIN: f64 = 0.01;
 
 /// What freezes when, and whether the layout follows.
 #[derive(Debug, Clone, PartialEq)]
@@ -199,6 +204,9 @@ impl FreezeController {
         self.sum.iter_mut().for_each(|s| *s = 0.0);
         self.steps = 0;
         self.decisions += 1;
+        if self.policy.mode == FreezeMode::Critical {
+            return self.critical(trainer, r.step);
+        }
         let before = trainer.frozen();
         let freezable = self.sum.len();
         let mut want = self
@@ -249,5 +257,68 @@ impl FreezeController {
                 t0.elapsed().as_secs_f64()
             )
         }))
+    }
+
+    /// `--freeze critical`: among the settled blocks (the adaptive rule's test, block by
+    /// block), the simulator picks those whose freezing shortens the iteration most (a prefix
+    /// whole, others by weight only); then AutoPipe + AutoDP as for a prefix.
+    fn critical(&mut self, trainer: &mut Trainer, step: u64) -> Result<Option<String>> {
+        let (prefix, weight_only) = (trainer.frozen(), trainer.weight_only().to_vec());
+        let freezable = self.sum.len();
+        let settled = self
+            .policy
+            .settled_blocks(prefix, &weight_only, freezable, &self.history);
+        let frozen_now = prefix + weight_only.len();
+        let room = self.policy.cap(freezable).saturating_sub(frozen_now);
+        let max_new = self.policy.step(freezable - frozen_now).min(room);
+        if max_new == 0 || !settled.contains(&true) {
+            return Ok(None);
+        }
+        let t0 = std::time::Instant::now();
+        let profile = trainer.cfg.model.cost_profile(trainer.cfg.rows);
+        let c = choose(
+            &trainer.plan,
+            &profile,
+            &self.cluster,
+            &settled,
+            prefix,
+            &weight_only,
+            CRITICAL_MIN_GAIN,
+            max_new,
+        )?;
+        if (c.prefix, &c.weight_only) == (prefix, &weight_only) {
+            return Ok(None);
+        }
+        let old = describe(&trainer.plan);
+        let mut scaled = String::new();
+        if self.elastic {
+            let fp = weight_frozen_profile(&profile, 0, &c.weight_only);
+            if let Ok(l) = self.layout(&fp, c.prefix, &trainer.plan) {
+                if l.plan.layers_per_stage() != trainer.plan.layers_per_stage()
+                    || l.plan.num_workers() != trainer.plan.num_workers()
+                {
+                    scaled = self.replan(trainer, l.plan)?;
+                }
+            }
+        }
+        trainer.set_frozen(c.prefix)?;
+        trainer.set_weight_only(&c.weight_only)?;
+        let new = describe(&trainer.plan);
+        let what = match (c.prefix, c.weight_only.is_empty()) {
+            (0, _) => format!("weights of layer blocks {:?}", c.weight_only),
+            (p, true) => format!("layer blocks 0..{p}"),
+            (p, false) => format!("layer blocks 0..{p} and the weights of {:?}", c.weight_only),
+        };
+        let plan = match new == old {
+            true => format!("plan kept: {new}"),
+            false => format!("re-planned{scaled}\n  before: {old}\n  after:  {new}"),
+        };
+        Ok(Some(format!(
+            "step {step}: froze {what} (settled: {:?}); simulated iteration {:.4} -> {:.4} s, decided in {:.3} s; {plan}",
+            (0..freezable).filter(|&i| settled[i]).collect::<Vec<_>>(),
+            c.before,
+            c.after,
+            t0.elapsed().as_secs_f64()
+        )))
     }
 }

@@ -19,6 +19,9 @@ pub struct PlainTrainer {
     pub step: u64,
     /// Layer blocks `0..frozen` take no optimizer step and leave the gradient norm.
     pub frozen: usize,
+    /// So do these, though the backward still runs through them: the reference for weight-only
+    /// freezing, which the pipeline does by dropping their weight gradients.
+    pub weight_only: Vec<usize>,
     sampler: Sampler,
 }
 
@@ -39,7 +42,12 @@ impl PlainTrainer {
             state,
             step: 0,
             frozen: 0,
+            weight_only: Vec::new(),
         }
+    }
+
+    fn trains(&self, i: usize) -> bool {
+        i >= self.frozen && !self.weight_only.contains(&i)
     }
 
     /// The whole model as one stage (model order).
@@ -110,7 +118,7 @@ impl PlainTrainer {
             .enumerate()
             .map(|(i, (l, _))| {
                 let mut f = Vec::new();
-                if i >= self.frozen {
+                if self.trains(i) {
                     add_grads(l, &src, &mut f);
                 }
                 f.resize(burn::module::Module::num_params(l), 0.0);
@@ -126,7 +134,7 @@ impl PlainTrainer {
             .zip(&flat)
             .enumerate()
             .map(|(i, ((l, mut o), g)): (usize, ((LayerBlock, _), _))| {
-                if i < self.frozen {
+                if !self.trains(i) {
                     return (l, o);
                 }
                 let gp = grads_params(&l, g, factor);

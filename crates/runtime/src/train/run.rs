@@ -176,6 +176,8 @@ pub struct StepRow<'a> {
     pub last_accuracy: Option<f64>,
     pub samples_per_s: f64,
     pub frozen: usize,
+    /// Layer blocks past the prefix frozen for their weights only (`--freeze critical`).
+    pub weight_only: Vec<usize>,
     pub stages: usize,
     pub replicas: usize,
     pub cache: Option<CacheStats>,
@@ -194,7 +196,7 @@ impl StepRow<'_> {
     /// The metrics row (JSON lines): the one place that names its fields.
     pub fn to_json(&self) -> Value {
         let r = self.report;
-        json!({"step": r.step, "loss": r.loss, "val_loss": self.val_loss, "val_perplexity": self.val_loss.map(f64::exp), "accuracy": self.accuracy, "f1": self.f1, "tokens_per_s": self.tokens_per_s(), "samples_per_s": self.samples_per_s, "lr": r.lr, "grad_norm": r.grad_norm, "layer_grad_norms": r.layer_norms, "busy": r.busy, "seconds": r.seconds, "frozen_layers": self.frozen, "mfu": self.mfu, "stages": self.stages, "replicas": self.replicas, "cache": self.cache.as_ref().map(|c| json!({"hits": c.hits, "extended": c.extended, "misses": c.misses, "memory_bytes": c.memory_bytes, "disk_bytes": c.disk_bytes, "not_kept": c.not_kept}))})
+        json!({"step": r.step, "loss": r.loss, "val_loss": self.val_loss, "val_perplexity": self.val_loss.map(f64::exp), "accuracy": self.accuracy, "f1": self.f1, "tokens_per_s": self.tokens_per_s(), "samples_per_s": self.samples_per_s, "lr": r.lr, "grad_norm": r.grad_norm, "layer_grad_norms": r.layer_norms, "busy": r.busy, "seconds": r.seconds, "frozen_layers": self.frozen, "weight_only_frozen": self.weight_only, "mfu": self.mfu, "stages": self.stages, "replicas": self.replicas, "cache": self.cache.as_ref().map(|c| json!({"hits": c.hits, "extended": c.extended, "misses": c.misses, "memory_bytes": c.memory_bytes, "disk_bytes": c.disk_bytes, "not_kept": c.not_kept}))})
     }
 }
 
@@ -476,6 +478,12 @@ impl TrainingRun {
             )),
             None => {}
         }
+        if !r.weight_only.is_empty() {
+            sink.note(&format!(
+                "the checkpoint had the weights of layer blocks {:?} frozen: they stay frozen",
+                r.weight_only
+            ));
+        }
         Ok(Some(r.step))
     }
 
@@ -536,6 +544,7 @@ impl TrainingRun {
             last_accuracy: val.unwrap_or(last_val).accuracy,
             samples_per_s: (plan.num_microbatches * self.trainer.cfg.rows) as f64 / r.seconds,
             frozen: self.trainer.frozen(),
+            weight_only: self.trainer.weight_only().to_vec(),
             stages: plan.num_stages(),
             replicas: plan.replicas(),
             cache: self.trainer.cache_stats(),

@@ -181,8 +181,10 @@ pub struct RunSettings {
     #[cfg_attr(feature = "clap", arg(long, value_name = "SVG"))]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub compare_svg: Option<PathBuf>,
-    /// Freeze converged front layer blocks: `adaptive` (gradient norms settled), `schedule`
-    /// (the released rule, L (1 - (1 - alpha)^e) after decision e) or `off`.
+    /// Freeze converged layer blocks: `adaptive` (a front prefix whose gradient norms
+    /// settled), `schedule` (the released rule, L (1 - (1 - alpha)^e) after decision e),
+    /// `critical` (the settled blocks whose freezing shortens the simulated iteration: a prefix
+    /// whole, others by their weight gradients only) or `off`.
     #[cfg_attr(feature = "clap", arg(long, value_enum, default_value_t = RunSettings::default().freeze))]
     pub freeze: FreezeMode,
     /// Steps between freeze decisions (default: a tenth of an epoch, at least 10 steps).

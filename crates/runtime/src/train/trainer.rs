@@ -138,6 +138,9 @@ pub struct Trainer {
     timeout: Duration,
     /// Layer blocks `0..frozen` are frozen (see [`Trainer::set_frozen`]).
     frozen: usize,
+    /// Layer blocks past the prefix frozen for their weights only (see
+    /// [`Trainer::set_weight_only`]).
+    weight_only: Vec<usize>,
     /// Optimizer steps done.
     pub step: u64,
     /// Checkpoints kept in the directory (the newest ones).
@@ -248,6 +251,7 @@ impl Trainer {
             transport,
             timeout,
             frozen: 0,
+            weight_only: Vec::new(),
             step: 0,
             keep_checkpoints: 3,
             start_note,
@@ -313,6 +317,7 @@ impl Trainer {
         self.workers = build_workers(&self.plan, state, self.rank);
         for w in &mut self.workers {
             w.frozen = self.frozen;
+            w.weight_only = self.weight_only.clone();
         }
     }
 
@@ -355,9 +360,47 @@ impl Trainer {
             ));
         }
         self.frozen = k;
+        self.weight_only.retain(|&b| b >= k);
         for w in &mut self.workers {
             w.frozen = k;
+            w.weight_only = self.weight_only.clone();
         }
+        Ok(())
+    }
+
+    /// Layer blocks past the prefix frozen for their weights only.
+    pub fn weight_only(&self) -> &[usize] {
+        &self.weight_only
+    }
+
+    /// Freeze the weights of layer blocks `blocks` only (`--freeze critical`): they keep their
+    /// weights and optimizer state and leave the gradient norm and the all-reduce, but still
+    /// pass the input gradient back, wherever they sit in the pipeline; their backward skips
+    /// the weight-gradient products. Blocks inside the frozen prefix are frozen whole already
+    /// and dropped here; the last block (the head) always trains.
+    pub fn set_weight_only(&mut self, blocks: &[usize]) -> Result<()> {
+        let last = self.cfg.model.num_blocks() - 1;
+        if let Some(b) = blocks.iter().find(|&&b| b >= last) {
+            return Err(Error::Config(format!(
+                "layer block {b} cannot be frozen: the model has {last} freezable blocks before its head (block {last})"
+            )));
+        }
+        if self.tied.is_some() && blocks.contains(&0) {
+            return Err(Error::Config(
+                "freezing the embedding of a model with tied embeddings would leave its LM head's copy training alone; untie them (tie_word_embeddings = false) to freeze".into(),
+            ));
+        }
+        let mut w: Vec<usize> = blocks
+            .iter()
+            .copied()
+            .filter(|&b| b >= self.frozen)
+            .collect();
+        w.sort_unstable();
+        w.dedup();
+        for worker in &mut self.workers {
+            worker.weight_only = w.clone();
+        }
+        self.weight_only = w;
         Ok(())
     }
 
@@ -851,7 +894,7 @@ fn reduce_gradients(
 ) -> std::result::Result<(), ExecError> {
     for (held, g) in worker.stages.iter().zip(out.grads.iter_mut()) {
         for (k, layer) in g.iter_mut().enumerate() {
-            if held.first_layer + k < worker.frozen {
+            if !worker.trains(held.first_layer + k) {
                 layer.clear();
             }
         }
@@ -875,10 +918,17 @@ fn reduce_gradients(
 
 /// AdamW on each trainable layer block the worker holds, its gradients scaled by `factor`.
 fn apply_gradients(worker: &mut Worker, grads: &[Vec<Vec<f32>>], lr: f64, factor: f32) {
-    let frozen = worker.frozen;
+    let trains: Vec<Vec<bool>> = worker
+        .stages
+        .iter()
+        .map(|h| {
+            (0..h.module.layers.len())
+                .map(|k| worker.trains(h.first_layer + k))
+                .collect()
+        })
+        .collect();
     let _guard = autodiff_lock();
-    for (held, g) in worker.stages.iter_mut().zip(grads) {
-        let first = held.first_layer;
+    for ((held, g), trains) in worker.stages.iter_mut().zip(grads).zip(&trains) {
         let layers = std::mem::take(&mut held.module.layers);
         held.module.layers = layers
             .into_iter()
@@ -886,7 +936,7 @@ fn apply_gradients(worker: &mut Worker, grads: &[Vec<Vec<f32>>], lr: f64, factor
             .zip(held.optims.iter_mut())
             .enumerate()
             .map(|(k, ((layer, g), o))| {
-                if first + k < frozen {
+                if !trains[k] {
                     return layer;
                 }
                 let gp = grads_params(&layer, g, factor);
@@ -955,6 +1005,7 @@ fn build_workers(plan: &Plan, state: &[LayerState], rank: Option<usize>) -> Vec<
         .map(|w| Worker {
             rank: w,
             frozen: 0,
+            weight_only: Vec::new(),
             stages: topo.held[w]
                 .iter()
                 .map(|&s| {
