@@ -103,6 +103,72 @@ impl MicroBatch {
         }
     }
 
+    /// The micro-batch padded only to its longest row: positions past every row's last real
+    /// token (by the mask) are cut off. Padding is masked in attention and never scored, so
+    /// the loss and gradients are those of the padded batch; the work shrinks with it.
+    pub fn trim_padding(mut self) -> MicroBatch {
+        let t = self.seq_len;
+        if self.mask.is_empty() || self.image.is_some() || t == 0 {
+            return self;
+        }
+        let longest = self
+            .mask
+            .chunks(t)
+            .filter_map(|row| row.iter().rposition(|&m| m != 0))
+            .max()
+            .map_or(1, |p| p + 1);
+        if longest >= t {
+            return self;
+        }
+        let cut = |v: &mut Vec<i64>| {
+            if !v.is_empty() {
+                *v = v
+                    .chunks(t)
+                    .flat_map(|row| row[..longest].to_vec())
+                    .collect();
+            }
+        };
+        cut(&mut self.tokens);
+        cut(&mut self.mask);
+        cut(&mut self.token_types);
+        self.seq_len = longest;
+        self
+    }
+
+    /// Rows `idx` of this micro-batch (in that order), with what each row carries: tokens,
+    /// targets, token types, mask, pixels and sample numbers.
+    pub fn rows_of(&self, idx: &[usize]) -> MicroBatch {
+        let pick = |v: &[i64], per_row: usize| -> Vec<i64> {
+            match v.is_empty() {
+                true => Vec::new(),
+                false => idx
+                    .iter()
+                    .flat_map(|&r| v[r * per_row..(r + 1) * per_row].iter().copied())
+                    .collect(),
+            }
+        };
+        let px = self.image.map_or(0, |[c, h, w]| c * h * w);
+        MicroBatch {
+            rows: idx.len(),
+            seq_len: self.seq_len,
+            tokens: pick(&self.tokens, self.seq_len),
+            targets: pick(&self.targets, self.target_len),
+            target_len: self.target_len,
+            token_types: pick(&self.token_types, self.seq_len),
+            mask: pick(&self.mask, self.seq_len),
+            pixels: idx
+                .iter()
+                .flat_map(|&r| self.pixels[r * px..(r + 1) * px].iter().copied())
+                .collect(),
+            image: self.image,
+            samples: match self.samples.is_empty() {
+                true => Vec::new(),
+                false => idx.iter().map(|&r| self.samples[r]).collect(),
+            },
+            unread: self.unread,
+        }
+    }
+
     /// The batch as `m` micro-batches of equal rows, in order.
     pub fn split(&self, m: usize) -> Result<Vec<MicroBatch>, SplitError> {
         if m == 0 || !self.rows.is_multiple_of(m) {

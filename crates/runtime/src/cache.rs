@@ -7,7 +7,7 @@
 use crate::backend::plain_device;
 use crate::batch::MicroBatch;
 use crate::model::{Stage, StageInput};
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{Tensor, TensorData};
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::io::Write;
@@ -24,6 +24,8 @@ enum Place {
 struct Entry {
     /// Layer blocks `0..depth` produced it.
     depth: usize,
+    /// Positions it holds (the length of the micro-batch it was computed in).
+    positions: usize,
     bytes: usize,
     place: Place,
 }
@@ -148,8 +150,8 @@ impl PrefixCache {
         }
     }
 
-    /// The cached output of `sample` and the depth it was computed at.
-    pub fn get(&self, sample: u64) -> Result<Option<(usize, Vec<f32>)>, CacheError> {
+    /// The cached output of `sample`: the depth it was computed at, its positions, its values.
+    pub fn get(&self, sample: u64) -> Result<Option<(usize, usize, Vec<f32>)>, CacheError> {
         let inner = self.lock();
         let Some(e) = inner.entries.get(&sample) else {
             return Ok(None);
@@ -164,16 +166,28 @@ impl PrefixCache {
                 self.decode(&b)
             }
         };
-        Ok(Some((e.depth, values)))
+        Ok(Some((e.depth, e.positions, values)))
     }
 
-    /// Keep `values`, the output of layer blocks `0..depth` for `sample` (replacing an
-    /// entry of a lower depth): in memory while the budget allows, else in the spill file.
-    pub fn put(&self, sample: u64, depth: usize, values: &[f32]) -> Result<(), CacheError> {
-        self.put_encoded(sample, depth, self.encode(values))
+    /// Keep `values`, the output of layer blocks `0..depth` at `positions` positions for
+    /// `sample` (replacing its entry): in memory while the budget allows, else in the spill
+    /// file.
+    pub fn put(
+        &self,
+        sample: u64,
+        depth: usize,
+        positions: usize,
+        values: &[f32],
+    ) -> Result<(), CacheError> {
+        self.put_encoded(sample, (depth, positions), self.encode(values))
     }
 
-    fn put_encoded(&self, sample: u64, depth: usize, bytes: Vec<u8>) -> Result<(), CacheError> {
+    fn put_encoded(
+        &self,
+        sample: u64,
+        (depth, positions): (usize, usize),
+        bytes: Vec<u8>,
+    ) -> Result<(), CacheError> {
         let n = bytes.len() as u64;
         let mut guard = self.lock();
         let inner = &mut *guard;
@@ -220,6 +234,7 @@ impl PrefixCache {
             sample,
             Entry {
                 depth,
+                positions,
                 bytes: n as usize,
                 place,
             },
@@ -237,6 +252,9 @@ impl PrefixCache {
     /// The output of `prefix` (layer blocks `0..k`, no autodiff) for `mb`, on the plain
     /// device: rows cached at depth `k` are read back, rows cached at a lower depth run only
     /// layers from there, the others run the whole prefix; every computed row is cached.
+    /// An entry serves a micro-batch as long as it or shorter (its first positions: padding is
+    /// masked, so a position's output does not depend on how much padding follows); a longer
+    /// micro-batch computes the row again.
     pub fn prefix_output(&self, prefix: &Stage, mb: &MicroBatch) -> Result<Tensor<3>, CacheError> {
         let k = prefix.layers.len();
         let (rows, seq) = (mb.rows, mb.seq_len);
@@ -253,11 +271,17 @@ impl PrefixCache {
         let mut width = None;
         for (r, &s) in mb.samples.iter().enumerate() {
             match self.get(s)? {
-                Some((d, v)) if d == k => {
-                    width = Some(v.len() / seq);
-                    out[r] = Some(v);
+                Some((d, p, mut v)) if d > 0 && d <= k && p >= seq => {
+                    let w = v.len() / p.max(1);
+                    v.truncate(seq * w);
+                    match d == k {
+                        true => {
+                            width = Some(w);
+                            out[r] = Some(v);
+                        }
+                        false => todo.entry(d).or_default().push((r, v)),
+                    }
                 }
-                Some((d, v)) if d > 0 && d < k => todo.entry(d).or_default().push((r, v)),
                 _ => todo.entry(0).or_default().push((r, Vec::new())),
             }
         }
@@ -266,15 +290,10 @@ impl PrefixCache {
         self.count(hits, rows as u64 - hits - misses, misses);
         for (d, group) in todo {
             let n = group.len();
+            // The group's rows, for their tokens, padding mask and token types.
+            let sub = mb.rows_of(&group.iter().map(|(r, _)| *r).collect::<Vec<_>>());
             let input = if d == 0 {
-                let ids: Vec<i64> = group
-                    .iter()
-                    .flat_map(|(r, _)| mb.tokens[r * seq..(r + 1) * seq].iter().copied())
-                    .collect();
-                StageInput::Tokens(Tensor::<2, Int>::from_data(
-                    TensorData::new(ids, [n, seq]),
-                    &dev,
-                ))
+                crate::model::batch_input(&sub, &dev)
             } else {
                 let w = group[0].1.len() / seq;
                 let vals: Vec<f32> = group.iter().flat_map(|(_, v)| v.iter().copied()).collect();
@@ -286,7 +305,9 @@ impl PrefixCache {
             let rest = Stage {
                 layers: prefix.layers[d..].to_vec(),
             };
-            let y = rest.forward(input);
+            let y = rest
+                .forward_in(input, &crate::model::Ctx::of(&sub, &dev))
+                .map_err(|e| self.err(format!("frozen prefix: {e}")))?;
             let w = y.dims()[2];
             width = Some(w);
             let vals = y
@@ -302,7 +323,7 @@ impl PrefixCache {
                 } else {
                     row.to_vec()
                 });
-                self.put_encoded(mb.samples[r], k, bytes)?;
+                self.put_encoded(mb.samples[r], (k, seq), bytes)?;
             }
         }
         let w = width.expect("at least one row");
@@ -331,28 +352,28 @@ mod tests {
         // 400 bytes an entry: two fit in 1000 bytes.
         let c = PrefixCache::new(1000, false, &dir("budget"));
         for s in 0..10 {
-            c.put(s, 1, &row(s)).unwrap();
+            c.put(s, 1, 1, &row(s)).unwrap();
             assert!(c.stats().memory_bytes <= 1000);
         }
         let st = c.stats();
         assert_eq!((st.memory_entries, st.disk_entries), (2, 8), "{st:?}");
         assert_eq!((st.memory_bytes, st.disk_bytes), (800, 3200));
         for s in 0..10 {
-            assert_eq!(c.get(s).unwrap(), Some((1, row(s))));
+            assert_eq!(c.get(s).unwrap(), Some((1, 1, row(s))));
         }
         assert_eq!(c.get(10).unwrap(), None);
         // A deeper entry replaces the old one wherever it was.
-        c.put(0, 2, &row(7)).unwrap();
-        c.put(9, 2, &row(1)).unwrap();
-        assert_eq!(c.get(0).unwrap(), Some((2, row(7))));
-        assert_eq!(c.get(9).unwrap(), Some((2, row(1))));
+        c.put(0, 2, 1, &row(7)).unwrap();
+        c.put(9, 2, 1, &row(1)).unwrap();
+        assert_eq!(c.get(0).unwrap(), Some((2, 1, row(7))));
+        assert_eq!(c.get(9).unwrap(), Some((2, 1, row(1))));
         let st = c.stats();
         assert_eq!((st.memory_entries, st.disk_entries), (2, 8), "{st:?}");
         assert!(st.memory_bytes <= 1000);
         // No budget at all: everything on disk.
         let c = PrefixCache::new(0, false, &dir("zero"));
-        c.put(3, 1, &row(3)).unwrap();
-        assert_eq!(c.get(3).unwrap(), Some((1, row(3))));
+        c.put(3, 1, 1, &row(3)).unwrap();
+        assert_eq!(c.get(3).unwrap(), Some((1, 1, row(3))));
         assert_eq!(c.stats().memory_bytes, 0);
     }
 
@@ -360,9 +381,9 @@ mod tests {
     fn f16_halves_the_bytes_and_rounds() {
         let v: Vec<f32> = (0..64).map(|i| (i as f32 - 30.0) * 0.173).collect();
         let c = PrefixCache::new(1 << 20, true, &dir("f16"));
-        c.put(1, 3, &v).unwrap();
+        c.put(1, 3, 1, &v).unwrap();
         assert_eq!(c.stats().memory_bytes, 128);
-        let (d, back) = c.get(1).unwrap().unwrap();
+        let (d, _, back) = c.get(1).unwrap().unwrap();
         assert_eq!(d, 3);
         for (a, b) in v.iter().zip(&back) {
             assert!((a - b).abs() <= a.abs() * 1e-3 + 1e-4, "{a} vs {b}");
@@ -372,7 +393,7 @@ mod tests {
     #[test]
     fn an_unwritable_spill_directory_is_named() {
         let c = PrefixCache::new(0, false, Path::new("/proc/no-such-dir"));
-        let e = c.put(0, 1, &[1.0]).unwrap_err().to_string();
+        let e = c.put(0, 1, 1, &[1.0]).unwrap_err().to_string();
         assert!(e.contains("/proc/no-such-dir"), "{e}");
     }
 
@@ -388,7 +409,7 @@ mod tests {
         let c = PrefixCache::new(800, false, &dir("full"));
         c.lock().spill = Some(full);
         for s in 0..5 {
-            c.put(s, 1, &row(s)).unwrap();
+            c.put(s, 1, 1, &row(s)).unwrap();
         }
         let st = c.stats();
         assert_eq!(
@@ -396,7 +417,7 @@ mod tests {
             (2, 0, 3),
             "{st:?}"
         );
-        assert_eq!(c.get(0).unwrap(), Some((1, row(0))));
+        assert_eq!(c.get(0).unwrap(), Some((1, 1, row(0))));
         assert_eq!(c.get(4).unwrap(), None, "not kept: computed again");
         let why = c.spill_failed().expect("the failure is kept");
         assert!(why.contains("space"), "{why}");

@@ -389,7 +389,13 @@ impl<'a> Iteration<'a> {
                     Some(c) => c
                         .prefix_output(pre, mb)
                         .map_err(|e| self.bad(format!("{a}: {e}")))?,
-                    None => pre.forward(crate::model::batch_input(mb, &plain_device())),
+                    // With the micro-batch's padding mask and token types, as it trained.
+                    None => pre
+                        .forward_in(
+                            crate::model::batch_input(mb, &plain_device()),
+                            &crate::model::Ctx::of(mb, &plain_device()),
+                        )
+                        .map_err(|e| self.bad(format!("{a}: {e}")))?,
                 };
                 let h = Tensor::<3>::from_data(h.to_data(), &train_device());
                 Ok((StageInput::Hidden(h), run))

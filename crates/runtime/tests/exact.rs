@@ -567,6 +567,141 @@ fn weight_only_frozen_blocks_stay_exact_on_every_schedule() {
     assert!(pipe.set_weight_only(&[7]).is_err());
 }
 
+/// A tiny BERT classifier (2 classes) over `p` stages, reading examples in epochs.
+fn tiny_bert(schedule: &str, p: usize) -> TrainConfig {
+    let mut cfg = tiny(schedule, p, 1, 4);
+    cfg.model = ModelConfig {
+        family: pipewright_runtime::model::Family::Bert,
+        vocab: 64,
+        d_model: 16,
+        heads: 2,
+        layers: 4,
+        seq_len: 8,
+        ffn: Some(32),
+        max_positions: Some(8),
+        type_vocab: Some(2),
+        head: Some(pipewright_runtime::model::TaskHead::Classify { classes: 2 }),
+        ..ModelConfig::default()
+    };
+    cfg.sampling = pipewright_runtime::data::Sampling::Epochs;
+    cfg
+}
+
+/// 24 examples of 1 to 8 tokens, right-padded to 8 and masked, with a class each.
+fn mixed_length_corpus() -> Corpus {
+    use pipewright_runtime::data::{examples::Examples, Part};
+    let mut ex = Examples {
+        seq_len: 8,
+        target_len: 1,
+        ..Examples::default()
+    };
+    for i in 0..24i64 {
+        let n = 1 + (i * 5 % 8);
+        for p in 0..8 {
+            ex.tokens
+                .push(if p < n { 1 + (i * 7 + p * 3) % 63 } else { 0 });
+            ex.mask.push((p < n) as i64);
+        }
+        ex.labels.push(i % 2);
+    }
+    Corpus {
+        train: Part::Examples(ex.clone()),
+        val: Part::Examples(ex),
+        name: "mixed lengths".into(),
+        ids: 64,
+    }
+}
+
+/// Variable-length micro-batches: each is padded only to its longest row, so micro-batches of
+/// one step differ in length as they flow through the pipeline. On 1, 2 and 3 stages, with a
+/// frozen prefix (cached or not) and weight-only frozen blocks, training equals plain training
+/// on the same batches; the padding is masked, so it equals training on rows padded to 8 too.
+#[test]
+fn micro_batches_of_mixed_lengths_train_exactly() {
+    let corpus = mixed_length_corpus();
+    let lens: Vec<usize> = [vec![0, 8], vec![1, 9], vec![2, 3]]
+        .into_iter()
+        .map(|s| corpus.train.batch(8, s).seq_len)
+        .collect();
+    assert_eq!(lens, [1, 6, 8], "rows of 1 and 1, 6 and 6, 3 and 8 tokens");
+    let cases = [
+        ("1f1b", 1, false),
+        ("1f1b", 2, false),
+        ("1f1b", 2, true),
+        ("zbh1", 3, false),
+        ("gpipe", 3, false),
+    ];
+    for (schedule, p, cached) in cases {
+        let what = format!("bert {schedule} P={p} cached {cached}");
+        let cfg = tiny_bert(schedule, p);
+        let plan = cfg.plan().unwrap();
+        let mut plain = PlainTrainer::new(cfg.clone(), &plan);
+        let mut pipe = Trainer::new(cfg.clone(), plan).unwrap();
+        let step0: Vec<usize> = cfg
+            .sampler()
+            .batches(&corpus.train, 0, 4)
+            .unwrap()
+            .iter()
+            .map(|b| b.seq_len)
+            .collect();
+        assert!(step0.iter().any(|&t| t != step0[0]), "{what}: {step0:?}");
+        if cached {
+            // The frozen prefix's outputs from the cache: entries serve shorter micro-batches.
+            let dir = std::env::temp_dir().join(format!("pw-mixed-{}", std::process::id()));
+            let cache = pipewright_runtime::cache::PrefixCache::new(1 << 20, false, &dir);
+            pipe.set_cache(Some(std::sync::Arc::new(cache))).unwrap();
+        }
+        step_both(&mut pipe, &mut plain, &corpus, &what);
+        if p > 1 {
+            // A prefix holding a transformer block (it must mask the padding too).
+            let k = pipewright_core::policy::freeze::max_frozen(&pipe.plan).min(2);
+            pipe.set_frozen(k).unwrap();
+            pipe.set_weight_only(&[4]).unwrap();
+            (plain.frozen, plain.weight_only) = (k, vec![4]);
+        }
+        for _ in 0..5 {
+            step_both(&mut pipe, &mut plain, &corpus, &what);
+        }
+        assert_close(&pipe.flat_params().unwrap(), &plain.flat_params(), &what);
+    }
+    // Padding is masked: the trimmed micro-batch's logits are those of the rows padded to 8.
+    let plain = PlainTrainer::new(tiny_bert("1f1b", 1), &tiny_bert("1f1b", 1).plan().unwrap());
+    let model = plain.model();
+    let trimmed = corpus.train.batch(8, vec![1, 2]);
+    let full = pipewright_runtime::batch::MicroBatch {
+        seq_len: 8,
+        ..trimmed.clone()
+    };
+    let full = {
+        let pipewright_runtime::data::Part::Examples(e) = &corpus.train else {
+            unreachable!()
+        };
+        let x = e.select(&[1, 2]);
+        pipewright_runtime::batch::MicroBatch {
+            tokens: x.tokens,
+            mask: x.mask,
+            ..full
+        }
+    };
+    let logits = |mb: &pipewright_runtime::batch::MicroBatch| {
+        let dev = pipewright_runtime::backend::train_device();
+        let ctx = pipewright_runtime::model::Ctx::of(mb, &dev);
+        let x = pipewright_runtime::model::batch_input(mb, &dev);
+        model
+            .forward_in(x, &ctx)
+            .unwrap()
+            .into_data()
+            .try_to_vec::<f32>()
+            .unwrap()
+    };
+    let (a, b) = (logits(&trimmed), logits(&full));
+    assert_eq!(trimmed.seq_len, 6);
+    assert!(
+        a.iter().zip(&b).all(|(x, y)| (x - y).abs() < 1e-6),
+        "{a:?} {b:?}"
+    );
+}
+
 /// Parameters per layer block of `cfg`'s model, in model order.
 fn fresh_counts(cfg: &TrainConfig) -> Vec<usize> {
     let plan = tiny("1f1b", 1, 1, 1).plan().unwrap();

@@ -80,6 +80,8 @@ impl Part {
                     samples,
                     unread: false,
                 }
+                // Padded to its longest row only, not to the model's length.
+                .trim_padding()
             }
         }
     }

@@ -72,10 +72,14 @@ impl PlainTrainer {
             .batches(&corpus.train, self.step, n)
             .expect("the corpus holds a step of samples");
         let c = &self.cfg;
-        // Micro-batches with the same layer sequence run as one batch.
+        // Micro-batches with the same layer sequence (and length) run as one batch.
         let mut groups: Vec<(Vec<usize>, Vec<usize>)> = Vec::new();
         for (mb, seq) in self.sequences.iter().enumerate() {
-            match groups.iter_mut().find(|(s, _)| s == seq) {
+            let t = batches[mb].seq_len;
+            match groups
+                .iter_mut()
+                .find(|(s, mbs)| s == seq && batches[mbs[0]].seq_len == t)
+            {
                 Some((_, mbs)) => mbs.push(mb),
                 None => groups.push((seq.clone(), vec![mb])),
             }
@@ -84,20 +88,26 @@ impl PlainTrainer {
         let mut value = 0.0;
         for (seq, mbs) in &groups {
             let parts: Vec<&MicroBatch> = mbs.iter().map(|&i| &batches[i]).collect();
+            let cat = |f: fn(&MicroBatch) -> &Vec<i64>| -> Vec<i64> {
+                parts.iter().flat_map(|m| f(m).iter().copied()).collect()
+            };
             let all = MicroBatch {
-                rows: c.rows * parts.len(),
-                seq_len: c.model.seq_len,
-                tokens: parts.iter().flat_map(|m| m.tokens.clone()).collect(),
-                targets: parts.iter().flat_map(|m| m.targets.clone()).collect(),
-                target_len: c.model.seq_len,
+                rows: parts.iter().map(|m| m.rows).sum(),
+                seq_len: parts[0].seq_len,
+                tokens: cat(|m| &m.tokens),
+                targets: cat(|m| &m.targets),
+                target_len: parts[0].target_len,
+                token_types: cat(|m| &m.token_types),
+                mask: cat(|m| &m.mask),
                 ..MicroBatch::default()
             };
+            let ctx = crate::model::Ctx::of(&all, &crate::backend::train_device());
             let mut x = StageInput::Tokens(all.ids(&all.tokens));
             for &i in seq {
                 let stage = Stage {
                     layers: vec![self.state[i].0.clone()],
                 };
-                x = StageInput::Hidden(stage.forward(x));
+                x = StageInput::Hidden(stage.forward_in(x, &ctx).expect("a layer sequence"));
             }
             let StageInput::Hidden(logits) = x else {
                 unreachable!("routes are not empty")

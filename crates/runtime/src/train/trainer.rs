@@ -597,7 +597,8 @@ impl Trainer {
         self.step += 1;
         self.first_step = false;
         self.transport.set_first_step(false);
-        let tokens = (n * self.cfg.rows * self.cfg.model.seq_len) as u64;
+        // The positions the step ran: a micro-batch is padded to its longest row only.
+        let tokens = batches.iter().map(|b| (b.rows * b.seq_len) as u64).sum();
         Ok(StepReport {
             step: self.step,
             loss,
