@@ -466,6 +466,84 @@ fn critical_freezing_under_mpi_equals_plain_training_without_those_blocks() {
     }
 }
 
+/// Micro-batches padded only to their longest row, of different lengths within a step, flow
+/// between worker processes (each activation carries its shape) and train as the same run in
+/// threads does (which equals single-worker training: crates/runtime/tests/exact.rs).
+#[test]
+fn mixed_length_micro_batches_under_mpi_equal_the_threaded_run() {
+    let _one = one_at_a_time();
+    let d = dir("mixed");
+    let (train, val) = (d.join("train.jsonl"), d.join("val.jsonl"));
+    let rows = |n: usize| -> String {
+        (0..n)
+            .map(|i| {
+                let text = "spam ham eggs ".repeat(3)[..1 + i * 7 % 30].to_string();
+                format!(
+                    "{{\"text\": \"{text}\", \"label\": \"{}\"}}\n",
+                    ["a", "b"][i % 2]
+                )
+            })
+            .collect()
+    };
+    std::fs::write(&train, rows(40)).unwrap();
+    std::fs::write(&val, rows(8)).unwrap();
+    let config = d.join("bert.json");
+    std::fs::write(
+        &config,
+        r#"{"architectures": ["BertForSequenceClassification"], "model_type": "bert",
+        "vocab_size": 256, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "max_position_embeddings": 32, "hidden_act": "gelu",
+        "num_labels": 2}"#,
+    )
+    .unwrap();
+    let run = |transport: &str, ck: &Path| {
+        let mut c = match transport {
+            "mpi" => mpirun(2),
+            _ => Command::new(env!("CARGO_BIN_EXE_pipewright")),
+        };
+        c.args([
+            "train",
+            "--transport",
+            transport,
+            "--task",
+            "classify",
+            "--data",
+        ])
+        .arg(&train)
+        .arg("--val-data")
+        .arg(&val)
+        .args(["--stages", "2", "--schedule", "zbh1", "--steps", "4"])
+        .args(["--microbatches", "4", "--rows", "2", "--eval-every", "4"])
+        .args(["--seq-len", "16", "--model-config"])
+        .arg(&config)
+        .arg("--checkpoint-dir")
+        .arg(ck)
+        .arg("--metrics")
+        .arg(ck.with_extension("jsonl"));
+        let o = c.output().unwrap();
+        assert!(o.status.success(), "{transport}: {}", text(&o));
+    };
+    let (a, b) = (d.join("mpi"), d.join("threads"));
+    run("mpi", &a);
+    run("threads", &b);
+    // Steps ran fewer positions than 8 rows of 16 (some of them), and not all as many.
+    let tokens: Vec<u64> = std::fs::read_to_string(a.with_extension("jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter_map(|r| Some((r["tokens_per_s"].as_f64()? * r["seconds"].as_f64()?).round() as u64))
+        .collect();
+    assert!(
+        tokens.iter().any(|&t| t < 128) && tokens.iter().any(|&t| t != tokens[0]),
+        "{tokens:?}"
+    );
+    let (_, _, got) = checkpoint_params(&a);
+    let (_, _, want) = checkpoint_params(&b);
+    let worst = max_diff(&got, &want);
+    assert!(worst <= 1e-6, "max |diff| {worst}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// Preemption: SIGUSR1 (Slurm's `--signal`) to the launcher reaches every rank; they agree to
 /// stop at the same step boundary, write the checkpoint and exit 0. Resuming continues to the
 /// same parameters as a run that was never stopped.

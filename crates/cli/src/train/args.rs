@@ -77,6 +77,10 @@ pub struct TrainArgs {
     /// (each sample once an epoch; what --cache-budget keys on).
     #[arg(long, value_enum)]
     pub(crate) sampling: Option<SamplingArg>,
+    /// Group a task's examples by length within an epoch (fixed by --seed), so that each
+    /// micro-batch, padded to its longest row, holds little padding.
+    #[arg(long)]
+    pub(crate) bucket: bool,
     #[command(flatten)]
     pub(crate) run: RunSettings,
     /// The flags given on the command line (clap's ids): `--config`'s `[run]` keys fill the

@@ -188,6 +188,15 @@ fn config(a: &TrainArgs) -> Result<TrainConfig> {
         (Some(SamplingArg::Epochs), _) | (None, true) => cfg.sampling = Sampling::Epochs,
         (None, false) => {}
     }
+    if a.bucket {
+        if data.task == crate::data::Task::Lm {
+            return Err(BadInput(
+                "--bucket groups a task's examples by length; a text's windows all have --seq-len tokens (give --task classify or qa)".into(),
+            )
+            .into());
+        }
+        cfg.bucket = true;
+    }
     if a.chunks.is_none() && a.schedule.is_some() {
         cfg.chunks = cfg.schedule.default_chunks();
     }

@@ -178,6 +178,20 @@ impl Examples {
         self.labels.is_empty()
     }
 
+    /// Each example's length: its positions up to the last real token (by the mask; all
+    /// `seq_len` without one).
+    pub fn lengths(&self) -> Vec<usize> {
+        let t = self.seq_len.max(1);
+        match self.mask.is_empty() {
+            true => vec![self.seq_len; self.len()],
+            false => self
+                .mask
+                .chunks(t)
+                .map(|row| row.iter().rposition(|&m| m != 0).map_or(1, |p| p + 1))
+                .collect(),
+        }
+    }
+
     /// The largest token id + 1 (what a model's vocabulary must cover).
     pub fn id_bound(&self) -> usize {
         self.tokens.iter().max().map_or(0, |&m| m as usize + 1)

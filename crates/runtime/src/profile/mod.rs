@@ -45,6 +45,8 @@ struct Samples {
 pub struct Profiler {
     cfg: ModelConfig,
     rows: usize,
+    /// Positions per row of the next passes (the model's length unless told otherwise).
+    len: usize,
     layers: Layers,
     optims: Vec<burn::optim::ModuleOptimizer>,
     samples: Vec<Samples>,
@@ -57,6 +59,7 @@ impl Profiler {
         Profiler {
             cfg: cfg.clone(),
             rows,
+            len: cfg.seq_len,
             layers: Layers::new(cfg, seed, &dev),
             optims: (0..blocks)
                 .map(|_| {
@@ -67,6 +70,12 @@ impl Profiler {
                 .collect(),
             samples: (0..blocks).map(|_| Samples::default()).collect(),
         }
+    }
+
+    /// Time the next passes at `len` positions per row (1 to the model's length): what the
+    /// training steps ran, when micro-batches are padded only to their longest row.
+    pub fn set_len(&mut self, len: usize) {
+        self.len = len.clamp(1, self.cfg.seq_len.max(1));
     }
 
     /// Passes taken so far.
@@ -82,7 +91,7 @@ impl Profiler {
     pub fn sample(&mut self) {
         let dev = train_device();
         let (cfg, rows) = (&self.cfg, self.rows);
-        let (t, d_model) = (cfg.seq_len, cfg.d_model);
+        let (t, d_model) = (self.len, cfg.d_model);
         let blocks = cfg.num_blocks();
         let stages: Vec<Stage> = (0..blocks).map(|i| self.layers.stage(i, i + 1)).collect();
         // Tokens for the embedding block, random hidden states for the others.
@@ -104,9 +113,11 @@ impl Profiler {
         // last block's backward starts from the loss instead.
         let backward = |i: usize, y: Tensor<3>| {
             let seed = if i == blocks - 1 {
-                let targets: Vec<i64> = (0..rows * t).map(|k| (k * 3 % cfg.vocab) as i64).collect();
-                let targets =
-                    Tensor::<2, Int>::from_data(TensorData::new(targets, [rows, t]), &dev);
+                // Targets of the head's own shape: a token per position, a class per row, or
+                // an answer's start and end.
+                let [b, n, v] = y.dims();
+                let targets: Vec<i64> = (0..b * n).map(|k| (k * 3 % v) as i64).collect();
+                let targets = Tensor::<2, Int>::from_data(TensorData::new(targets, [b, n]), &dev);
                 let t1 = Instant::now();
                 return (loss(y, targets), t1);
             } else {

@@ -41,6 +41,10 @@ pub struct TrainConfig {
     /// How steps draw sequences from the training text: random windows, or epochs over fixed
     /// samples (needed by the frozen-prefix cache).
     pub sampling: Sampling,
+    /// Group a task's examples by length within an epoch (`--bucket`; see
+    /// [`Sampler::bucketed`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub bucket: bool,
     /// A Hugging Face model directory whose weights the run starts from (fine-tuning);
     /// none: fresh weights from the seed.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -104,6 +108,7 @@ impl Default for TrainConfig {
             clip: 1.0,
             seed: 42,
             sampling: Sampling::Windows,
+            bucket: false,
             pretrained: None,
             tokenizer: None,
             data: None,
@@ -125,7 +130,7 @@ impl TrainConfig {
 
     /// The sampler of this run's micro-batches.
     pub fn sampler(&self) -> Sampler {
-        Sampler::new(self.sampling, self.model.seq_len, self.rows, self.seed)
+        Sampler::new(self.sampling, self.model.seq_len, self.rows, self.seed).bucketed(self.bucket)
     }
 
     /// Settings that no plan can fix: model shape, batch and optimizer values.

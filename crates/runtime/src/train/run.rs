@@ -580,6 +580,9 @@ impl TrainingRun {
         let Some(p) = self.profiler.as_mut() else {
             return;
         };
+        // At the step's mean length: micro-batches are padded to their longest row only.
+        let rows = (self.trainer.plan.num_microbatches * self.trainer.cfg.rows).max(1);
+        p.set_len((r.tokens as f64 / rows as f64).round() as usize);
         p.sample();
         if self.step_seconds.len() > 2 {
             for t in &r.actions {
