@@ -69,6 +69,10 @@ pub struct DataArgs {
     /// are the names, sorted).
     #[arg(long, default_value = "label")]
     pub label_field: String,
+    /// For --task classify: the classes the head has. The data must have exactly these
+    /// (default: the data's own).
+    #[arg(long, value_name = "N")]
+    pub num_labels: Option<usize>,
 }
 
 impl DataArgs {
@@ -83,6 +87,7 @@ impl DataArgs {
             task: self.task.into(),
             text_field: self.text_field.clone(),
             label_field: self.label_field.clone(),
+            num_labels: self.num_labels,
         })
     }
 
@@ -99,6 +104,7 @@ impl DataArgs {
             task: r.task.into(),
             text_field: r.text_field.clone(),
             label_field: r.label_field.clone(),
+            num_labels: r.num_labels,
         }
     }
 
@@ -109,6 +115,12 @@ impl DataArgs {
                 "--task classify and qa need labelled examples: --data FILE.jsonl, FILE.csv, an image folder (vit) or SQuAD JSON (qa)".into(),
             )
             .into());
+        }
+        if self.num_labels.is_some() && self.task != Task::Classify {
+            return Err(BadInput("--num-labels goes with --task classify".into()).into());
+        }
+        if self.num_labels == Some(0) {
+            return Err(BadInput("--num-labels must be at least 1".into()).into());
         }
         if self.val_data.is_some() && self.data.is_none() {
             return Err(BadInput("--val-data goes with --data".into()).into());

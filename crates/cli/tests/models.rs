@@ -927,6 +927,33 @@ fn llama_learns_to_classify_text_and_exports_a_classifier() {
         assert_eq!(o.status.code(), Some(2), "{err}");
         assert!(err.contains(want), "{err}");
     }
+    // --num-labels that disagrees with the data, and a class with no training examples.
+    std::fs::write(&val, rows(16, 64)).unwrap();
+    let o = pw(&[
+        &args[..],
+        &["--model-config", &s(&cfg), "--num-labels", "3"],
+    ]
+    .concat());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--num-labels 3 disagrees with")
+            && err.contains("its labels make 2 classes (digits, letters)"),
+        "{err}"
+    );
+    std::fs::write(
+        &train,
+        "{\"text\": \"12\", \"label\": 0}\n{\"text\": \"ab\", \"label\": 2}\n",
+    )
+    .unwrap();
+    std::fs::write(&val, "{\"text\": \"12\", \"label\": 0}\n").unwrap();
+    let o = pw(&[&args[..], &["--model-config", &s(&cfg)]].concat());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("train.jsonl: class 1 of 0..2 has no training examples"),
+        "{err}"
+    );
 }
 
 /// Images in a folder per class fine-tune the ViT fixture (3 classes) for a new 2-class task:

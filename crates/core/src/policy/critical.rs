@@ -26,6 +26,30 @@ pub struct CriticalChoice {
     /// Simulated iteration seconds with the freezing it started from, and with the choice.
     pub before: f64,
     pub after: f64,
+    /// Compute seconds of each stage on the simulated critical path, before and after.
+    pub path_before: Vec<f64>,
+    pub path_after: Vec<f64>,
+}
+
+/// Compute seconds of each stage of `plan` on its simulated critical path
+/// ([`crate::sim::Timeline::critical_path`]) with `profile`'s costs.
+pub fn critical_path_by_stage(
+    plan: &Plan,
+    profile: &Profile,
+    cluster: &Cluster,
+) -> Result<Vec<f64>> {
+    let costs = profile.stage_costs(&plan.layers_per_stage());
+    let devices: Vec<usize> = (0..plan.num_workers()).collect();
+    let sim = crate::sim::simulate(&crate::sim::SimSetup {
+        plan,
+        stages: &costs,
+        cluster: &cluster.subset(&devices),
+    })?;
+    let mut by_stage = vec![0.0; plan.num_stages()];
+    for a in sim.timeline.critical_path() {
+        by_stage[a.action.stage] += a.end - a.start;
+    }
+    Ok(by_stage)
 }
 
 /// `profile` with blocks `0..prefix` frozen whole and the `weight_only` blocks without their
@@ -82,7 +106,13 @@ pub fn choose(
         let Some((t, np, nw)) = best else { break };
         (now, p, w) = (t, np, nw);
     }
+    let path = |p: usize, w: &[usize]| {
+        critical_path_by_stage(plan, &weight_frozen_profile(profile, p, w), cluster)
+    };
+    let (p0, w0) = normalise(prefix, weight_only.to_vec(), limit);
     Ok(CriticalChoice {
+        path_before: path(p0, &w0)?,
+        path_after: path(p, &w)?,
         prefix: p,
         weight_only: w,
         before,
@@ -157,6 +187,9 @@ mod tests {
         let c = choose(&pl, &prof, &cl, &settled, 0, &[], 0.001, usize::MAX).unwrap();
         assert_eq!((c.prefix, c.weight_only.clone()), (3, vec![5, 6]), "{c:?}");
         assert_eq!((c.before, c.after), (204.0, 150.0));
+        // The bottleneck, stage 1, holds most of the critical path before; less after.
+        assert!(c.path_before[1] > c.path_before[0], "{c:?}");
+        assert!(c.path_after[1] < c.path_before[1], "{c:?}");
         assert!(c.after < c.before);
         // As fast as the best of all 2^5 choices.
         let best = brute_force(&pl, &prof, &cl, &settled);

@@ -785,6 +785,33 @@ mod tests {
     }
 
     #[test]
+    fn the_critical_path_runs_from_0_to_the_makespan_without_gaps() {
+        for kind in [
+            ScheduleKind::GPipe,
+            ScheduleKind::OneFOneB,
+            ScheduleKind::ZbH1,
+        ] {
+            for (p, m) in [(2, 4), (4, 8), (3, 3)] {
+                let r = unit(kind, p, m, 1);
+                let path = r.timeline.critical_path();
+                assert_eq!(path[0].start, 0.0, "{kind:?} P={p} M={m}");
+                assert_eq!(path.last().unwrap().end, r.makespan);
+                // Each action starts when one before it ended (messages take no time here).
+                for w in path.windows(2) {
+                    assert!((w[1].start - w[0].end).abs() < 1e-9, "{kind:?}: {w:?}");
+                }
+                // 1F1B and GPipe with forward 1 and backward 2: the path holds the first
+                // micro-batch's forwards down the pipeline, every micro-batch of one stage,
+                // and the last's backwards back up: (M + P - 1) (F + B).
+                if kind != ScheduleKind::ZbH1 {
+                    let busy: f64 = path.iter().map(|a| a.end - a.start).sum();
+                    assert_eq!(busy, ((m + p - 1) * 3) as f64, "{kind:?} P={p} M={m}");
+                }
+            }
+        }
+    }
+
+    #[test]
     fn links_whose_messages_together_overflow_are_refused_naming_the_link() {
         let plan = generate(ScheduleKind::OneFOneB, 2, 2, 1).unwrap();
         let stages = vec![StageCost::uniform(1.0, 1.0, 1.0); 2];

@@ -136,6 +136,40 @@ impl Timeline {
             .fold(0.0, f64::max)
     }
 
+    /// The pipeline's critical path: from the action that ends last, back through whatever
+    /// each one waited for (the same worker's previous action, or a message and the action
+    /// that sent it), to time 0. Its actions, in time order; compute on it is what freezing
+    /// must shorten to shorten the iteration.
+    pub fn critical_path(&self) -> Vec<TimedAction> {
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(b.abs()).max(1.0);
+        let ends_at = |t: f64, worker: Option<usize>| {
+            self.actions
+                .iter()
+                .filter(|a| close(a.end, t) && worker.is_none_or(|w| a.worker == w))
+                .max_by(|a, b| a.start.total_cmp(&b.start))
+        };
+        let mut path = Vec::new();
+        let mut cur = self.actions.iter().max_by(|a, b| a.end.total_cmp(&b.end));
+        while let Some(a) = cur {
+            path.push(*a);
+            if a.start <= 0.0 {
+                break;
+            }
+            // A message that arrived as the action started, from the action that sent it.
+            let sent = self
+                .transfers
+                .iter()
+                .filter(|t| t.to == a.worker && close(t.end, a.start) && t.start < t.end)
+                .find_map(|t| ends_at(t.start, Some(t.from)));
+            cur = ends_at(a.start, Some(a.worker))
+                .or(sent)
+                .or_else(|| ends_at(a.start, None))
+                .filter(|p| p.start < a.start);
+        }
+        path.reverse();
+        path
+    }
+
     /// Chrome trace: compute on process 0 (a thread per worker), transfers on process 1 (a
     /// thread per directed link). Times in microseconds of the timeline's seconds.
     pub fn to_chrome_trace(&self) -> String {

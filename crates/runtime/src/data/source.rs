@@ -52,6 +52,9 @@ pub struct DataSource {
     pub text_field: String,
     #[serde(default = "default_label_field")]
     pub label_field: String,
+    /// The classes a classification head must have (`--num-labels`); none: the data's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_labels: Option<usize>,
 }
 
 fn default_val_fraction() -> f64 {
@@ -74,6 +77,7 @@ impl DataSource {
             task,
             text_field: default_text_field(),
             label_field: default_label_field(),
+            num_labels: None,
         }
     }
 
@@ -152,6 +156,40 @@ pub fn open(
     })
 }
 
+/// Every class has training examples, and there are `--num-labels` of them when given.
+fn check_classes(
+    data: &Path,
+    train: &Examples,
+    classes: &Classes,
+    num_labels: Option<usize>,
+) -> Result<()> {
+    let n = classes.count();
+    if let Some(want) = num_labels.filter(|&w| w != n) {
+        let which = match classes {
+            Classes::Named(names) => format!(" ({})", names.join(", ")),
+            Classes::Numbered(c) => format!(" (labels 0..{})", c - 1),
+        };
+        return Err(Error::Input(format!(
+            "--num-labels {want} disagrees with {}: its labels make {n} classes{which}",
+            data.display()
+        )));
+    }
+    let mut seen = vec![false; n];
+    for &l in train.labels.iter().step_by(train.target_len.max(1)) {
+        if let Some(s) = seen.get_mut(l as usize) {
+            *s = true;
+        }
+    }
+    match seen.iter().position(|&s| !s) {
+        Some(c) => Err(Error::Input(format!(
+            "{}: class {c} of 0..{} has no training examples (an empty class: renumber the labels from 0 without gaps)",
+            data.display(),
+            n - 1
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// Records' text field (JSONL, Parquet), or text and token shards.
 fn text_corpus(s: &DataSource, tok: &Tokenizer) -> Result<Corpus> {
     let records = |p: &Path| {
@@ -200,6 +238,7 @@ fn examples(s: &DataSource, model: &mut ModelConfig, tok: &Tokenizer, seed: u64)
     }
     // The training labels make the classes (the run checks a classifier's head has room).
     let (train, classes) = load(data, None)?;
+    check_classes(data, &train, &classes, s.num_labels)?;
     let mut notes = Vec::new();
     if train.truncated > 0 {
         notes.push(format!(

@@ -313,11 +313,19 @@ impl FreezeController {
             true => format!("plan kept: {new}"),
             false => format!("re-planned{scaled}\n  before: {old}\n  after:  {new}"),
         };
+        let secs = |v: &[f64]| {
+            v.iter()
+                .map(|x| format!("{x:.4}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
         Ok(Some(format!(
-            "step {step}: froze {what} (settled: {:?}); simulated iteration {:.4} -> {:.4} s, decided in {:.3} s; {plan}",
+            "step {step}: froze {what} (settled: {:?}); simulated iteration {:.4} -> {:.4} s (the model's cost estimate), each stage's compute on its critical path [{}] -> [{}] s; decided in {:.3} s; {plan}",
             (0..freezable).filter(|&i| settled[i]).collect::<Vec<_>>(),
             c.before,
             c.after,
+            secs(&c.path_before),
+            secs(&c.path_after),
             t0.elapsed().as_secs_f64()
         )))
     }
