@@ -331,18 +331,22 @@ impl Stages {
                 ))
                 .into());
             }
+            // More choices than --draws: that many different ones, at random (subsets()
+            // stops past the limit, so there are more than enough to draw from).
             let choices = subsets(may_go, k, a.draws).unwrap_or_else(|| {
-                (0..a.draws)
-                    .map(|_| {
-                        let mut pool = may_go.clone();
-                        for i in (1..pool.len()).rev() {
-                            pool.swap(i, rng.below(i + 1));
-                        }
-                        let mut c = pool[..k].to_vec();
-                        c.sort_unstable();
-                        c
-                    })
-                    .collect()
+                let mut drawn: Vec<Vec<usize>> = Vec::with_capacity(a.draws);
+                while drawn.len() < a.draws {
+                    let mut pool = may_go.clone();
+                    for i in (1..pool.len()).rev() {
+                        pool.swap(i, rng.below(i + 1));
+                    }
+                    let mut c = pool[..k].to_vec();
+                    c.sort_unstable();
+                    if !drawn.contains(&c) {
+                        drawn.push(c);
+                    }
+                }
+                drawn
             });
             sets.push((format!("keep {keep} of {model_stages}"), choices));
         }
@@ -352,7 +356,28 @@ impl Stages {
 
 #[cfg(test)]
 mod tests {
-    use super::subsets;
+    use super::{subsets, EvalArgs, Stages};
+    use clap::Parser;
+
+    #[test]
+    fn random_draws_of_left_out_stages_are_all_different() {
+        #[derive(Parser)]
+        struct Cmd {
+            #[command(flatten)]
+            a: EvalArgs,
+        }
+        // 6 of 8 single-block stages may go; leaving out 3 has 20 choices, 19 drawn.
+        let a = Cmd::parse_from(["eval", "--keep-stages", "0.5", "--draws", "19"]).a;
+        let st = Stages::of(&[1; 8], 8);
+        assert_eq!(st.may_go.len(), 6);
+        let sets = st.omission_sets(&a).unwrap();
+        let choices = &sets[0].1;
+        assert_eq!(choices.len(), 19);
+        for (i, c) in choices.iter().enumerate() {
+            assert_eq!(c.len(), 3);
+            assert!(!choices[..i].contains(c), "{c:?} drawn twice: {choices:?}");
+        }
+    }
 
     #[test]
     fn subsets_enumerate_combinations_up_to_a_limit() {
