@@ -551,7 +551,17 @@ fn kills_leave_one_model_whole(work: &Path, src: &Path, ck_s: &str, before: &(Ve
         "kills that left the old model: {}, the new: {}",
         seen.0, seen.1
     );
-    assert!(seen.1 > 0, "no export finished even unkilled");
+    // Unkilled, the export over a copy ends as the new model. (Whether a kill at 1.4x the
+    // timed export still comes before the end depends on the machine's load: not asserted.)
+    ok(&[
+        "export",
+        "--checkpoint-dir",
+        ck_s,
+        "--out",
+        other.to_str().unwrap(),
+        "--overwrite",
+    ]);
+    assert!(model_files(&other) == new, "an unkilled export over a copy");
 }
 
 /// BERT and ViT through `forward`: segments and padding, or images, from the input file; class
