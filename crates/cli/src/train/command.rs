@@ -169,8 +169,22 @@ fn config(a: &TrainArgs) -> Result<TrainConfig> {
         ($($f:ident),*) => { $(if let Some(v) = a.$f { cfg.model.$f = v; })* };
     }
     set_model!(d_model, layers, heads, seq_len);
+    sampling(a, data.task, &mut cfg)?;
+    if a.chunks.is_none() && a.schedule.is_some() {
+        cfg.chunks = cfg.schedule.default_chunks();
+    }
+    if a.run.eval_every == 0 || a.run.eval_batches == 0 {
+        return Err(BadInput("--eval-every and --eval-batches must be at least 1".into()).into());
+    }
+    as_trained(&cfg)?.check()?;
+    Ok(cfg)
+}
+
+/// How steps draw their data: `--sampling` (checked against the task and the cache) and
+/// `--bucket` (a task's examples only).
+fn sampling(a: &TrainArgs, task: crate::data::Task, cfg: &mut TrainConfig) -> Result<()> {
     match (a.sampling, a.run.cache_budget.is_some()) {
-        (Some(SamplingArg::Windows), _) if data.task != crate::data::Task::Lm => {
+        (Some(SamplingArg::Windows), _) if task != crate::data::Task::Lm => {
             return Err(BadInput(
                 "--sampling windows draws windows of a text; a task's examples are each drawn once an epoch (leave --sampling out)"
                     .into(),
@@ -189,7 +203,7 @@ fn config(a: &TrainArgs) -> Result<TrainConfig> {
         (None, false) => {}
     }
     if a.bucket {
-        if data.task == crate::data::Task::Lm {
+        if task == crate::data::Task::Lm {
             return Err(BadInput(
                 "--bucket groups a task's examples by length; a text's windows all have --seq-len tokens (give --task classify or qa)".into(),
             )
@@ -197,14 +211,7 @@ fn config(a: &TrainArgs) -> Result<TrainConfig> {
         }
         cfg.bucket = true;
     }
-    if a.chunks.is_none() && a.schedule.is_some() {
-        cfg.chunks = cfg.schedule.default_chunks();
-    }
-    if a.run.eval_every == 0 || a.run.eval_batches == 0 {
-        return Err(BadInput("--eval-every and --eval-batches must be at least 1".into()).into());
-    }
-    as_trained(&cfg)?.check()?;
-    Ok(cfg)
+    Ok(())
 }
 
 /// `cfg` as it will train: a bare encoder (a `BertModel` directory: no head yet) with the
