@@ -294,6 +294,20 @@ fn settings_that_cannot_work_are_refused_before_any_step() {
         ),
         "at least 3 steps",
     );
+    // A tied embedding cannot head a frozen prefix.
+    let mut tied = cfg(2, 2, 4);
+    tied.model.family = pipewright_runtime::model::Family::Llama;
+    tied.model.tie_embeddings = true;
+    is_config(
+        run_of(
+            tied,
+            RunConfig {
+                freeze: Some(freeze(false)),
+                ..base.clone()
+            },
+        ),
+        "tied embeddings cannot freeze",
+    );
     let mut wrong = cfg(3, 2, 4).plan().unwrap().into_plan();
     wrong.kind = pipewright_core::plan::ScheduleKind::Custom;
     is_config(

@@ -70,6 +70,11 @@ impl FreezeController {
             .map_err(|e| Error::Config(format!("freeze policy: {e}")))?;
         let cfg = &trainer.cfg;
         let plan = &trainer.plan;
+        if trainer.ties_embeddings() && policy.mode != FreezeMode::Critical {
+            return Err(Error::Config(
+                "a frozen prefix starts with the embedding, which a model with tied embeddings cannot freeze (its LM head's copy would train alone): use --freeze critical (it leaves the embedding training) or untie them (tie_word_embeddings = false)".into(),
+            ));
+        }
         let every = a.every.unwrap_or(default_interval(epoch_steps));
         if every == 0 {
             return Err(Error::Config(
@@ -265,9 +270,12 @@ impl FreezeController {
     fn critical(&mut self, trainer: &mut Trainer, step: u64) -> Result<Option<String>> {
         let (prefix, weight_only) = (trainer.frozen(), trainer.weight_only().to_vec());
         let freezable = self.sum.len();
-        let settled = self
-            .policy
-            .settled_blocks(prefix, &weight_only, freezable, &self.history);
+        let mut settled =
+            self.policy
+                .settled_blocks(prefix, &weight_only, freezable, &self.history);
+        if trainer.ties_embeddings() {
+            settled[0] = false; // the LM head's copy of it trains
+        }
         let frozen_now = prefix + weight_only.len();
         let room = self.policy.cap(freezable).saturating_sub(frozen_now);
         let max_new = self.policy.step(freezable - frozen_now).min(room);

@@ -368,6 +368,12 @@ impl Trainer {
         Ok(())
     }
 
+    /// Does the model keep one embedding matrix for its input and its LM head? (Then the
+    /// embedding cannot freeze: the head's copy would train alone.)
+    pub fn ties_embeddings(&self) -> bool {
+        self.tied.is_some()
+    }
+
     /// Layer blocks past the prefix frozen for their weights only.
     pub fn weight_only(&self) -> &[usize] {
         &self.weight_only
