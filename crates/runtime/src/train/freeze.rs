@@ -72,7 +72,7 @@ impl FreezeController {
         let plan = &trainer.plan;
         if trainer.ties_embeddings() && policy.mode != FreezeMode::Critical {
             return Err(Error::Config(
-                "a frozen prefix starts with the embedding, which a model with tied embeddings cannot freeze (its LM head's copy would train alone): use --freeze critical (it leaves the embedding training) or untie them (tie_word_embeddings = false)".into(),
+                "a frozen prefix starts with the embedding, which a model with tied embeddings cannot freeze (its LM head's copy would train alone): freeze by the critical policy (it leaves the embedding training) or untie them (tie_word_embeddings = false)".into(),
             ));
         }
         let every = a.every.unwrap_or(default_interval(epoch_steps));
