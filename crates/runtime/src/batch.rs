@@ -111,12 +111,7 @@ impl MicroBatch {
         if self.mask.is_empty() || self.image.is_some() || t == 0 {
             return self;
         }
-        let longest = self
-            .mask
-            .chunks(t)
-            .filter_map(|row| row.iter().rposition(|&m| m != 0))
-            .max()
-            .map_or(1, |p| p + 1);
+        let longest = self.mask.chunks(t).map(real_length).max().unwrap_or(1);
         if longest >= t {
             return self;
         }
@@ -206,6 +201,11 @@ impl MicroBatch {
             })
             .collect())
     }
+}
+
+/// A masked row's length up to its last real token (at least 1): where padding starts.
+pub fn real_length(mask_row: &[i64]) -> usize {
+    mask_row.iter().rposition(|&m| m != 0).map_or(1, |p| p + 1)
 }
 
 /// A batch whose rows do not divide into the micro-batches asked for.

@@ -184,11 +184,7 @@ impl Examples {
         let t = self.seq_len.max(1);
         match self.mask.is_empty() {
             true => vec![self.seq_len; self.len()],
-            false => self
-                .mask
-                .chunks(t)
-                .map(|row| row.iter().rposition(|&m| m != 0).map_or(1, |p| p + 1))
-                .collect(),
+            false => self.mask.chunks(t).map(crate::batch::real_length).collect(),
         }
     }
 
