@@ -25,20 +25,24 @@ pub struct ElasticSimArgs {
     /// Data-parallel pipelines at the start.
     #[arg(long, default_value_t = 2)]
     pipelines: usize,
-    /// Stages of each pipeline at the start.
-    #[arg(long, default_value_t = 8)]
+    /// Stages of each pipeline at the start (default: the cluster's devices over --pipelines).
+    #[arg(long = "stages")]
+    stages_flag: Option<usize>,
+    /// --stages, or its default once the cluster is known.
+    #[arg(skip)]
     stages: usize,
     /// Micro-batches per pipeline per iteration at the start (the global batch stays).
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 4)]
     microbatches: usize,
-    /// Pipeline schedule (one stage per worker).
-    #[arg(long, value_enum, default_value = "gpipe")]
+    /// Pipeline schedule (one stage per worker; `--kind`, the old spelling, is still taken).
+    #[arg(long = "schedule", alias = "kind", value_enum, default_value = "1f1b")]
     kind: ScheduleKind,
     /// Epochs to replay.
     #[arg(long, default_value_t = 10)]
     epochs: usize,
-    /// The released schedule's rate: L (1 - (1 - alpha)^e) layers frozen after epoch e.
-    #[arg(long, default_value_t = 0.5)]
+    /// The released schedule's rate: L (1 - (1 - alpha)^e) layers frozen after epoch e
+    /// (train's default; the paper's is 0.5).
+    #[arg(long, default_value_t = 0.3)]
     freeze_alpha: f64,
     /// Most of the freezable layers (all but the last) that may freeze.
     #[arg(long, default_value_t = 0.8)]
@@ -68,9 +72,12 @@ fn paper(which: Ablation) -> Option<f64> {
     }
 }
 
-pub fn cmd_elastic_sim(a: ElasticSimArgs) -> Result<()> {
+pub fn cmd_elastic_sim(mut a: ElasticSimArgs) -> Result<()> {
     let profile = Profile::load(&a.profile)?;
     let cluster = Cluster::load(&a.cluster)?;
+    a.stages = a
+        .stages_flag
+        .unwrap_or(cluster.devices.len() / a.pipelines.max(1));
     let workers = check_args(&a, &profile, &cluster)?;
     let per_iter = samples_per_iteration(&a)?;
     let trajectory = trajectory(&a, &profile)?;
@@ -153,7 +160,7 @@ fn check_args(a: &ElasticSimArgs, profile: &Profile, cluster: &Cluster) -> Resul
     }
     if a.kind.default_chunks() != 1 || a.kind == ScheduleKind::Custom {
         return Err(BadInput(format!(
-            "--kind {}: elastic-sim places one stage per worker (gpipe, 1f1b or zbh1)",
+            "--schedule {}: elastic-sim places one stage per worker (gpipe, 1f1b or zbh1)",
             a.kind
         ))
         .into());

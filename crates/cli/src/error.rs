@@ -19,10 +19,9 @@ use pipewright_runtime::model::error::Error as ModelError;
 /// How a command names the parts of a job's shape on its command line.
 #[derive(Clone, Copy)]
 pub enum Flags {
-    /// `schedule`, `simulate`, `train`, `partition`: --stages, --chunks, --replicas, ...
+    /// `schedule`, `simulate`, `train`, `partition`, `skip-plan`: --stages, --chunks,
+    /// --replicas, ...
     Pipeline,
-    /// `skip-plan`: data nodes are `--data-nodes`.
-    SkipPlan,
     /// `plan`: `--global-batch`.
     Planner,
     /// `elastic-sim`: replicas are `--pipelines`.
@@ -35,7 +34,6 @@ impl Flags {
     fn flag(self, field: Field) -> Option<&'static str> {
         Some(match (self, field) {
             (Flags::None, _) => return None,
-            (Flags::SkipPlan, Field::Replicas) => "--data-nodes",
             (Flags::ElasticSim, Field::Replicas) => "--pipelines",
             (_, Field::Depth) => "--stages",
             (_, Field::Chunks) => "--chunks",

@@ -25,7 +25,8 @@ pub struct EvalArgs {
     data: crate::data::DataArgs,
     /// Held-out micro-batches of a text per evaluation, as `train --eval-batches` (a task
     /// scores all its held-out examples).
-    #[arg(long, default_value_t = 8)]
+    /// (`--batches`, the old spelling, is still taken.)
+    #[arg(long = "eval-batches", alias = "batches", default_value_t = 8)]
     batches: usize,
     /// Stages (of the plan that wrote the checkpoint) to leave out, e.g. 1,3. Stages holding
     /// the embedding or the head stay.
@@ -40,7 +41,8 @@ pub struct EvalArgs {
     /// Random choices of left-out stages per --keep-stages fraction.
     #[arg(long, default_value_t = 8)]
     draws: usize,
-    #[arg(long, default_value_t = 7)]
+    /// Seed of the random choices of left-out stages.
+    #[arg(long, default_value_t = 42)]
     seed: u64,
     /// Print one JSON object.
     #[arg(long)]
@@ -152,7 +154,7 @@ pub fn cmd_eval(a: EvalArgs) -> Result<()> {
 fn check_args(a: &EvalArgs) -> Result<()> {
     if !(1..=100_000).contains(&a.batches) || !(1..=1000).contains(&a.draws) {
         return Err(BadInput(
-            "--batches must be between 1 and 100000 and --draws between 1 and 1000".into(),
+            "--eval-batches must be between 1 and 100000 and --draws between 1 and 1000".into(),
         )
         .into());
     }

@@ -204,6 +204,33 @@ fn long_version() -> String {
     )
 }
 
+/// Old spellings of flags, per command, still taken as hidden aliases: (commands, old, new).
+const OLD_SPELLINGS: &[(&[&str], &str, &str)] = &[
+    (
+        &["schedule", "simulate", "elastic-sim"],
+        "--kind",
+        "--schedule",
+    ),
+    (&["skip-plan"], "--data-nodes", "--replicas"),
+    (&["eval"], "--batches", "--eval-batches"),
+    (&["eval"], "--keep", "--keep-stages"),
+    (&["schedule", "simulate"], "--layers", "--layer-blocks"),
+];
+
+/// One line on stderr for each old spelling on the command line: it still works, but the
+/// same thing has one name in every command.
+fn hint_old_spellings(args: &[String]) {
+    let Some(cmd) = args.get(1) else { return };
+    for (cmds, old, new) in OLD_SPELLINGS {
+        let used = args[2..]
+            .iter()
+            .any(|a| a == old || a.strip_prefix(old).is_some_and(|r| r.starts_with('=')));
+        if cmds.contains(&cmd.as_str()) && used {
+            eprintln!("hint: {old} is now spelled {new} (as in the other commands)");
+        }
+    }
+}
+
 fn main() {
     fit_blas_kernels();
     keep_freed_memory();
@@ -247,8 +274,10 @@ fn main() {
             std::process::exit(2);
         }
     };
+    // After the parse, so that a command line clap refuses still gets one line; after
+    // fit_blas_kernels, which may run the process again.
+    hint_old_spellings(&std::env::args().collect::<Vec<_>>());
     let flags = match &cli.cmd {
-        Cmd::SkipPlan(_) => error::Flags::SkipPlan,
         Cmd::Plan(_) => error::Flags::Planner,
         Cmd::ElasticSim(_) => error::Flags::ElasticSim,
         Cmd::Eval(_)
@@ -404,6 +433,153 @@ mod tests {
             assert_eq!(mi_option_get(MI_OPTION_PURGE_DELAY + 1), 0);
             mi_option_set(MI_OPTION_PURGE_DELAY, -1);
             assert_eq!(mi_option_get(MI_OPTION_PURGE_DELAY), -1);
+        }
+    }
+}
+
+/// The vocabulary of flags: one name and one default for the same thing in every command.
+#[cfg(test)]
+mod vocabulary {
+    use super::{Cli, OLD_SPELLINGS};
+    use clap::CommandFactory;
+    use std::collections::BTreeMap;
+
+    /// Each flag's default in each command that takes it: clap's, or the `[default: X]` that
+    /// `train` writes into its help; `None` for a flag with none.
+    fn defaults() -> BTreeMap<String, BTreeMap<String, Option<String>>> {
+        let mut out: BTreeMap<String, BTreeMap<String, Option<String>>> = BTreeMap::new();
+        for cmd in Cli::command().get_subcommands() {
+            for arg in cmd.get_arguments().filter(|a| !a.is_hide_set()) {
+                let Some(long) = arg.get_long() else { continue };
+                let help = arg.get_help().map(|h| h.to_string()).unwrap_or_default();
+                let from_help = help
+                    .split_once("[default: ")
+                    .and_then(|(_, r)| r.split_once(']'))
+                    .map(|(d, _)| d.to_string());
+                let from_clap = arg
+                    .get_default_values()
+                    .iter()
+                    .map(|v| v.to_string_lossy().into_owned())
+                    .reduce(|a, b| format!("{a},{b}"));
+                out.entry(long.to_string())
+                    .or_default()
+                    .insert(cmd.get_name().to_string(), from_help.or(from_clap));
+            }
+        }
+        out
+    }
+
+    /// Flags whose value is a different thing in each command: what it writes, and in what form.
+    const EACH_ITS_OWN: &[&str] = &["out", "format"];
+
+    /// A fixed default is the same wherever the flag is spelled. (A flag with none is required,
+    /// or its default follows from the other inputs, and its help says how.)
+    #[test]
+    fn a_flag_in_several_commands_has_one_default() {
+        let mut differ = Vec::new();
+        for (flag, by_cmd) in defaults() {
+            let mut fixed: Vec<&String> = by_cmd.values().flatten().collect();
+            fixed.sort();
+            fixed.dedup();
+            if fixed.len() > 1 && !EACH_ITS_OWN.contains(&flag.as_str()) {
+                differ.push(format!("--{flag}: {by_cmd:?}"));
+            }
+        }
+        assert!(differ.is_empty(), "{}", differ.join("\n"));
+        // The names users asked about have one default across these commands.
+        let d = defaults();
+        let sched = ["train", "schedule", "simulate"];
+        for (flag, cmds, want) in [
+            ("stages", &sched[..], "2"),
+            ("microbatches", &sched[..], "4"),
+            (
+                "seed",
+                &["train", "eval", "generate", "skip-plan"][..],
+                "42",
+            ),
+            ("eval-batches", &["train", "eval"][..], "8"),
+        ] {
+            for c in cmds {
+                assert_eq!(d[flag][*c].as_deref(), Some(want), "{c} --{flag}");
+            }
+        }
+    }
+
+    /// docs/flags.md: every flag, its default, and the commands that take it.
+    fn flag_table() -> String {
+        let mut out = String::from(
+            "# Flags\n\nEvery flag of every command, with its default (`-`: none, the flag is \
+             required or its default follows from other inputs, as `--help` says). One name and one \
+             default for one thing: a test (`vocabulary` in crates/cli/src/main.rs) checks it and \
+             writes this table (`PIPEWRIGHT_WRITE_DOCS=1 cargo test -p pipewright-cli --bin \
+             pipewright vocabulary`). Old spellings still taken, with a hint: ",
+        );
+        let old: Vec<String> = OLD_SPELLINGS
+            .iter()
+            .map(|(c, o, n)| format!("`{o}` ({}: `{n}`)", c.join(", ")))
+            .collect();
+        out += &format!(
+            "{}.\n\n| flag | default | commands |\n|---|---|---|\n",
+            old.join("; ")
+        );
+        for (flag, by_cmd) in defaults() {
+            let mut fixed: Vec<&String> = by_cmd.values().flatten().collect();
+            fixed.dedup();
+            let shared = fixed.len() == 1 || EACH_ITS_OWN.contains(&flag.as_str());
+            let cmds: Vec<String> = by_cmd
+                .iter()
+                .map(|(c, d)| match (d, shared && fixed.len() == 1) {
+                    (Some(d), false) => format!("{c} ({d})"),
+                    _ => c.clone(),
+                })
+                .collect();
+            let dflt = match fixed.as_slice() {
+                [d] if by_cmd.values().all(Option::is_some) => format!("`{d}`"),
+                [d] => format!("`{d}` where it has one"),
+                [] => "-".into(),
+                _ => "per command".into(),
+            };
+            out += &format!("| `--{flag}` | {dflt} | {} |\n", cmds.join(", "));
+        }
+        out
+    }
+
+    #[test]
+    fn docs_flag_table_is_current() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/flags.md");
+        let want = flag_table();
+        if std::env::var_os("PIPEWRIGHT_WRITE_DOCS").is_some() {
+            std::fs::write(path, &want).unwrap();
+        }
+        let have = std::fs::read_to_string(path).unwrap_or_default();
+        assert!(
+            have == want,
+            "docs/flags.md is stale: PIPEWRIGHT_WRITE_DOCS=1 cargo test -p pipewright-cli --bin pipewright vocabulary"
+        );
+    }
+
+    /// An old spelling is a hidden alias of the one name, and the hint table says so.
+    #[test]
+    fn old_spellings_are_hidden_aliases() {
+        let cli = Cli::command();
+        for (cmds, old, new) in OLD_SPELLINGS {
+            for c in *cmds {
+                let cmd = cli.find_subcommand(c).unwrap();
+                let (old, new) = (&old[2..], &new[2..]);
+                let arg = cmd
+                    .get_arguments()
+                    .find(|a| a.get_long() == Some(new))
+                    .unwrap_or_else(|| panic!("{c} has no --{new}"));
+                let aliases = arg.get_all_aliases().unwrap_or_default();
+                assert!(
+                    aliases.contains(&old),
+                    "{c}: --{old} is not an alias of --{new}"
+                );
+                assert!(
+                    !arg.get_visible_aliases().unwrap_or_default().contains(&old),
+                    "{c}: --{old} is shown"
+                );
+            }
         }
     }
 }

@@ -256,14 +256,14 @@ pub struct ForwardArgs {
     #[arg(long)]
     grads: bool,
     /// Pipeline depth of the plan the batch runs through.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 2)]
     stages: usize,
     /// Pipeline schedule.
     #[arg(long, value_enum, default_value = "1f1b")]
     schedule: ScheduleKind,
-    /// Micro-batches the batch is split into (must divide its rows).
-    #[arg(long, default_value_t = 1)]
-    microbatches: usize,
+    /// Micro-batches the batch is split into (must divide its rows; default: one per row).
+    #[arg(long)]
+    microbatches: Option<usize>,
     /// Seed of fresh weights (with --model-config).
     #[arg(long, default_value_t = 42)]
     seed: u64,
@@ -295,7 +295,7 @@ pub fn cmd_forward(a: ForwardArgs) -> Result<()> {
     if model.family != pipewright_runtime::model::Family::Gpt {
         model.seq_len = t; // gpt's learned positions fix its length; rotary ones do not
     }
-    let m = a.microbatches;
+    let m = a.microbatches.unwrap_or(rows);
     let parts = batch
         .split(m)
         .map_err(|e| BadInput(format!("--microbatches {m}: {e}")))?;

@@ -18,14 +18,14 @@ use std::path::PathBuf;
 
 #[derive(Args)]
 pub struct SchedArgs {
-    /// Schedule to generate.
-    #[arg(long, value_enum, default_value = "1f1b")]
+    /// Schedule to generate (`--kind`, the old spelling, is still taken).
+    #[arg(long = "schedule", alias = "kind", value_enum, default_value = "1f1b")]
     pub kind: ScheduleKind,
-    /// Pipeline depth P: workers in the pipeline.
-    #[arg(long, default_value_t = 4)]
+    /// Pipeline depth P: workers in the pipeline (train's default too).
+    #[arg(long, default_value_t = 2)]
     pub stages: usize,
-    /// Micro-batches M per iteration, per replica.
-    #[arg(long, default_value_t = 8)]
+    /// Micro-batches M per iteration, per replica (train's default too).
+    #[arg(long, default_value_t = 4)]
     pub microbatches: usize,
     /// Stage chunks per worker (interleaved: V, default 2; zbv: 2).
     #[arg(long)]

@@ -29,11 +29,13 @@ pub struct SkipPlanArgs {
     /// Stages each micro-batch skips: a count, or a fraction of S below 1 (0.33 of 6 = 2).
     #[arg(long)]
     skip: f64,
-    /// Devices that hold data, the embedding and the head.
-    #[arg(long, default_value_t = 5)]
+    /// Devices that hold data, the embedding and the head: the data-parallel replicas, each
+    /// with its own micro-batches (`--data-nodes`, the old spelling, is still taken).
+    /// SkipPipe's published setting has 5.
+    #[arg(long = "replicas", alias = "data-nodes", default_value_t = 1)]
     data_nodes: usize,
-    /// Micro-batches per data node per iteration.
-    #[arg(long, default_value_t = 6)]
+    /// Micro-batches per data node per iteration (SkipPipe's published setting: 6).
+    #[arg(long, default_value_t = 4)]
     microbatches: usize,
     /// Swaps of neighbouring stages allowed per route.
     #[arg(long, default_value_t = 1)]

@@ -18,9 +18,10 @@ pub struct TokenizeArgs {
     /// JSONL and Parquet inputs: the field holding each document's text.
     #[arg(long, default_value = "text")]
     text_field: String,
-    /// bytes, gpt2, cl100k, or a tokenizer.json (or a directory with one).
-    #[arg(long, default_value = "gpt2")]
-    tokenizer: String,
+    /// bytes, gpt2, cl100k, or a tokenizer.json (or a directory with one); default: the one
+    /// the shards in --out were written with, else bytes (as `train`).
+    #[arg(long)]
+    tokenizer: Option<String>,
     /// Directory to write the shards into (created if missing): `train_000000.bin`, ... and
     /// `val_000000.bin`, ... in llm.c's format, which `train --data DIR` reads, and a
     /// manifest, tokenize.json. Run the same command again to resume a run that stopped.
@@ -73,7 +74,14 @@ pub fn cmd_tokenize(a: TokenizeArgs) -> Result<()> {
         ))
         .into());
     }
-    let tok = Tokenizer::load(&a.tokenizer)?;
+    let spec = match &a.tokenizer {
+        Some(t) => t.clone(),
+        None => read_manifest(&a.out)
+            .ok()
+            .flatten()
+            .map_or_else(|| "bytes".to_string(), |m| m.settings.tokenizer),
+    };
+    let tok = Tokenizer::load(&spec)?;
     let inputs = input_files(&a.data)?
         .iter()
         .map(|p| Input::of(p))

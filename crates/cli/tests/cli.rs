@@ -67,7 +67,7 @@ fn acceptance_figures_from_the_cli() {
         "--json",
     ];
     let run =
-        |kind: &str, extra: &[&str]| json(&pw(&[&base[..], &["--kind", kind], extra].concat()));
+        |kind: &str, extra: &[&str]| json(&pw(&[&base[..], &["--schedule", kind], extra].concat()));
     let g = run("gpipe", &[]);
     assert_eq!(g["makespan"], 33.0);
     assert_eq!(g["peak_activations"], serde_json::json!([8, 8, 8, 8]));
@@ -87,7 +87,7 @@ fn examples_load_and_simulate_with_files() {
     let (trace, svg) = (dir.join("t.json"), dir.join("t.svg"));
     let j = json(&pw(&[
         "simulate",
-        "--kind",
+        "--schedule",
         "1f1b",
         "--stages",
         "8",
@@ -125,7 +125,7 @@ fn examples_load_and_simulate_with_files() {
     assert!(std::fs::read_to_string(&svg).unwrap().starts_with("<svg"));
     json(&pw(&[
         "simulate",
-        "--kind",
+        "--schedule",
         "gpipe",
         "--stages",
         "4",
@@ -144,7 +144,7 @@ fn plan_files_round_trip_through_the_cli() {
     for fmt in ["json", "csv"] {
         let o = pw(&[
             "schedule",
-            "--kind",
+            "--schedule",
             "zbv",
             "--stages",
             "3",
@@ -165,10 +165,35 @@ fn plan_files_round_trip_through_the_cli() {
     }
 }
 
+/// An old spelling still works, gives what the one name gives, and says the new name once.
+#[test]
+fn old_spellings_still_work_and_name_the_new_one() {
+    for (old, new, args) in [
+        ("--kind", "--schedule", &["simulate", "zbh1", "--json"][..]),
+        (
+            "--kind",
+            "--schedule",
+            &["schedule", "zbv", "--format", "json"][..],
+        ),
+    ] {
+        let with = |flag: &str| pw(&[&args[..1], &[flag], &args[1..]].concat());
+        let (o, n) = (with(old), with(new));
+        assert!(o.status.success() && n.status.success());
+        assert_eq!(o.stdout, n.stdout, "{args:?}");
+        let hint = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(hint.matches(new).count(), 1, "{hint}");
+        assert!(
+            n.stderr.is_empty(),
+            "{}",
+            String::from_utf8_lossy(&n.stderr)
+        );
+    }
+}
+
 #[test]
 fn bad_input_is_one_line_and_exit_2() {
     bad(
-        &["simulate", "--kind", "pipedream"],
+        &["simulate", "--schedule", "pipedream"],
         "invalid value 'pipedream'",
     );
     // Sizes that would overflow or exhaust memory are refused before anything is allocated.
@@ -177,7 +202,13 @@ fn bad_input_is_one_line_and_exit_2() {
     for (args, want) in [
         (vec!["schedule", "--stages", huge], "more than 2^64 actions"),
         (
-            vec!["simulate", "--kind", "zbv", "--microbatches", "2000000000"],
+            vec![
+                "simulate",
+                "--schedule",
+                "zbv",
+                "--microbatches",
+                "2000000000",
+            ],
             "above the limit of 20000000",
         ),
         (
@@ -243,7 +274,19 @@ fn bad_input_is_one_line_and_exit_2() {
     // SkipPipe's rules on request: a plain pipeline's routes end away from their data node.
     let plain = tmp(
         "plain-1f1b.json",
-        &String::from_utf8(pw(&["schedule", "--kind", "1f1b", "--format", "json"]).stdout).unwrap(),
+        &String::from_utf8(
+            pw(&[
+                "schedule",
+                "--schedule",
+                "1f1b",
+                "--stages",
+                "4",
+                "--format",
+                "json",
+            ])
+            .stdout,
+        )
+        .unwrap(),
     );
     bad(&["validate", &plain, "--skip", "1"], "(rule skip-ends)");
     // A valid plan whose route visits stages [4, 1, 5]: 4 and 1 are no neighbours, so that is
@@ -313,13 +356,24 @@ fn bad_input_is_one_line_and_exit_2() {
         "above the limit of 20000000",
     );
     bad_sp(
-        sp(&["--stages", "6", "--skip", "1", "--data-nodes", "19"]),
+        sp(&["--stages", "6", "--skip", "1", "--replicas", "19"]),
         "cannot hold 19 data nodes",
     );
     // SkipPipe's per-node load cap must leave room: 30 micro-batches x 3 of 5 middle stages
     // over pools of 3 devices need 6 each.
     bad_sp(
-        sp(&["--stages", "6", "--skip", "2", "--max-node-load", "5"]),
+        sp(&[
+            "--stages",
+            "6",
+            "--skip",
+            "2",
+            "--replicas",
+            "5",
+            "--microbatches",
+            "6",
+            "--max-node-load",
+            "5",
+        ]),
         "a middle stage gets 18 micro-batch visits per iteration but its 3 workers may serve 5 each",
     );
     bad_sp(
@@ -343,7 +397,7 @@ fn bad_input_is_one_line_and_exit_2() {
     bad(&["simulate", "--stages", "0"], "--stages 0");
     bad(&["simulate", "--cost-b", "-1"], "--cost-b -1");
     bad(
-        &["schedule", "--kind", "zbv", "--chunks", "3"],
+        &["schedule", "--schedule", "zbv", "--chunks", "3"],
         "exactly 2 chunks",
     );
     let good = std::fs::read_to_string(shared("examples/pipetransformer_2x8.toml")).unwrap();
@@ -384,7 +438,7 @@ fn bad_input_is_one_line_and_exit_2() {
     bad(&["validate", &broken], "broken.json");
     let o = pw(&[
         "schedule",
-        "--kind",
+        "--schedule",
         "1f1b",
         "--stages",
         "2",
@@ -738,7 +792,7 @@ fn whole_job_plan_workflow() {
     let deeper = tmp("deeper.json", "");
     let o = pw(&[
         "schedule",
-        "--kind",
+        "--schedule",
         "zbh1",
         "--stages",
         "2",
@@ -818,7 +872,7 @@ fn fuzzed_files_through_the_cli_never_panic() {
     let plan = String::from_utf8(
         pw(&[
             "schedule",
-            "--kind",
+            "--schedule",
             "1f1b",
             "--stages",
             "2",
@@ -1106,7 +1160,15 @@ fn zb_auto_from_the_cli() {
     let sim = |kind: &str, extra: &[&str]| {
         let args = [
             &[
-                "simulate", "--kind", kind, "--cost-f", "1", "--cost-b", "1.5", "--cost-w", "0.7",
+                "simulate",
+                "--schedule",
+                kind,
+                "--cost-f",
+                "1",
+                "--cost-b",
+                "1.5",
+                "--cost-w",
+                "0.7",
                 "--json",
             ][..],
             extra,
@@ -1118,15 +1180,15 @@ fn zb_auto_from_the_cli() {
     assert!(sim("zb-auto", &[]) <= zbh1 + 1e-9);
     assert!(sim("zb-auto", &["--mem-cap", "8"]) < zbh1 - 0.5);
     bad(
-        &["simulate", "--kind", "zbh1", "--mem-cap", "3"],
+        &["simulate", "--schedule", "zbh1", "--mem-cap", "3"],
         "--mem-cap is a zb-auto setting",
     );
     bad(
-        &["simulate", "--kind", "zb-auto", "--mem-cap", "0"],
+        &["simulate", "--schedule", "zb-auto", "--mem-cap", "0"],
         "memory cap",
     );
     bad(
-        &["schedule", "--kind", "zb-auto", "--chunks", "2"],
+        &["schedule", "--schedule", "zb-auto", "--chunks", "2"],
         "--chunks 2",
     );
 }
@@ -1275,11 +1337,24 @@ fn cached_elastic_training_resumes_frozen_and_elastic_sim() {
     let vit = shared("examples/vit_b16_rtx5000.toml");
     let c = shared("examples/pipetransformer_2x8.toml");
     let sim = |extra: &[&str]| -> Vec<String> {
-        ["elastic-sim", "--profile", &vit, "--cluster", &c]
-            .iter()
-            .chain(extra)
-            .map(|s| s.to_string())
-            .collect()
+        // The paper's setting: GPipe, 8 micro-batches, alpha 0.5 (2 x 8 from the cluster).
+        [
+            "elastic-sim",
+            "--profile",
+            &vit,
+            "--cluster",
+            &c,
+            "--schedule",
+            "gpipe",
+            "--microbatches",
+            "8",
+            "--freeze-alpha",
+            "0.5",
+        ]
+        .iter()
+        .chain(extra)
+        .map(|s| s.to_string())
+        .collect()
     };
     let args = sim(&["--epochs", "4", "--json"]);
     let j = json(&pw(&args.iter().map(String::as_str).collect::<Vec<_>>()));
@@ -1290,7 +1365,7 @@ fn cached_elastic_training_resumes_frozen_and_elastic_sim() {
     assert!(speedup(4) >= speedup(2), "{j}");
     for (extra, want) in [
         (["--trajectory", "0,5,3"], "must not decrease"),
-        (["--pipelines", "3"], "need 24 devices"),
+        (["--stages", "12"], "need 24 devices"),
         (["--trajectory", "0,27"], "always trains"),
         (["--rows", "18446744073709551615"], "too many to count"),
     ] {
@@ -1372,7 +1447,7 @@ fn compare_sim_models_serialised_threads() {
     // worker and 12, all of its work one unit after another, with one shared compute.
     let gpipe = [
         "simulate",
-        "--kind",
+        "--schedule",
         "gpipe",
         "--stages",
         "2",
@@ -1533,7 +1608,7 @@ fn svg_timelines_show_waits_and_stages() {
     );
     let o = pw(&[
         "simulate",
-        "--kind",
+        "--schedule",
         "interleaved",
         "--stages",
         "2",

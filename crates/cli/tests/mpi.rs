@@ -285,12 +285,12 @@ fn a_switch_of_plan_moves_state_between_processes_exactly() {
         p
     };
     let first = sched(
-        &["--kind", "1f1b", "--stages", "2", "--microbatches", "4"],
+        &["--schedule", "1f1b", "--stages", "2", "--microbatches", "4"],
         "a.json",
     );
     let second = sched(
         &[
-            "--kind",
+            "--schedule",
             "1f1b",
             "--stages",
             "1",

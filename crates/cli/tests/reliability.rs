@@ -584,7 +584,7 @@ fn a_resume_continues_with_the_checkpoints_run_settings() {
     let o = Command::new(env!("CARGO_BIN_EXE_pipewright"))
         .args([
             "schedule",
-            "--kind",
+            "--schedule",
             "1f1b",
             "--stages",
             "2",

@@ -40,7 +40,7 @@ fn torch_accepts_1f1b_and_zbh1_exports() {
     for kind in ["1f1b", "zbh1", "gpipe"] {
         let o = pw(&[
             "schedule",
-            "--kind",
+            "--schedule",
             kind,
             "--stages",
             "4",

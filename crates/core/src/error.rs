@@ -3,7 +3,7 @@
 use thiserror::Error;
 
 /// A part of a job's shape. Library messages name it in words; each command names it by its
-/// own flag (`train --replicas` is `skip-plan --data-nodes`).
+/// own flag (`elastic-sim` calls replicas `--pipelines`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Field {
     /// Stages (workers) per pipeline.

@@ -35,7 +35,8 @@ pub struct TrainArgs {
     pub(crate) schedule: Option<ScheduleKind>,
     #[arg(long, help = dflt("Pipeline depth P of the generated plan (workers per pipeline)", |c| c.stages))]
     pub(crate) stages: Option<usize>,
-    #[arg(long, help = dflt("Stage chunks per worker (interleaved; zbv uses 2)", |c| c.chunks))]
+    /// Stage chunks per worker (default: the schedule's: 2 for interleaved and zbv, else 1).
+    #[arg(long)]
     pub(crate) chunks: Option<usize>,
     #[arg(long, help = dflt("Data-parallel replicas D of the generated plan", |c| c.replicas))]
     pub(crate) replicas: Option<usize>,
