@@ -26,6 +26,7 @@ pub fn settings(r: &RunSettings) -> Result<Option<FreezeSettings>> {
         percentile: r.freeze_percentile,
         window: r.freeze_window,
         max_fraction: r.max_frozen,
+        start: r.freeze_start,
     };
     policy
         .check()

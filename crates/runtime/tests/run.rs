@@ -7,8 +7,8 @@ use pipewright_runtime::data::Corpus;
 use pipewright_runtime::error::{Error, Result};
 use pipewright_runtime::model::ModelConfig;
 use pipewright_runtime::train::{
-    Checkpointing, FreezeSettings, RunConfig, RunSink, RunStart, StepRow, TrainConfig, Trainer,
-    TrainingRun,
+    Checkpointing, FreezeSettings, LrSchedule, Metric, RunConfig, RunSink, RunStart, StepRow,
+    TrainConfig, Trainer, TrainingRun,
 };
 
 fn cfg(layers: usize, stages: usize, steps: u64) -> TrainConfig {
@@ -42,6 +42,7 @@ struct Seen {
     steps: Vec<u64>,
     frozen: Vec<usize>,
     stages: Vec<usize>,
+    vals: Vec<(u64, f64)>,
 }
 
 impl RunSink for Seen {
@@ -57,6 +58,9 @@ impl RunSink for Seen {
         self.steps.push(row.report.step);
         self.frozen.push(row.frozen);
         self.stages.push(row.stages);
+        if let Some(v) = row.val_loss {
+            self.vals.push((row.report.step, v));
+        }
         Ok(())
     }
 }
@@ -575,4 +579,105 @@ fn a_library_run_writes_metrics_and_tensorboard_through_the_runtimes_writers() {
         .unwrap()
         .len();
     assert!(bytes > 100, "the event file holds the rows ({bytes} bytes)");
+}
+
+/// `epochs` sets the steps from the data; `warmup_ratio` the warmup from the steps; the LR
+/// schedules end at `min_lr` (constant: stay at `lr`).
+#[test]
+fn epochs_and_warmup_ratio_follow_from_the_data() {
+    let c = TrainConfig {
+        epochs: Some(2),
+        warmup_ratio: Some(0.25),
+        ..cfg(2, 2, 1000)
+    };
+    let run = run_of(c, RunConfig::default()).unwrap();
+    let per = run.epoch_steps();
+    assert!(per > 1);
+    assert_eq!(run.trainer.cfg.steps, 2 * per);
+    assert_eq!(run.trainer.cfg.warmup, (2 * per).div_ceil(4));
+    let mut c = TrainConfig {
+        steps: 20,
+        warmup: 4,
+        lr: 1.0,
+        min_lr: 0.1,
+        ..cfg(2, 2, 20)
+    };
+    for (s, end, mid) in [
+        (LrSchedule::Cosine, 0.1, 0.55),
+        (LrSchedule::Linear, 0.1, 0.55),
+        (LrSchedule::Constant, 1.0, 1.0),
+    ] {
+        c.lr_schedule = s;
+        assert_eq!(c.lr_at(3), 1.0, "{s:?}: the warmup ends at lr");
+        assert!((c.lr_at(20) - end).abs() < 1e-12, "{s:?}");
+        assert!(
+            (c.lr_at(12) - mid).abs() < 1e-12,
+            "{s:?}: halfway {}",
+            c.lr_at(12)
+        );
+    }
+    c.lr_schedule = LrSchedule::Linear;
+    assert!((c.lr_at(8) - (0.1 + 0.9 * 0.75)).abs() < 1e-12);
+}
+
+/// The best validation's checkpoint is kept in `best/`, and an early stop comes at the first
+/// `early_stop`-th validation in a row without a better loss.
+#[test]
+fn keep_best_and_early_stop_follow_the_validations() {
+    let d = dir("best");
+    let settings = |early| RunConfig {
+        eval_every: 1,
+        eval_batches: 1,
+        checkpoints: Some(Checkpointing {
+            dir: d.clone(),
+            every: 0,
+            keep: 3,
+            overwrite: true,
+        }),
+        keep_best: Some(Metric::ValLoss),
+        early_stop: early,
+        ..RunConfig::default()
+    };
+    // A learning rate high enough that the held-out loss goes up and down.
+    let c = TrainConfig {
+        lr: 0.05,
+        min_lr: 0.05,
+        ..cfg(2, 2, 40)
+    };
+    let mut seen = Seen::default();
+    run_of(c.clone(), settings(None))
+        .unwrap()
+        .run(&mut seen)
+        .unwrap();
+    let best = seen.vals.iter().fold(
+        (0, f64::INFINITY),
+        |b, &(s, v)| if v < b.1 { (s, v) } else { b },
+    );
+    let kept = std::fs::read_dir(d.join("best"))
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.starts_with("step-"))
+        .collect::<Vec<_>>();
+    assert_eq!(kept, vec![format!("step-{:06}", best.0)], "{:?}", seen.vals);
+    // Where two validations in a row were no better than the best before them, the run stops.
+    let mut low = f64::INFINITY;
+    let mut stale = 0;
+    let stop = seen.vals.iter().find_map(|&(s, v)| {
+        stale = if v < low { 0 } else { stale + 1 };
+        low = low.min(v);
+        (stale == 2).then_some(s)
+    });
+    let stop = stop.expect("the loss never stalled twice: raise the learning rate");
+    let mut early = Seen::default();
+    let s = run_of(c, settings(Some(2)))
+        .unwrap()
+        .run(&mut early)
+        .unwrap();
+    assert_eq!(s.step, stop);
+    assert_eq!(early.vals, seen.vals[..stop as usize]);
+    assert!(early
+        .notes
+        .iter()
+        .any(|n| n.starts_with("early stop at step")));
+    let _ = std::fs::remove_dir_all(&d);
 }

@@ -46,12 +46,21 @@ pub struct TrainArgs {
     pub(crate) rows: Option<usize>,
     #[arg(long, help = dflt("Optimizer steps (in all, counting those before a --resume)", |c| c.steps))]
     pub(crate) steps: Option<u64>,
-    #[arg(long, help = dflt("Peak learning rate (linear warmup, then cosine down to --min-lr)", |c| c.lr))]
+    /// Train for N epochs of the training data (the steps follow from the data, the
+    /// micro-batches and the rows; the header says how many).
+    #[arg(long, conflicts_with = "steps", value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) epochs: Option<u64>,
+    #[arg(long, help = dflt("Peak learning rate (linear warmup, then down to --min-lr along --lr-schedule)", |c| c.lr))]
     pub(crate) lr: Option<f64>,
+    #[arg(long, value_enum, help = dflt("How the learning rate falls after the warmup", |c| format!("{:?}", c.lr_schedule).to_lowercase()))]
+    pub(crate) lr_schedule: Option<pipewright_runtime::train::LrSchedule>,
     #[arg(long, help = dflt("Learning rate at the last step (a --lr below it alone: a tenth of that)", |c| c.min_lr))]
     pub(crate) min_lr: Option<f64>,
     #[arg(long, help = dflt("Warmup steps", |c| c.warmup))]
     pub(crate) warmup: Option<u64>,
+    /// Warmup as a fraction of the steps, in [0, 1) (Hugging Face's warmup_ratio).
+    #[arg(long, conflicts_with = "warmup")]
+    pub(crate) warmup_ratio: Option<f64>,
     #[arg(long, help = dflt("AdamW weight decay", |c| c.weight_decay))]
     pub(crate) weight_decay: Option<f32>,
     #[arg(long, help = dflt("Global gradient-norm clip", |c| c.clip))]

@@ -118,6 +118,26 @@ fn lower_lr_floor(a: &TrainArgs, cfg: &mut TrainConfig) {
     }
 }
 
+/// --epochs over --steps, --warmup-ratio over --warmup (and each the other way), and
+/// --lr-schedule: one of each pair stays in the settings.
+fn schedule_words(a: &TrainArgs, cfg: &mut TrainConfig) {
+    if a.steps.is_some() {
+        cfg.epochs = None;
+    }
+    if a.epochs.is_some() {
+        cfg.epochs = a.epochs;
+    }
+    if a.warmup.is_some() {
+        cfg.warmup_ratio = None;
+    }
+    if a.warmup_ratio.is_some() {
+        cfg.warmup_ratio = a.warmup_ratio;
+    }
+    if let Some(s) = a.lr_schedule {
+        cfg.lr_schedule = s;
+    }
+}
+
 /// The run's settings: the config file (or a resumed checkpoint's), then the flags over it.
 fn config(a: &TrainArgs) -> Result<TrainConfig> {
     let mut cfg = base_config(a)?;
@@ -140,6 +160,7 @@ fn config(a: &TrainArgs) -> Result<TrainConfig> {
         seed
     );
     lower_lr_floor(a, &mut cfg);
+    schedule_words(a, &mut cfg);
     if let Some(g) = a.run.global_batch {
         if g == 0 || g % cfg.replicas != 0 {
             return Err(BadInput(format!(
@@ -587,6 +608,8 @@ fn run_config(a: &TrainArgs, cfg: &TrainConfig, links: Option<&Cluster>) -> Resu
             keep: a.run.keep,
             overwrite: a.run.overwrite || (a.run.checkpoint_dir.is_none() && !a.run.resume),
         }),
+        keep_best: a.run.keep_best,
+        early_stop: a.run.early_stop,
         resume_from: a.run.resume.then(|| a.checkpoint_dir()),
         resume_note: resume_note(a, cfg)?,
         switches: switches(a, cfg, links)?,
@@ -616,7 +639,8 @@ fn switches(a: &TrainArgs, cfg: &TrainConfig, links: Option<&Cluster>) -> Result
         if let Some(c) = links {
             devices_for_plan(&next, c).map_err(|e| named(e.to_string()))?;
         }
-        if step == 0 || step >= cfg.steps {
+        // (With --epochs the last step is known only with the data: the run checks it then.)
+        if step == 0 || (step >= cfg.steps && cfg.epochs.is_none()) {
             return Err(BadInput(format!(
                 "--switch-plan {s:?}: step {step} is not between 1 and {} (the run's last step is {})",
                 cfg.steps.saturating_sub(1),

@@ -96,6 +96,15 @@ impl Trainer {
         self.save_checkpoint_crashing(dir, None)
     }
 
+    /// [`Trainer::save_checkpoint`] into `dir`, keeping the newest `keep` there (the best
+    /// validation's directory keeps one).
+    pub fn save_checkpoint_keeping(&mut self, dir: &Path, keep: usize) -> Result<PathBuf> {
+        let all = std::mem::replace(&mut self.keep_checkpoints, keep);
+        let saved = self.save_checkpoint(dir);
+        self.keep_checkpoints = all;
+        saved
+    }
+
     /// [`Trainer::save_checkpoint`], stopped after `crash_after` file-system operations as a
     /// kill would stop it (for crash tests).
     #[doc(hidden)]

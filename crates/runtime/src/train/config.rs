@@ -13,6 +13,26 @@ use pipewright_core::plan::ScheduleKind;
 use pipewright_core::profile::{Profile, STATE_COPIES};
 use serde::{Deserialize, Serialize};
 
+/// How the learning rate falls after the warmup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+#[serde(rename_all = "lowercase")]
+pub enum LrSchedule {
+    /// Half a cosine from `lr` to `min_lr` (the default).
+    #[default]
+    Cosine,
+    /// A straight line from `lr` to `min_lr`.
+    Linear,
+    /// `lr` throughout.
+    Constant,
+}
+
+impl LrSchedule {
+    fn is_cosine(&self) -> bool {
+        *self == LrSchedule::Cosine
+    }
+}
+
 /// Everything that decides a training run (also written into checkpoints).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -31,9 +51,19 @@ pub struct TrainConfig {
     /// Sequences per micro-batch.
     pub rows: usize,
     pub steps: u64,
+    /// Train for this many epochs of the training data instead (`steps` follows once the
+    /// data and the plan's micro-batches are known: [`TrainConfig::resolve_epochs`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub epochs: Option<u64>,
     pub lr: f64,
     pub min_lr: f64,
     pub warmup: u64,
+    /// Warmup as a fraction of the steps instead of a count (Hugging Face's `warmup_ratio`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub warmup_ratio: Option<f64>,
+    /// How the learning rate falls from `lr` to `min_lr` after the warmup.
+    #[serde(skip_serializing_if = "LrSchedule::is_cosine")]
+    pub lr_schedule: LrSchedule,
     pub weight_decay: f32,
     /// Global gradient-norm clip.
     pub clip: f32,
@@ -101,9 +131,12 @@ impl Default for TrainConfig {
             microbatches: 4,
             rows: 4,
             steps: 60,
+            epochs: None,
             lr: 3e-3,
             min_lr: 3e-4,
             warmup: 5,
+            warmup_ratio: None,
+            lr_schedule: LrSchedule::Cosine,
             weight_decay: 0.01,
             clip: 1.0,
             seed: 42,
@@ -118,14 +151,39 @@ impl Default for TrainConfig {
 }
 
 impl TrainConfig {
-    /// Learning rate at `step`: linear warmup, then cosine down to `min_lr` at the last step.
+    /// Learning rate at `step`: linear warmup, then down to `min_lr` at the last step along
+    /// the `lr_schedule` (a constant one stays at `lr`).
     pub fn lr_at(&self, step: u64) -> f64 {
         if step < self.warmup {
             return self.lr * (step + 1) as f64 / self.warmup as f64;
         }
         let span = self.steps.saturating_sub(self.warmup).max(1) as f64;
         let t = ((step - self.warmup) as f64 / span).min(1.0);
-        self.min_lr + 0.5 * (self.lr - self.min_lr) * (1.0 + (std::f64::consts::PI * t).cos())
+        let left = match self.lr_schedule {
+            LrSchedule::Cosine => 0.5 * (1.0 + (std::f64::consts::PI * t).cos()),
+            LrSchedule::Linear => 1.0 - t,
+            LrSchedule::Constant => 1.0,
+        };
+        self.min_lr + (self.lr - self.min_lr) * left
+    }
+
+    /// Fix `steps` from `epochs` and `warmup` from `warmup_ratio`, now that an epoch is known
+    /// to take `epoch_steps` steps. Idempotent: a resumed run resolves to the same steps.
+    pub fn resolve_epochs(&mut self, epoch_steps: u64) -> Result<()> {
+        if let Some(e) = self.epochs {
+            self.steps = e
+                .checked_mul(epoch_steps)
+                .filter(|&s| s > 0)
+                .ok_or_else(|| {
+                    Error::Config(format!(
+                    "{e} epochs of {epoch_steps} steps: expected at least one step and at most 2^64"
+                ))
+                })?;
+        }
+        if let Some(r) = self.warmup_ratio {
+            self.warmup = (r * self.steps as f64).ceil() as u64;
+        }
+        Ok(())
     }
 
     /// The sampler of this run's micro-batches.
@@ -154,6 +212,12 @@ impl TrainConfig {
         }
         if !(self.lr.is_finite() && self.lr > 0.0) {
             return bad(format!("lr {} must be a finite number > 0", self.lr));
+        }
+        if let Some(r) = self.warmup_ratio.filter(|r| !(0.0..1.0).contains(r)) {
+            return bad(format!("warmup_ratio {r} must be in [0, 1)"));
+        }
+        if self.epochs == Some(0) {
+            return bad("epochs must be at least 1".into());
         }
         if !(self.min_lr.is_finite() && self.min_lr >= 0.0 && self.min_lr <= self.lr) {
             return bad(format!(

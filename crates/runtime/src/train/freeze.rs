@@ -209,6 +209,9 @@ impl FreezeController {
         self.sum.iter_mut().for_each(|s| *s = 0.0);
         self.steps = 0;
         self.decisions += 1;
+        if !self.policy.may_freeze(r.step, trainer.cfg.steps) {
+            return Ok(None);
+        }
         if self.policy.mode == FreezeMode::Critical {
             return self.critical(trainer, r.step);
         }

@@ -16,11 +16,11 @@ pub mod writers;
 
 pub use crate::data::source::DataSource;
 pub use checkpoint::{checkpoint_config, checkpoint_run_settings, Resumed};
-pub use config::{PlanIn, SkipPlanned, SkipSearch, TrainConfig};
+pub use config::{LrSchedule, PlanIn, SkipPlanned, SkipSearch, TrainConfig};
 pub use freeze::{FreezeController, FreezeSettings};
 pub use layers::{hf_layers, hf_params, hf_start};
 pub use plain::PlainTrainer;
 pub use run::{Checkpointing, RunConfig, RunSink, RunStart, RunSummary, StepRow, TrainingRun};
-pub use settings::{DeviceKind, ElasticBatch, RunSettings, TransportKind};
+pub use settings::{DeviceKind, ElasticBatch, Metric, RunSettings, TransportKind};
 pub use trainer::{describe, BatchGradients, ReplanReport, StepReport, Trainer, Validation};
 pub use writers::{Fanout, MetricsFile, TensorBoard};

@@ -4,6 +4,7 @@
 //! another.
 
 use super::freeze::{FreezeController, FreezeSettings};
+use super::settings::Metric;
 use super::{describe, StepReport, Trainer, Validation};
 use crate::cache::{CacheStats, PrefixCache};
 use crate::data::{Corpus, Sampling};
@@ -84,6 +85,10 @@ pub struct RunConfig {
     pub eval_batches: usize,
     /// `None`: no checkpoints.
     pub checkpoints: Option<Checkpointing>,
+    /// Keep the best validation's checkpoint by this metric in `checkpoints`' [`BEST_DIR`].
+    pub keep_best: Option<Metric>,
+    /// Stop after this many validations in a row without a better one.
+    pub early_stop: Option<u64>,
     /// Continue from the newest checkpoint that verifies in this directory.
     pub resume_from: Option<PathBuf>,
     /// Said after a resume loads (for example which settings differ from the checkpoint's).
@@ -110,6 +115,8 @@ impl Default for RunConfig {
             eval_every: run.eval_every,
             eval_batches: run.eval_batches,
             checkpoints: None,
+            keep_best: None,
+            early_stop: None,
             resume_from: None,
             resume_note: None,
             switches: Vec::new(),
@@ -280,14 +287,36 @@ pub struct TrainingRun {
     profiler: Option<Profiler>,
     /// And the measured actions after warm-up, to set beside the profile's costs.
     action_seconds: ActionSeconds,
+    /// The best validation after a step so far, by the run's metric.
+    best: Option<Best>,
     /// The checkpoint directory, held for this run (the root process's).
     _lock: Option<super::store::DirLock>,
 }
+
+/// The best validation so far: its value, its step, and validations since.
+#[derive(Debug, Clone, Copy)]
+struct Best {
+    value: f64,
+    step: u64,
+    stale: u64,
+}
+
+/// The subdirectory of the checkpoint directory that keeps the best validation's checkpoint.
+pub const BEST_DIR: &str = "best";
 
 impl TrainingRun {
     /// A run of `trainer` on `corpus`; every setting is checked here, before any step.
     pub fn new(mut trainer: Trainer, corpus: Corpus, cfg: RunConfig) -> Result<Self> {
         check_run(&trainer, &cfg)?;
+        if let (Some(m @ (Metric::Accuracy | Metric::F1)), false) =
+            (cfg.keep_best, corpus.is_task())
+        {
+            return Err(Error::Config(format!(
+                "{}: a text has no {}; keep the best by val-loss",
+                corpus.name,
+                m.name()
+            )));
+        }
         let model = &trainer.cfg.model;
         corpus.check(model.seq_len)?;
         match (corpus.is_span(), corpus.is_task()) {
@@ -300,6 +329,7 @@ impl TrainingRun {
             .sampler()
             .steps_per_epoch(&corpus.train, trainer.plan.num_microbatches)
             .map_err(|e| Error::Config(format!("{}: {e}", corpus.name)))?;
+        trainer.cfg.resolve_epochs(epoch_steps)?;
         for (step, next) in &cfg.switches {
             check_switch(&trainer, *step, next)?;
         }
@@ -333,6 +363,7 @@ impl TrainingRun {
             step_seconds: Vec::new(),
             profiler,
             action_seconds: ActionSeconds::new(),
+            best: None,
             _lock: lock,
         })
     }
@@ -400,6 +431,19 @@ impl TrainingRun {
                 break;
             }
             last_val = self.one_step(sink, last_val)?;
+            if self.stale_enough() {
+                let b = self.best.expect("a best validation before any is stale");
+                let metric = self.cfg.keep_best.unwrap_or(Metric::ValLoss);
+                sink.note(&format!(
+                    "early stop at step {}: {} validations without a better {} than {:.4} (step {})",
+                    self.trainer.step,
+                    b.stale,
+                    metric.name(),
+                    b.value,
+                    b.step
+                ));
+                break;
+            }
         }
         let checkpoint = match &self.cfg.checkpoints {
             Some(c) => {
@@ -503,9 +547,11 @@ impl TrainingRun {
             self.corpus.name,
             describe(&self.trainer.plan),
             cfg.steps,
-            match cfg.sampling == Sampling::Epochs || self.corpus.is_task() {
-                true => format!(" in epochs of {}", self.epoch_steps),
-                false => String::new(),
+            match (cfg.epochs, cfg.sampling == Sampling::Epochs || self.corpus.is_task()) {
+                (Some(1), _) => format!(" (1 epoch of {})", self.epoch_steps),
+                (Some(e), _) => format!(" ({e} epochs of {})", self.epoch_steps),
+                (None, true) => format!(" in epochs of {}", self.epoch_steps),
+                (None, false) => String::new(),
             },
         ) + &self
             .trainer
@@ -555,6 +601,9 @@ impl TrainingRun {
                 self.trainer.save_checkpoint(&c.dir)?;
             }
         }
+        if let Some(v) = &val {
+            self.track_best(sink, v, r.step)?;
+        }
         self.step_seconds.push(r.seconds);
         self.profile_step(&r);
         if let Some(w) = self.whole.as_mut() {
@@ -563,6 +612,47 @@ impl TrainingRun {
         self.after_step(sink, &r)?;
         self.last = Some(r);
         Ok(val.unwrap_or(last_val))
+    }
+
+    /// After a validation: is it the best so far by the run's metric? Then keep its checkpoint
+    /// (with `keep_best`). The root decides, as only it holds the held-out figures, and every
+    /// rank follows: saving a checkpoint gathers the workers' state.
+    fn track_best(&mut self, sink: &mut dyn RunSink, v: &Validation, step: u64) -> Result<()> {
+        if self.cfg.keep_best.is_none() && self.cfg.early_stop.is_none() {
+            return Ok(());
+        }
+        let metric = self.cfg.keep_best.unwrap_or(Metric::ValLoss);
+        let value = metric.of(v);
+        let local = self.trainer.is_root()
+            && value.is_some_and(|x| self.best.is_none_or(|b| metric.better(x, b.value)));
+        if !self.trainer.any(local)? {
+            if let Some(b) = self.best.as_mut() {
+                b.stale += 1;
+            }
+            return Ok(());
+        }
+        let value = value.unwrap_or(f64::NAN); // other ranks: the root's figure is reported
+        self.best = Some(Best {
+            value,
+            step,
+            stale: 0,
+        });
+        if let (Some(_), Some(c)) = (self.cfg.keep_best, &self.cfg.checkpoints) {
+            let p = self
+                .trainer
+                .save_checkpoint_keeping(&c.dir.join(BEST_DIR), 1)?;
+            sink.note(&format!(
+                "best {} so far, {value:.4} at step {step}: kept in {}",
+                metric.name(),
+                p.display()
+            ));
+        }
+        Ok(())
+    }
+
+    /// Has the run gone `early_stop` validations without a better one?
+    fn stale_enough(&self) -> bool {
+        matches!((self.cfg.early_stop, self.best), (Some(n), Some(b)) if b.stale >= n)
     }
 
     /// The step's model FLOPs utilisation (see [`StepRow::mfu`]); root only.
@@ -750,6 +840,9 @@ fn check_run(trainer: &Trainer, cfg: &RunConfig) -> Result<()> {
     }
     if cfg.compare_sim && trainer.cfg.steps < 3 {
         return bad("comparing with the simulation needs at least 3 steps (the first two are left out as warm-up)");
+    }
+    if cfg.keep_best.is_some() && cfg.checkpoints.is_none() {
+        return bad("keeping the best checkpoint needs checkpoints");
     }
     if cfg.cache.is_some() && cfg.freeze.is_none() {
         return bad("the frozen-prefix cache caches frozen layers: it needs a freeze policy");

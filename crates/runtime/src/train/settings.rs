@@ -4,7 +4,7 @@
 //! table of a configuration file, what `--print-config` prints and what a checkpoint keeps for
 //! its resume.
 
-use pipewright_core::policy::freeze::FreezeMode;
+use pipewright_core::policy::freeze::{FreezeMode, FreezePolicy};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -41,6 +41,48 @@ pub enum DeviceKind {
 pub enum ElasticBatch {
     Keep,
     Scale,
+}
+
+/// A validation metric, and which way is better.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+#[serde(rename_all = "kebab-case")]
+pub enum Metric {
+    /// The held-out loss: lower is better.
+    ValLoss,
+    /// A task's held-out accuracy (QA: exact match): higher is better.
+    Accuracy,
+    /// A task's held-out F1: higher is better.
+    F1,
+}
+
+impl Metric {
+    /// As the metrics rows and the flag name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Metric::ValLoss => "val-loss",
+            Metric::Accuracy => "accuracy",
+            Metric::F1 => "f1",
+        }
+    }
+
+    /// Its value in a validation (`None`: a text has no accuracy or F1).
+    pub fn of(self, v: &super::trainer::Validation) -> Option<f64> {
+        match self {
+            Metric::ValLoss => Some(v.loss),
+            Metric::Accuracy => v.accuracy,
+            Metric::F1 => v.f1,
+        }
+        .filter(|x| !x.is_nan())
+    }
+
+    /// Is `new` strictly better than `old`?
+    pub fn better(self, new: f64, old: f64) -> bool {
+        match self {
+            Metric::ValLoss => new < old,
+            Metric::Accuracy | Metric::F1 => new > old,
+        }
+    }
 }
 
 /// Declares [`RunSettings`] once, and from the same field list what a merge needs: every key,
@@ -127,6 +169,16 @@ pub struct RunSettings {
     /// example).
     #[cfg_attr(feature = "clap", arg(long, default_value_t = RunSettings::default().eval_batches))]
     pub eval_batches: usize,
+    /// Keep the checkpoint of the best validation by this metric (val-loss: lowest; accuracy,
+    /// f1: highest) in CHECKPOINT_DIR/best, beside the last.
+    #[cfg_attr(feature = "clap", arg(long, value_enum))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub keep_best: Option<Metric>,
+    /// Stop after N validations in a row that do not improve on the best (by --keep-best's
+    /// metric, else the validation loss); the last checkpoint is written as usual.
+    #[cfg_attr(feature = "clap", arg(long, value_parser = clap::value_parser!(u64).range(1..)))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub early_stop: Option<u64>,
     /// Directory for checkpoints [default: checkpoints]. A directory given here that holds
     /// an earlier run's checkpoints is refused without --resume or --overwrite; the default
     /// one is a scratch place: a fresh run replaces what an earlier run left there, and says so.
@@ -208,6 +260,10 @@ pub struct RunSettings {
     /// Most of the freezable layer blocks (all but the head) that may ever freeze.
     #[cfg_attr(feature = "clap", arg(long, default_value_t = RunSettings::default().max_frozen))]
     pub max_frozen: f64,
+    /// Fraction of the run's steps before which nothing freezes (adaptive, critical; the
+    /// gradient norms are still recorded).
+    #[cfg_attr(feature = "clap", arg(long, default_value_t = RunSettings::default().freeze_start))]
+    pub freeze_start: f64,
     /// On each freeze change, re-cut the training layers over the fastest depth that fits
     /// each worker's memory (as the starting plan uses it) and turn freed workers into more
     /// data-parallel replicas, at the same global batch.
@@ -250,6 +306,8 @@ impl Default for RunSettings {
             global_batch: Default::default(),
             eval_every: 10,
             eval_batches: 8,
+            keep_best: Default::default(),
+            early_stop: Default::default(),
             checkpoint_dir: Default::default(),
             checkpoint_every: 0,
             no_checkpoint: Default::default(),
@@ -270,6 +328,7 @@ impl Default for RunSettings {
             freeze_percentile: 50.0,
             freeze_window: 2,
             max_frozen: 0.8,
+            freeze_start: FreezePolicy::default().start,
             elastic: Default::default(),
             elastic_batch: ElasticBatch::Keep,
             cache_budget: Default::default(),

@@ -261,6 +261,12 @@ pub fn remove_all(dir: &Path) -> Result<()> {
     for (_, ck) in list(dir) {
         std::fs::remove_dir_all(&ck).map_err(|e| wio(&ck, e))?;
     }
+    // The best validation's checkpoint (`--keep-best`) belongs to the same run.
+    let best = dir.join(super::run::BEST_DIR);
+    if best.is_dir() {
+        remove_all(&best)?;
+        std::fs::remove_dir(&best).map_err(|e| wio(&best, e))?;
+    }
     match std::fs::remove_file(dir.join(LATEST)) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(wio(&dir.join(LATEST), e)),
         _ => Ok(()),
