@@ -118,9 +118,13 @@ pub fn cmd_eval(a: EvalArgs) -> Result<()> {
             source.display(),
             cfg.model.num_blocks()
         );
+        // A task's loss has no perplexity worth the name.
+        let ppl = match scores.accuracy {
+            None => format!("  perplexity {:.3}", full.exp()),
+            Some(_) => String::new(),
+        };
         println!(
-            "  all stages:  val loss {full:.4}  perplexity {:.3}{}",
-            full.exp(),
+            "  all stages:  val loss {full:.4}{ppl}{}",
             task_scores(&scores)
         );
     }
@@ -141,7 +145,7 @@ pub fn cmd_eval(a: EvalArgs) -> Result<()> {
                 "layers_per_stage": per,
                 "may_omit": may_go,
                 "val_loss": full,
-                "perplexity": full.exp(),
+                "perplexity": scores.accuracy.is_none().then(|| full.exp()),
                 "accuracy": scores.accuracy,
                 "f1": scores.f1,
                 "omitted": rows,
@@ -222,12 +226,17 @@ fn omission_row(
         .sum::<Option<f64>>()
         .map(|s| s / n);
     if !a.json {
+        let scores = match accuracy {
+            None => format!(
+                "  perplexity {:.3} ({:+.1}% over all stages), worst {:.3}",
+                mean.exp(),
+                100.0 * (mean.exp() / full.exp() - 1.0),
+                worst.exp()
+            ),
+            Some(x) => format!(" (all stages {full:.4}), worst {worst:.4}, mean accuracy {x:.3}"),
+        };
         println!(
-            "  {label}: mean val loss {mean:.4}  perplexity {:.3} ({:+.1}% over all stages), worst {:.3}{}, over {} choice(s) {:?}",
-            mean.exp(),
-            100.0 * (mean.exp() / full.exp() - 1.0),
-            worst.exp(),
-            accuracy.map_or(String::new(), |x| format!(", mean accuracy {x:.3}")),
+            "  {label}: mean val loss {mean:.4}{scores}, over {} choice(s) {:?}",
             choices.len(),
             choices
         );
@@ -237,8 +246,8 @@ fn omission_row(
         "omitted": choices,
         "val_losses": losses,
         "mean_val_loss": mean,
-        "perplexity": mean.exp(),
-        "worst_perplexity": worst.exp(),
+        "perplexity": accuracy.is_none().then(|| mean.exp()),
+        "worst_perplexity": accuracy.is_none().then(|| worst.exp()),
         "mean_accuracy": accuracy,
     })
 }
@@ -284,7 +293,7 @@ impl Stages {
         for &s in omit {
             if s >= per.len() {
                 return Err(BadInput(format!(
-                    "--omit {s}: the checkpoint's plan has stages 0..{} (layers per stage {per:?})",
+                    "--omit {s}: the checkpoint's plan has stages 0-{} (layers per stage {per:?})",
                     per.len() - 1
                 ))
                 .into());

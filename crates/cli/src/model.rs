@@ -3,7 +3,7 @@
 
 use crate::files::{check_output, write_with};
 use crate::BadInput;
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::Args;
 use pipewright_core::schedule::ScheduleKind;
 use pipewright_runtime::data::tokenizer::Tokenizer;
@@ -165,11 +165,103 @@ fn check_export_dir(a: &ExportArgs, source: Option<&Path>) -> Result<()> {
     }
 }
 
+/// Tokenizer files of a pretrained directory that describe how transformers sets its
+/// tokenizer up (copied beside the run's tokenizer.json when the run read with that one).
+const TOKENIZER_SIDE_FILES: &[&str] = &[
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+];
+
+/// Files to write beside the model: (name, bytes).
+type SideFiles = Vec<(String, Vec<u8>)>;
+
+/// The files besides the model that `export` writes: the run's tokenizer as tokenizer.json
+/// (with the pretrained directory's tokenizer_config.json and the like when the run used its
+/// tokenizer, else a config naming the fast tokenizer), and generation_config.json for a
+/// causal model. A tokenizer with no tokenizer.json (cl100k) is said in the note.
+fn side_files(
+    cfg: &TrainConfig,
+    config: &serde_json::Value,
+) -> Result<(SideFiles, String)> {
+    // A tokenizer that cannot be read now (a model directory since moved) is no reason to
+    // withhold the model: the note says so.
+    let tok = match tokenizer(cfg) {
+        Ok(t) => t,
+        Err(e) => return Ok((Vec::new(), format!("; no tokenizer written ({e})"))),
+    };
+    let mut files = Vec::new();
+    let note = match pipewright_runtime::data::tokenizer_json::tokenizer_json(&tok)? {
+        None => format!(
+            "; no tokenizer.json for {} (keep the tokenizer beside it)",
+            tok.name()
+        ),
+        Some(json) => {
+            files.push(("tokenizer.json".to_string(), json.into_bytes()));
+            let from_dir = cfg
+                .tokenizer
+                .is_none()
+                .then_some(cfg.pretrained.as_deref())
+                .flatten();
+            let side: Vec<_> = from_dir
+                .map(|d| {
+                    TOKENIZER_SIDE_FILES
+                        .iter()
+                        .map(|f| d.join(f))
+                        .filter(|p| p.is_file())
+                        .collect()
+                })
+                .unwrap_or_default();
+            for p in &side {
+                let bytes =
+                    std::fs::read(p).with_context(|| format!("cannot read {}", p.display()))?;
+                files.push((p.file_name().unwrap().to_string_lossy().into_owned(), bytes));
+            }
+            if side.is_empty() {
+                let mut tc = serde_json::json!({
+                    "tokenizer_class": "PreTrainedTokenizerFast",
+                    "model_max_length": cfg.model.max_positions(),
+                });
+                if tok.eot().is_some() {
+                    tc["eos_token"] = "<|endoftext|>".into();
+                    tc["bos_token"] = "<|endoftext|>".into();
+                }
+                files.push((
+                    "tokenizer_config.json".into(),
+                    (serde_json::to_string_pretty(&tc)? + "\n").into_bytes(),
+                ));
+            }
+            format!("; tokenizer {}", tok.name())
+        }
+    };
+    let causal = config["architectures"].as_array().is_some_and(|a| {
+        a.iter().any(|x| {
+            x.as_str()
+                .is_some_and(|n| n.ends_with("CausalLM") || n.ends_with("LMHeadModel"))
+        })
+    });
+    if causal {
+        let id = |k: &str| config.get(k).filter(|v| !v.is_null()).cloned();
+        let eot = tok.eot().map(serde_json::Value::from);
+        let gc = serde_json::json!({
+            "bos_token_id": id("bos_token_id").or(eot.clone()),
+            "eos_token_id": id("eos_token_id").or(eot),
+            "max_length": cfg.model.max_positions(),
+        });
+        files.push((
+            "generation_config.json".into(),
+            (serde_json::to_string_pretty(&gc)? + "\n").into_bytes(),
+        ));
+    }
+    Ok((files, note))
+}
+
 /// `export`: a checkpoint, whatever plan trained it, as a Hugging Face model directory.
 pub fn cmd_export(a: ExportArgs) -> Result<()> {
     let (mut cfg, _, step) = checkpoint_config(&a.checkpoint_dir)?;
     let config = config_to_hf(&cfg.model)?;
     check_export_dir(&a, cfg.pretrained.as_deref())?;
+    let (side, note) = side_files(&cfg, &config)?;
     // The weights alone: one worker holds every layer block.
     (cfg.stages, cfg.replicas, cfg.chunks, cfg.pretrained) = (1, 1, 1, None);
     let plan = cfg.plan()?;
@@ -182,7 +274,7 @@ pub fn cmd_export(a: ExportArgs) -> Result<()> {
     // place; the old directory's other files (a tokenizer, a README) are carried over.
     crate::files::replace_dir(
         &a.out,
-        |name| !is_model_file(name),
+        |name| !is_model_file(name) && !side.iter().any(|(f, _)| f == name),
         |dir| {
             let bytes = safetensors_bytes(
                 &dir.join("model.safetensors"),
@@ -190,11 +282,14 @@ pub fn cmd_export(a: ExportArgs) -> Result<()> {
             )?;
             std::fs::write(dir.join("model.safetensors"), bytes)?;
             std::fs::write(dir.join("config.json"), text)?;
+            for (name, bytes) in &side {
+                std::fs::write(dir.join(name), bytes)?;
+            }
             Ok(())
         },
     )?;
     println!(
-        "exported {} (step {step}): {} model, {n} parameters, to {}",
+        "exported {} (step {step}): {} model, {n} parameters{note}, to {}",
         loaded.path.display(),
         cfg.model.family.name(),
         a.out.display()
@@ -442,7 +537,7 @@ fn read_batch(path: &Path, model: &ModelConfig) -> Result<(MicroBatch, usize, us
         "input_ids",
         &shape,
         token,
-        &format!("outside the vocabulary 0..{v}"),
+        &format!("outside the vocabulary 0-{}", v.saturating_sub(1)),
     )?
     .expect("present");
     let bert = model.family == pipewright_runtime::model::Family::Bert;

@@ -1,19 +1,23 @@
-//! `report`: a training run's metrics file drawn as one SVG: the loss (training and held-out),
-//! a task's accuracy, throughput, and the layout (stages, replicas, frozen layer blocks) of an
-//! elastic run, each against the step.
+//! `report`: a training run's metrics file drawn as one chart (SVG, or PNG rendered from it):
+//! the loss (training, its running mean, held-out, and the run's baseline), a task's accuracy,
+//! throughput (samples/s for a task, tokens/s for a text), and the layout (stages, replicas,
+//! frozen layer blocks) of an elastic run, each against the step, with ticks and a grid, and a
+//! dashed line wherever the layout changed.
 
+use crate::files::write_with;
 use crate::BadInput;
 use anyhow::Result;
 use clap::Args;
 use serde_json::Value;
-use std::fmt::Write;
+use std::fmt::Write as _;
 use std::path::PathBuf;
 
 #[derive(Args)]
 pub struct ReportArgs {
     /// The metrics file of a run (`train --metrics FILE`, JSON lines).
     metrics: PathBuf,
-    /// The SVG to write.
+    /// The chart to write: FILE.svg, or FILE.png (the same chart rendered, with the system's
+    /// fonts).
     #[arg(long, default_value = "report.svg")]
     out: PathBuf,
 }
@@ -28,6 +32,8 @@ struct Series {
 struct Panel {
     title: &'static str,
     series: Vec<Series>,
+    /// A level to compare with (the run's baseline loss), drawn dashed.
+    baseline: Option<(f64, String)>,
     /// Points not drawn (series name, step, value): outside the robust range.
     left_out: Vec<(&'static str, f64, f64)>,
 }
@@ -69,6 +75,7 @@ impl Panel {
         Panel {
             title,
             series,
+            baseline: None,
             left_out,
         }
     }
@@ -90,27 +97,92 @@ fn series(rows: &[Value], name: &'static str, key: &str, color: &'static str) ->
     }
 }
 
+/// The running mean of `points` over the last `k` of them: a noisy training loss read as its
+/// trend.
+fn running_mean(points: &[(f64, f64)], k: usize) -> Vec<(f64, f64)> {
+    let mut sum = 0.0;
+    (0..points.len())
+        .map(|i| {
+            sum += points[i].1;
+            if i >= k {
+                sum -= points[i - k].1;
+            }
+            (points[i].0, sum / (i + 1).min(k) as f64)
+        })
+        .collect()
+}
+
+/// The run's baseline loss and its name, from the first row (`train` writes them there).
+fn baseline(rows: &[Value]) -> Option<(f64, String)> {
+    let r = rows.first()?;
+    let v = r.get("baseline")?.as_f64().filter(|v| v.is_finite())?;
+    let name = r
+        .get("baseline_name")
+        .and_then(Value::as_str)
+        .unwrap_or("baseline");
+    Some((v, name.to_string()))
+}
+
+/// Steps after which the layout (stages, replicas, frozen blocks) differed from the step before.
+fn layout_changes(rows: &[Value]) -> Vec<f64> {
+    let key = |r: &Value| {
+        ["stages", "replicas", "frozen_layers", "weight_only_frozen"].map(|k| r.get(k).cloned())
+    };
+    let steps: Vec<&Value> = rows.iter().filter(|r| r.get("stages").is_some()).collect();
+    steps
+        .windows(2)
+        .filter(|w| key(w[0]) != key(w[1]))
+        .filter_map(|w| w[1].get("step")?.as_f64())
+        .collect()
+}
+
 /// The panels worth drawing for these rows: empty series and a layout that never changed are
 /// left out.
 fn panels(rows: &[Value], steps: (f64, f64)) -> Vec<Panel> {
-    let mut out = vec![Panel::new(
+    // The running mean of the points the scale keeps: one absurd value would carry into the
+    // next k means.
+    let train = points(rows, "loss");
+    let (lo, hi) = robust_range(&train.iter().map(|p| p.1).collect::<Vec<_>>());
+    let kept: Vec<(f64, f64)> = train
+        .into_iter()
+        .filter(|p| (lo..=hi).contains(&p.1))
+        .collect();
+    let k = (kept.len() / 40).max(5);
+    let mut loss = Panel::new(
         "loss",
         vec![
-            series(rows, "training", "loss", "#4e79a7"),
+            series(rows, "training", "loss", "#a6c4e0"),
+            Series {
+                name: "training, running mean",
+                color: "#1f4e79",
+                points: running_mean(&kept, k),
+            },
             series(rows, "held-out", "val_loss", "#e15759"),
         ],
         steps,
-    )];
+    );
+    loss.baseline = baseline(rows);
+    let mut out = vec![loss];
     out.push(Panel::new(
         "held-out accuracy",
         vec![series(rows, "accuracy", "accuracy", "#59a14f")],
         steps,
     ));
-    out.push(Panel::new(
-        "throughput (tokens/s)",
-        vec![series(rows, "tokens/s", "tokens_per_s", "#f28e2b")],
-        steps,
-    ));
+    let task = rows
+        .iter()
+        .any(|r| r.get("accuracy").is_some_and(|a| !a.is_null()));
+    out.push(match task {
+        true => Panel::new(
+            "throughput (samples/s)",
+            vec![series(rows, "samples/s", "samples_per_s", "#f28e2b")],
+            steps,
+        ),
+        false => Panel::new(
+            "throughput (tokens/s)",
+            vec![series(rows, "tokens/s", "tokens_per_s", "#f28e2b")],
+            steps,
+        ),
+    });
     let layout = vec![
         series(rows, "stages", "stages", "#76b7b2"),
         series(rows, "replicas", "replicas", "#edc948"),
@@ -151,12 +223,103 @@ const W: f64 = 760.0;
 const H: f64 = 200.0;
 const LEFT: f64 = 70.0;
 
-/// One panel at height `top`, steps 0..=`last` across.
-fn draw(svg: &mut String, p: &Panel, top: f64, last: f64) {
-    let (lo, hi) = p
+/// About `n` round values (1, 2 or 5 times a power of ten) from `lo` to `hi`; none where the
+/// range is empty or too wide to count.
+fn ticks(lo: f64, hi: f64, n: usize) -> Vec<f64> {
+    let raw = (hi / 2.0 - lo / 2.0) / n as f64 * 2.0;
+    if !(raw.is_finite() && raw > 0.0) {
+        return Vec::new();
+    }
+    let mag = 10f64.powf(raw.log10().floor());
+    let step = [1.0, 2.0, 5.0, 10.0]
+        .iter()
+        .map(|m| m * mag)
+        .find(|s| *s >= raw)
+        .unwrap_or(10.0 * mag);
+    let (first, last) = ((lo / step).ceil(), (hi / step).floor());
+    if !(last - first).is_finite() || last - first > 50.0 {
+        return Vec::new();
+    }
+    (first as i64..=last as i64)
+        .map(|k| k as f64 * step)
+        .collect()
+}
+
+/// Where a panel's values go: the plot's box and its scales.
+struct Frame {
+    top: f64,
+    lo: f64,
+    hi: f64,
+    last: f64,
+}
+
+impl Frame {
+    const PLOT_W: f64 = W - LEFT - 20.0;
+    const PLOT_H: f64 = H - 60.0;
+
+    fn x(&self, s: f64) -> f64 {
+        LEFT + s / self.last.max(1.0) * Self::PLOT_W
+    }
+
+    /// In halves: hi - lo of values near f64's ends would overflow.
+    fn y(&self, v: f64) -> f64 {
+        self.top + 30.0 + (self.hi / 2.0 - v / 2.0) / (self.hi / 2.0 - self.lo / 2.0) * Self::PLOT_H
+    }
+
+    /// The box, a grid line and a label at each tick of both axes, and the layout changes.
+    fn axes(&self, svg: &mut String, marks: &[f64]) {
+        let (top, bottom) = (self.top + 30.0, self.top + 30.0 + Self::PLOT_H);
+        for v in ticks(self.lo, self.hi, 4) {
+            let y = self.y(v);
+            let _ = writeln!(
+                svg,
+                r##"<line x1="{LEFT}" x2="{:.1}" y1="{y:.1}" y2="{y:.1}" stroke="#e4e4e4"/><text x="{:.1}" y="{:.1}" text-anchor="end" font-size="11">{}</text>"##,
+                LEFT + Self::PLOT_W,
+                LEFT - 4.0,
+                y + 4.0,
+                short(v)
+            );
+        }
+        for s in ticks(0.0, self.last, 8) {
+            let x = self.x(s);
+            let _ = writeln!(
+                svg,
+                r##"<line x1="{x:.1}" x2="{x:.1}" y1="{top:.1}" y2="{bottom:.1}" stroke="#e4e4e4"/><text x="{x:.1}" y="{:.1}" text-anchor="middle" font-size="11">{}</text>"##,
+                bottom + 14.0,
+                if s.fract() == 0.0 {
+                    format!("{s:.0}")
+                } else {
+                    short(s)
+                }
+            );
+        }
+        for &s in marks {
+            let x = self.x(s);
+            let _ = writeln!(
+                svg,
+                r##"<line x1="{x:.1}" x2="{x:.1}" y1="{top:.1}" y2="{bottom:.1}" stroke="#777" stroke-dasharray="4 3"/>"##
+            );
+        }
+        let _ = writeln!(
+            svg,
+            r##"<rect x="{LEFT}" y="{top:.1}" width="{}" height="{}" fill="none" stroke="#999"/><text x="{:.1}" y="{:.1}" text-anchor="end" font-size="11">step</text>"##,
+            Self::PLOT_W,
+            Self::PLOT_H,
+            W - 20.0,
+            bottom + 28.0
+        );
+    }
+}
+
+/// One panel at height `top`, steps 0..=`last` across, a dashed line at each step in `marks`.
+fn draw(svg: &mut String, p: &Panel, top: f64, last: f64, marks: &[f64]) {
+    let values = p
         .series
         .iter()
-        .flat_map(|s| s.points.iter().map(|&(_, v)| v))
+        .flat_map(|s| s.points.iter().map(|&(_, v)| v));
+    let base = p.baseline.as_ref().map(|b| b.0);
+    let (lo, hi) = values
+        .chain(base)
         .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), v| {
             (a.min(v), b.max(v))
         });
@@ -165,61 +328,57 @@ fn draw(svg: &mut String, p: &Panel, top: f64, last: f64) {
     } else {
         (lo - 1.0, hi + 1.0)
     };
-    let (plot_w, plot_h) = (W - LEFT - 20.0, H - 50.0);
-    let x = |s: f64| LEFT + s / last.max(1.0) * plot_w;
-    // In halves: hi - lo of values near f64's ends would overflow.
-    let y = |v: f64| top + 30.0 + (hi / 2.0 - v / 2.0) / (hi / 2.0 - lo / 2.0) * plot_h;
+    let f = Frame { top, lo, hi, last };
     let _ = writeln!(
         svg,
-        r##"<text x="{LEFT}" y="{:.1}" font-weight="bold">{}</text><rect x="{LEFT}" y="{:.1}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#999"/>"##,
+        r##"<text x="{LEFT}" y="{:.1}" font-weight="bold">{}</text>"##,
         top + 20.0,
-        p.title,
-        top + 30.0
+        p.title
     );
-    for (v, anchor) in [(hi, top + 34.0), (lo, top + 30.0 + plot_h)] {
-        let _ = writeln!(
-            svg,
-            r#"<text x="{:.1}" y="{anchor:.1}" text-anchor="end" font-size="11">{}</text>"#,
-            LEFT - 4.0,
-            short(v)
-        );
-    }
-    let _ = writeln!(
-        svg,
-        r#"<text x="{:.1}" y="{:.1}" text-anchor="end" font-size="11">step {last}</text>"#,
-        W - 20.0,
-        top + H - 6.0
-    );
+    f.axes(svg, marks);
     if let Some(line) = left_out_line(p) {
         let _ = writeln!(
             svg,
             r##"<text x="{LEFT}" y="{:.1}" font-size="11" fill="#c00">{}</text>"##,
-            top + H - 6.0,
+            top + H - 4.0,
             line
         );
     }
-    for (k, s) in p.series.iter().enumerate() {
+    if let Some((v, name)) = &p.baseline {
+        let y = f.y(*v);
+        let _ = writeln!(
+            svg,
+            r##"<line x1="{LEFT}" x2="{:.1}" y1="{y:.1}" y2="{y:.1}" stroke="#555" stroke-dasharray="6 4"/><text x="{:.1}" y="{:.1}" text-anchor="end" font-size="11" fill="#555">{name} {}</text>"##,
+            LEFT + Frame::PLOT_W,
+            LEFT + Frame::PLOT_W - 4.0,
+            y - 4.0,
+            short(*v)
+        );
+    }
+    // Legends start past the bold title (about 8 px a character at 13 px).
+    let mut legend = LEFT + 8.5 * p.title.len() as f64 + 30.0;
+    for s in &p.series {
         let pts: Vec<String> = s
             .points
             .iter()
-            .map(|&(a, v)| format!("{:.1},{:.1}", x(a), y(v)))
+            .map(|&(a, v)| format!("{:.1},{:.1}", f.x(a), f.y(v)))
             .collect();
         let _ = writeln!(
             svg,
-            r#"<polyline fill="none" stroke="{}" stroke-width="1.5" points="{}"/><text x="{:.1}" y="{:.1}" fill="{}" font-size="12">{}</text>"#,
+            r#"<polyline fill="none" stroke="{}" stroke-width="1.5" points="{}"/><text x="{legend:.1}" y="{:.1}" fill="{}" font-size="12">{}</text>"#,
             s.color,
             pts.join(" "),
-            LEFT + 200.0 + 120.0 * k as f64,
             top + 20.0,
             s.color,
             s.name
         );
+        legend += 8.0 * s.name.len() as f64 + 24.0;
         if let [(a, v)] = s.points[..] {
             let _ = writeln!(
                 svg,
                 r#"<circle cx="{:.1}" cy="{:.1}" r="3" fill="{}"/>"#,
-                x(a),
-                y(v),
+                f.x(a),
+                f.y(v),
                 s.color
             );
         }
@@ -253,6 +412,20 @@ fn read_rows(path: &std::path::Path) -> Result<Vec<Value>> {
         .collect()
 }
 
+/// The chart rendered as a PNG, its text in the system's fonts.
+fn png(svg: &str) -> std::io::Result<Vec<u8>> {
+    use resvg::{tiny_skia, usvg};
+    let fail = |e: String| std::io::Error::other(format!("rendering the chart: {e}"));
+    let mut opt = usvg::Options::default();
+    opt.fontdb_mut().load_system_fonts();
+    let tree = usvg::Tree::from_str(svg, &opt).map_err(|e| fail(e.to_string()))?;
+    let size = tree.size().to_int_size();
+    let mut pixmap = tiny_skia::Pixmap::new(size.width(), size.height())
+        .ok_or_else(|| fail(format!("no {} x {} image", size.width(), size.height())))?;
+    resvg::render(&tree, tiny_skia::Transform::default(), &mut pixmap.as_mut());
+    pixmap.encode_png().map_err(|e| fail(e.to_string()))
+}
+
 pub fn cmd_report(a: ReportArgs) -> Result<()> {
     crate::files::check_output(&a.out)?;
     let rows = read_rows(&a.metrics)?;
@@ -277,15 +450,26 @@ pub fn cmd_report(a: ReportArgs) -> Result<()> {
     }
     let height = H * panels.len() as f64 + 10.0;
     let mut svg = format!(
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{height}" font-family="sans-serif" font-size="13">
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{height}" font-family="DejaVu Sans, Liberation Sans, Arial, sans-serif" font-size="13">
 <rect width="100%" height="100%" fill="white"/>
 "#
     );
+    let marks = layout_changes(&rows);
     for (i, p) in panels.iter().enumerate() {
-        draw(&mut svg, p, i as f64 * H, last);
+        draw(&mut svg, p, i as f64 * H, last, &marks);
     }
     svg.push_str("</svg>\n");
-    crate::files::write_file(&a.out, &svg)?;
+    match a.out.extension().and_then(|e| e.to_str()) {
+        Some("png") => write_with(&a.out, |w| w.write_all(&png(&svg)?))?,
+        Some("svg") => crate::files::write_file(&a.out, &svg)?,
+        // After reading: `--out` naming the metrics file itself is refused as that, first.
+        _ => {
+            crate::files::check_output(&a.out)?;
+            return Err(
+                BadInput(format!("--out {}: write a .svg or a .png", a.out.display())).into(),
+            );
+        }
+    }
     for line in panels
         .iter()
         .filter_map(|p| Some((p.title, left_out_line(p)?)))

@@ -1022,7 +1022,7 @@ fn skip_training_and_skip_robust_eval() {
     );
     bad(
         &["eval", "--checkpoint-dir", ck, "--omit", "9"],
-        "stages 0..4",
+        "stages 0-4",
     );
     bad(
         &["eval", "--checkpoint-dir", ck, "--keep-stages", "1.5"],
@@ -1096,7 +1096,7 @@ fn freeze_and_elastic_training() {
     .concat());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{err}");
-    assert!(err.contains("froze layer blocks 0..2"), "{err}");
+    assert!(err.contains("froze layer blocks 0-1"), "{err}");
     let rows: Vec<serde_json::Value> = std::fs::read_to_string(&m)
         .unwrap()
         .lines()
@@ -1484,9 +1484,23 @@ fn report_draws_a_runs_metrics() {
     assert!(out.contains("12 steps; loss, throughput"), "{out}");
     let text = std::fs::read_to_string(&svg).unwrap();
     assert!(text.starts_with("<svg") && text.trim_end().ends_with("</svg>"));
-    // Training and held-out loss: two polylines with a point per row that has them.
-    assert_eq!(text.matches("<polyline").count(), 3, "{text}");
+    // Training loss, its running mean, held-out loss and throughput: a polyline each; the
+    // unigram baseline dashed, ticks on both axes.
+    assert_eq!(text.matches("<polyline").count(), 4, "{text}");
     assert!(text.contains(">held-out<") && !text.contains(">layout<"));
+    assert!(text.contains(">training, running mean<") && text.contains("unigram baseline 3.055"));
+    assert!(text.contains(">step<") && text.contains(">12<"), "{text}");
+    // The same chart as a PNG; another extension is refused.
+    let png = dir.join("r.png");
+    let o = pw(&["report", m_s, "--out", png.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(std::fs::read(&png)
+        .unwrap()
+        .starts_with(b"\x89PNG\r\n\x1a\n"));
+    bad(
+        &["report", m_s, "--out", &dir.join("r.txt").to_string_lossy()],
+        "write a .svg or a .png",
+    );
     bad(&["report", &tmp("empty.jsonl", "")], "no training steps");
     bad(
         &["report", &tmp("bad.jsonl", "{\"step\": 1}\n[1]\n")],

@@ -401,7 +401,19 @@ fn the_single_weights_file_wins_and_export_leaves_shards_alone() {
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     names.sort();
-    assert_eq!(names, ["README.md", "config.json", "model.safetensors"]);
+    // With the tokenizer the run read with (bytes, as a byte-level tokenizer.json) and a causal
+    // model's generation_config.json.
+    assert_eq!(
+        names,
+        [
+            "README.md",
+            "config.json",
+            "generation_config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json"
+        ]
+    );
     assert!(std::fs::read_to_string(dir.join("config.json"))
         .unwrap()
         .contains("\"hidden_size\": 16"));
@@ -961,7 +973,7 @@ fn llama_learns_to_classify_text_and_exports_a_classifier() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(
-        err.contains("train.jsonl: class 1 of 0..2 has no training examples"),
+        err.contains("train.jsonl: class 1 of 0-2 has no training examples"),
         "{err}"
     );
 }

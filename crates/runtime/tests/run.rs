@@ -226,7 +226,7 @@ fn the_freeze_schedule_freezes_a_growing_prefix_at_its_cadence() {
     assert!(
         seen.notes
             .iter()
-            .any(|n| n.contains("froze layer blocks 0..")),
+            .any(|n| n.contains("froze layer blocks 0-")),
         "{:?}",
         seen.notes
     );
@@ -346,7 +346,7 @@ fn elastic_freezing_frees_workers_and_the_trace_covers_the_run() {
     assert!(
         seen.notes
             .iter()
-            .any(|n| n.contains("froze layer blocks 0..2")),
+            .any(|n| n.contains("froze layer blocks 0-1")),
         "{:?}",
         seen.notes
     );
@@ -362,7 +362,7 @@ fn elastic_freezing_frees_workers_and_the_trace_covers_the_run() {
     assert!(
         tl.marks
             .iter()
-            .any(|(_, m)| m.contains("froze layer blocks 0..2")),
+            .any(|(_, m)| m.contains("froze layer blocks 0-1")),
         "{:?}",
         tl.marks
     );

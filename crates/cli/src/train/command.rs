@@ -182,6 +182,13 @@ fn config(a: &TrainArgs) -> Result<TrainConfig> {
     }
     if let Some(t) = &a.tokenizer {
         cfg.tokenizer = Some(t.clone());
+        // A fresh model of the built-in shape that nobody sized: its embedding takes the
+        // tokenizer's vocabulary (`train --tokenizer gpt2` trains a GPT over GPT-2's tokens).
+        let default_vocab =
+            cfg.model.vocab == pipewright_runtime::model::ModelConfig::default().vocab;
+        if a.model.resolve()?.is_none() && a.config.is_none() && !a.run.resume && default_vocab {
+            cfg.model.vocab = crate::model::tokenizer(&cfg)?.vocab_size();
+        }
     }
     // --data and its companions, else the configuration file's [data].
     let data = a.data.resolve(cfg.data.as_ref());

@@ -134,7 +134,7 @@ impl Examples {
                             Label::Name(n) => format!("{n:?}"),
                         },
                         match &classes {
-                            Classes::Numbered(c) => format!("0..{}", c.saturating_sub(1)),
+                            Classes::Numbered(c) => format!("0-{}", c.saturating_sub(1)),
                             Classes::Named(v) => v.join(", "),
                         }
                     )

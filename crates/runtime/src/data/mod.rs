@@ -10,6 +10,7 @@ pub mod shards;
 pub mod source;
 pub mod squad;
 pub mod tokenizer;
+pub mod tokenizer_json;
 pub mod tokens;
 
 pub use corpus::*;

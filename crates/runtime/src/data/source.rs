@@ -169,7 +169,7 @@ fn check_classes(
     if let Some(want) = num_labels.filter(|&w| w != n) {
         let which = match classes {
             Classes::Named(names) => format!(" ({})", names.join(", ")),
-            Classes::Numbered(c) => format!(" (labels 0..{})", c - 1),
+            Classes::Numbered(c) => format!(" (labels 0-{})", c - 1),
         };
         return Err(Error::Input(format!(
             "--num-labels {want} disagrees with {}: its labels make {n} classes{which}",
@@ -187,7 +187,7 @@ fn check_classes(
     }
     match seen.iter().position(|&s| !s) {
         Some(c) => Err(Error::Input(format!(
-            "{}: class {c} of 0..{} has no training examples (an empty class: renumber the labels from 0 without gaps)",
+            "{}: class {c} of 0-{} has no training examples (an empty class: renumber the labels from 0 without gaps)",
             data.display(),
             n - 1
         ))),

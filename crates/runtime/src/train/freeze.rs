@@ -19,6 +19,16 @@ use pipewright_core::profile::Profile;
 /// freezes one more settled block: a block whose freezing buys under 1% keeps training.
 const CRITICAL_MIN_GAIN: f64 = 0.01;
 
+/// The first `n` layer blocks, as a person reads a range ("layer blocks 0-2", not Rust's
+/// exclusive `0..3`).
+pub fn first_blocks(n: usize) -> String {
+    match n {
+        0 => "no layer blocks".into(),
+        1 => "layer block 0".into(),
+        n => format!("layer blocks 0-{}", n - 1),
+    }
+}
+
 /// What freezes when, and whether the layout follows.
 #[derive(Debug, Clone, PartialEq)]
 pub struct FreezeSettings {
@@ -184,13 +194,15 @@ impl FreezeController {
                 let scaled = self.replan(trainer, c.plan)?;
                 trainer.set_frozen(frozen)?;
                 return Ok(Some(format!(
-                    "the checkpoint had layer blocks 0..{frozen} frozen: frozen again on {}{scaled}",
+                    "the checkpoint had {} frozen: frozen again on {}{scaled}",
+                    first_blocks(frozen),
                     describe(&trainer.plan)
                 )));
             }
         }
         Ok(Some(format!(
-            "warning: the checkpoint had layer blocks 0..{frozen} frozen, but stage 0 of this plan ({:?}) has no room for them with a training layer after; they train again",
+            "warning: the checkpoint had {} frozen, but stage 0 of this plan ({:?}) has no room for them with a training layer after; they train again",
+            first_blocks(frozen),
             trainer.plan.layers_per_stage()
         )))
     }
@@ -254,14 +266,16 @@ impl FreezeController {
         let new = describe(&trainer.plan);
         Ok(Some(if new == old {
             format!(
-                "step {}: froze layer blocks 0..{want} (was {before}) in {:.3} s; plan kept: {new}",
+                "step {}: froze {} ({before} before) in {:.3} s; plan kept: {new}",
                 r.step,
+                first_blocks(want),
                 t0.elapsed().as_secs_f64()
             )
         } else {
             format!(
-                "step {}: froze layer blocks 0..{want} (was {before}) and re-planned in {:.3} s{scaled}\n  before: {old}\n  after:  {new}",
+                "step {}: froze {} ({before} before) and re-planned in {:.3} s{scaled}\n  before: {old}\n  after:  {new}",
                 r.step,
+                first_blocks(want),
                 t0.elapsed().as_secs_f64()
             )
         }))
@@ -317,8 +331,8 @@ impl FreezeController {
         let new = describe(&trainer.plan);
         let what = match (c.prefix, c.weight_only.is_empty()) {
             (0, _) => format!("weights of layer blocks {:?}", c.weight_only),
-            (p, true) => format!("layer blocks 0..{p}"),
-            (p, false) => format!("layer blocks 0..{p} and the weights of {:?}", c.weight_only),
+            (p, true) => first_blocks(p),
+            (p, false) => format!("{} and the weights of {:?}", first_blocks(p), c.weight_only),
         };
         let plan = match new == old {
             true => format!("plan kept: {new}"),

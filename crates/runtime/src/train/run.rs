@@ -161,12 +161,16 @@ pub struct RunStart {
     pub f1: Option<f64>,
     /// The step a resume continued from.
     pub resumed: Option<u64>,
+    /// The loss of the data's baseline (unigram, class prior, position prior), and its name.
+    pub baseline: (f64, &'static str),
 }
 
 impl RunStart {
     /// The metrics row of the starting point (a fresh run's step 0).
     pub fn to_json(&self) -> Value {
-        json!({"step": self.step, "loss": null, "val_loss": self.val_loss, "val_perplexity": self.val_loss.exp(), "accuracy": self.accuracy, "f1": self.f1, "tokens_per_s": null})
+        // A task's loss has no perplexity worth the name: it is left out.
+        let ppl = self.accuracy.is_none().then(|| self.val_loss.exp());
+        json!({"step": self.step, "loss": null, "val_loss": self.val_loss, "val_perplexity": ppl, "accuracy": self.accuracy, "f1": self.f1, "tokens_per_s": null, "baseline": self.baseline.0, "baseline_name": self.baseline.1})
     }
 }
 
@@ -203,7 +207,7 @@ impl StepRow<'_> {
     /// The metrics row (JSON lines): the one place that names its fields.
     pub fn to_json(&self) -> Value {
         let r = self.report;
-        json!({"step": r.step, "loss": r.loss, "val_loss": self.val_loss, "val_perplexity": self.val_loss.map(f64::exp), "accuracy": self.accuracy, "f1": self.f1, "tokens_per_s": self.tokens_per_s(), "samples_per_s": self.samples_per_s, "lr": r.lr, "grad_norm": r.grad_norm, "layer_grad_norms": r.layer_norms, "busy": r.busy, "seconds": r.seconds, "frozen_layers": self.frozen, "weight_only_frozen": self.weight_only, "mfu": self.mfu, "stages": self.stages, "replicas": self.replicas, "cache": self.cache.as_ref().map(|c| json!({"hits": c.hits, "extended": c.extended, "misses": c.misses, "memory_bytes": c.memory_bytes, "disk_bytes": c.disk_bytes, "not_kept": c.not_kept}))})
+        json!({"step": r.step, "loss": r.loss, "val_loss": self.val_loss, "val_perplexity": self.val_loss.filter(|_| self.accuracy.is_none()).map(f64::exp), "accuracy": self.accuracy, "f1": self.f1, "tokens_per_s": self.tokens_per_s(), "samples_per_s": self.samples_per_s, "lr": r.lr, "grad_norm": r.grad_norm, "layer_grad_norms": r.layer_norms, "busy": r.busy, "seconds": r.seconds, "frozen_layers": self.frozen, "weight_only_frozen": self.weight_only, "mfu": self.mfu, "stages": self.stages, "replicas": self.replicas, "cache": self.cache.as_ref().map(|c| json!({"hits": c.hits, "extended": c.extended, "misses": c.misses, "memory_bytes": c.memory_bytes, "disk_bytes": c.disk_bytes, "not_kept": c.not_kept}))})
     }
 }
 
@@ -301,8 +305,7 @@ struct Best {
     stale: u64,
 }
 
-/// The subdirectory of the checkpoint directory that keeps the best validation's checkpoint.
-pub const BEST_DIR: &str = "best";
+pub use super::store::BEST_DIR;
 
 impl TrainingRun {
     /// A run of `trainer` on `corpus`; every setting is checked here, before any step.
@@ -403,8 +406,10 @@ impl TrainingRun {
         let first = self
             .trainer
             .validate(&self.corpus, self.cfg.eval_batches, &[])?;
+        let baseline = self.baseline();
         sink.start(&RunStart {
-            header: self.header(),
+            header: self.header(baseline),
+            baseline,
             step: self.trainer.step,
             steps: self.trainer.cfg.steps,
             val_loss: first.loss,
@@ -512,12 +517,12 @@ impl TrainingRun {
             // Without a freeze policy nothing freezes further, but what the checkpoint froze is
             // kept where this plan has room for it, and either way the run says which.
             None if r.frozen > 0 && self.trainer.frozen() == r.frozen => sink.note(&format!(
-                "the checkpoint had layer blocks 0..{} frozen: they stay frozen",
-                r.frozen
+                "the checkpoint had {} frozen: they stay frozen",
+                super::freeze::first_blocks(r.frozen)
             )),
             None if r.frozen > 0 => sink.note(&format!(
-                "warning: the checkpoint had layer blocks 0..{} frozen, but stage 0 of this plan ({:?}) has no room for them with a training layer after; they train again",
-                r.frozen,
+                "warning: the checkpoint had {} frozen, but stage 0 of this plan ({:?}) has no room for them with a training layer after; they train again",
+                super::freeze::first_blocks(r.frozen),
                 self.trainer.plan.layers_per_stage()
             )),
             None => {}
@@ -531,10 +536,8 @@ impl TrainingRun {
         Ok(Some(r.step))
     }
 
-    fn header(&self) -> String {
+    fn header(&self, (base, base_name): (f64, &str)) -> String {
         let cfg = &self.trainer.cfg;
-        // Once: it reads every training token.
-        let (base, base_name) = self.baseline();
         format!(
             "training {}{} ({} layer blocks, d_model {}) on {}: {}; {} steps{}; {base_name} {base:.3}",
             cfg.model.family.name(),
@@ -622,7 +625,12 @@ impl TrainingRun {
             return Ok(());
         }
         let metric = self.cfg.keep_best.unwrap_or(Metric::ValLoss);
-        let value = metric.of(v);
+        let value = match metric {
+            Metric::ValLoss => Some(v.loss),
+            Metric::Accuracy => v.accuracy,
+            Metric::F1 => v.f1,
+        }
+        .filter(|x| !x.is_nan());
         let local = self.trainer.is_root()
             && value.is_some_and(|x| self.best.is_none_or(|b| metric.better(x, b.value)));
         if !self.trainer.any(local)? {

@@ -66,16 +66,6 @@ impl Metric {
         }
     }
 
-    /// Its value in a validation (`None`: a text has no accuracy or F1).
-    pub fn of(self, v: &super::trainer::Validation) -> Option<f64> {
-        match self {
-            Metric::ValLoss => Some(v.loss),
-            Metric::Accuracy => v.accuracy,
-            Metric::F1 => v.f1,
-        }
-        .filter(|x| !x.is_nan())
-    }
-
     /// Is `new` strictly better than `old`?
     pub fn better(self, new: f64, old: f64) -> bool {
         match self {

@@ -256,13 +256,18 @@ impl Drop for Writer {
     }
 }
 
-/// Remove every checkpoint in `dir` and `latest` (an earlier run's, under this run's lock).
+/// The subdirectory of a checkpoint directory that keeps the best validation's checkpoint
+/// (`RunConfig::keep_best`).
+pub const BEST_DIR: &str = "best";
+
+/// Remove every checkpoint in `dir` and `latest` (an earlier run's, under this run's lock),
+/// and the best validation's in [`BEST_DIR`].
 pub fn remove_all(dir: &Path) -> Result<()> {
     for (_, ck) in list(dir) {
         std::fs::remove_dir_all(&ck).map_err(|e| wio(&ck, e))?;
     }
     // The best validation's checkpoint (`--keep-best`) belongs to the same run.
-    let best = dir.join(super::run::BEST_DIR);
+    let best = dir.join(BEST_DIR);
     if best.is_dir() {
         remove_all(&best)?;
         std::fs::remove_dir(&best).map_err(|e| wio(&best, e))?;
