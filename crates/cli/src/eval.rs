@@ -118,15 +118,7 @@ pub fn cmd_eval(a: EvalArgs) -> Result<()> {
             source.display(),
             cfg.model.num_blocks()
         );
-        // A task's loss has no perplexity worth the name.
-        let ppl = match scores.accuracy {
-            None => format!("  perplexity {:.3}", full.exp()),
-            Some(_) => String::new(),
-        };
-        println!(
-            "  all stages:  val loss {full:.4}{ppl}{}",
-            task_scores(&scores)
-        );
+        println!("  all stages:  val loss {full:.4}{}", task_scores(&scores));
     }
     let mut rows = Vec::new();
     for (label, choices) in st.omission_sets(&a)? {
@@ -200,11 +192,12 @@ fn eval_corpus(a: &EvalArgs, cfg: &mut TrainConfig) -> Result<pipewright_runtime
 }
 
 /// A task's held-out scores, as printed after the loss.
+/// A text's perplexity, or a task's scores (its loss has no perplexity worth the name).
 fn task_scores(v: &Validation) -> String {
     match (v.accuracy, v.f1) {
         (Some(em), Some(f1)) => format!("  exact match {em:.3}  F1 {f1:.3}"),
         (Some(acc), None) => format!("  accuracy {acc:.3}"),
-        _ => String::new(),
+        _ => format!("  perplexity {:.3}", v.loss.exp()),
     }
 }
 

@@ -180,10 +180,7 @@ type SideFiles = Vec<(String, Vec<u8>)>;
 /// (with the pretrained directory's tokenizer_config.json and the like when the run used its
 /// tokenizer, else a config naming the fast tokenizer), and generation_config.json for a
 /// causal model. A tokenizer with no tokenizer.json (cl100k) is said in the note.
-fn side_files(
-    cfg: &TrainConfig,
-    config: &serde_json::Value,
-) -> Result<(SideFiles, String)> {
+fn side_files(cfg: &TrainConfig, config: &serde_json::Value) -> Result<(SideFiles, String)> {
     // A tokenizer that cannot be read now (a model directory since moved) is no reason to
     // withhold the model: the note says so.
     let tok = match tokenizer(cfg) {
