@@ -439,7 +439,9 @@ fn train(a: TrainArgs) -> Result<()> {
     let started = start_device(&a);
     let data = a.data.resolve(cfg.data.as_ref());
     let corpus = crate::data::corpus(&data, &mut cfg)?;
-    let checked = started.and_then(|()| check_flags(&a, &cfg, procs.is_some()));
+    let checked = started
+        .and_then(|()| check_flags(&a, &cfg, procs.is_some()))
+        .and_then(|()| fits_a_step(&a, &cfg, &corpus));
     let (plan, plan_note) = agree(&procs, checked, || train_plan(&a, &cfg))?;
     let links = links(&a, plan.plan())?;
     let run_cfg = run_config(&a, &cfg, links.as_ref())?;
@@ -473,6 +475,25 @@ fn train(a: TrainArgs) -> Result<()> {
         crate::ranks::finish_within(m, Duration::from_secs_f64(a.run.peer_timeout));
     }
     reported
+}
+
+/// A generated plan's step fits the data, checked before any collective: every rank finds the
+/// same, and they agree on it with the plan (a rank that failed later, inside the run's set-up,
+/// could leave a peer waiting in a collective it had finished). `TrainingRun::new` checks any
+/// plan again.
+fn fits_a_step(
+    a: &TrainArgs,
+    cfg: &TrainConfig,
+    corpus: &pipewright_runtime::data::Corpus,
+) -> Result<()> {
+    if a.run.plan.is_some() || a.run.skip.is_some() {
+        return Ok(());
+    }
+    let mbs = cfg.microbatches.saturating_mul(cfg.replicas);
+    match cfg.sampler().steps_per_epoch(&corpus.train, mbs) {
+        Ok(_) => Ok(()),
+        Err(e) => Err(BadInput(format!("{}: {e}", corpus.name)).into()),
+    }
 }
 
 /// Starts `--device wgpu`'s device (the CPU needs no start), or says plainly why it did not.
