@@ -506,6 +506,14 @@ fn export_keeps_its_source_and_a_kill_leaves_one_model_whole() {
 /// old model or the new one, never a mix.
 fn kills_leave_one_model_whole(work: &Path, src: &Path, ck_s: &str, before: &(Vec<u8>, Vec<u8>)) {
     let other = work.join("other");
+    let over_other = [
+        "export",
+        "--checkpoint-dir",
+        ck_s,
+        "--out",
+        other.to_str().unwrap(),
+        "--overwrite",
+    ];
     let fresh = work.join("fresh");
     ok(&[
         "export",
@@ -533,14 +541,7 @@ fn kills_leave_one_model_whole(work: &Path, src: &Path, ck_s: &str, before: &(Ve
             std::fs::copy(src.join(f), other.join(f)).unwrap();
         }
         let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_pipewright"))
-            .args([
-                "export",
-                "--checkpoint-dir",
-                ck_s,
-                "--out",
-                other.to_str().unwrap(),
-                "--overwrite",
-            ])
+            .args(over_other)
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()
@@ -565,14 +566,7 @@ fn kills_leave_one_model_whole(work: &Path, src: &Path, ck_s: &str, before: &(Ve
     );
     // Unkilled, the export over a copy ends as the new model. (Whether a kill at 1.4x the
     // timed export still comes before the end depends on the machine's load: not asserted.)
-    ok(&[
-        "export",
-        "--checkpoint-dir",
-        ck_s,
-        "--out",
-        other.to_str().unwrap(),
-        "--overwrite",
-    ]);
+    ok(&over_other);
     assert!(model_files(&other) == new, "an unkilled export over a copy");
 }
 
