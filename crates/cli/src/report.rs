@@ -459,7 +459,12 @@ pub fn cmd_report(a: ReportArgs) -> Result<()> {
         draw(&mut svg, p, i as f64 * H, last, &marks);
     }
     svg.push_str("</svg>\n");
-    match a.out.extension().and_then(|e| e.to_str()) {
+    match a
+        .out
+        .extension()
+        .map(|e| e.to_string_lossy().to_lowercase())
+        .as_deref()
+    {
         Some("png") => write_with(&a.out, |w| w.write_all(&png(&svg)?))?,
         Some("svg") => crate::files::write_file(&a.out, &svg)?,
         // After reading: `--out` naming the metrics file itself is refused as that, first.

@@ -669,7 +669,7 @@ fn keep_best_and_early_stop_follow_the_validations() {
     });
     let stop = stop.expect("the loss never stalled twice: raise the learning rate");
     let mut early = Seen::default();
-    let s = run_of(c, settings(Some(2)))
+    let s = run_of(c.clone(), settings(Some(2)))
         .unwrap()
         .run(&mut early)
         .unwrap();
@@ -679,5 +679,16 @@ fn keep_best_and_early_stop_follow_the_validations() {
         .notes
         .iter()
         .any(|n| n.starts_with("early stop at step")));
+    // A file where the best checkpoint would go is refused before any step, and kept.
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    std::fs::write(d.join("best"), "mine").unwrap();
+    let e = run_of(c, settings(None)).err().expect("refused");
+    assert!(
+        e.to_string()
+            .contains("best: exists and is not a directory"),
+        "{e}"
+    );
+    assert_eq!(std::fs::read_to_string(d.join("best")).unwrap(), "mine");
     let _ = std::fs::remove_dir_all(&d);
 }

@@ -171,7 +171,10 @@ fn config(a: &TrainArgs) -> Result<TrainConfig> {
         }
         cfg.microbatches = g / cfg.replicas;
     }
-    if let Some(chosen) = a.model.resolve()? {
+    let chosen = a.model.resolve()?;
+    // The built-in model, sized by nobody: not a --model, a configuration's or a checkpoint's.
+    let unsized_model = chosen.is_none() && a.config.is_none() && !a.run.resume;
+    if let Some(chosen) = chosen {
         if chosen.weights.is_some() && (a.d_model, a.layers, a.heads) != (None, None, None) {
             return Err(BadInput(
                 "--d-model, --layers and --heads cannot reshape a pretrained --model".into(),
@@ -182,11 +185,9 @@ fn config(a: &TrainArgs) -> Result<TrainConfig> {
     }
     if let Some(t) = &a.tokenizer {
         cfg.tokenizer = Some(t.clone());
-        // A fresh model of the built-in shape that nobody sized: its embedding takes the
-        // tokenizer's vocabulary (`train --tokenizer gpt2` trains a GPT over GPT-2's tokens).
-        let default_vocab =
-            cfg.model.vocab == pipewright_runtime::model::ModelConfig::default().vocab;
-        if a.model.resolve()?.is_none() && a.config.is_none() && !a.run.resume && default_vocab {
+        // Its embedding takes the tokenizer's vocabulary (`train --tokenizer gpt2` trains a
+        // GPT over GPT-2's tokens).
+        if unsized_model {
             cfg.model.vocab = crate::model::tokenizer(&cfg)?.vocab_size();
         }
     }

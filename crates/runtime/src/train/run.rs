@@ -58,6 +58,13 @@ fn take_checkpoint_dir(
     trainer.keep_checkpoints = c.keep;
     let taken = match trainer.is_root() {
         true => super::store::lock(&c.dir).and_then(|lock| {
+            let best = c.dir.join(BEST_DIR);
+            if cfg.keep_best.is_some() && best.symlink_metadata().is_ok_and(|m| !m.is_dir()) {
+                return Err(Error::checkpoint(
+                    &best,
+                    "exists and is not a directory; it would keep the best validation's checkpoint",
+                ));
+            }
             if c.overwrite {
                 super::store::remove_all(&c.dir)?;
             } else if cfg.resume_from.is_none() {
