@@ -258,7 +258,12 @@ pub fn cmd_export(a: ExportArgs) -> Result<()> {
     let (mut cfg, _, step) = checkpoint_config(&a.checkpoint_dir)?;
     let config = config_to_hf(&cfg.model)?;
     check_export_dir(&a, cfg.pretrained.as_deref())?;
-    let (side, note) = side_files(&cfg, &config)?;
+    let (mut side, note) = side_files(&cfg, &config)?;
+    let code = pipewright_runtime::model::hf::code_files(&cfg.model);
+    side.extend(
+        code.iter()
+            .map(|(f, text)| (f.to_string(), text.as_bytes().to_vec())),
+    );
     // The weights alone: one worker holds every layer block.
     (cfg.stages, cfg.replicas, cfg.chunks, cfg.pretrained) = (1, 1, 1, None);
     let plan = cfg.plan()?;

@@ -80,6 +80,66 @@ fn ids_file(dir: &Path, vocab: i64) -> PathBuf {
     p
 }
 
+/// pipewright's own GPT exports with the PyTorch code that transformers runs it with
+/// (`trust_remote_code`; checked against that code in the runtime's `hf` tests), and the
+/// export computes what the checkpoint does.
+#[test]
+fn gpt_exports_with_its_pytorch_code_and_runs_the_same_from_the_export() {
+    let dir = fresh_dir("models-gpt-export");
+    let (ck, hf) = (dir.join("ck"), dir.join("hf"));
+    let (ck, hf_s) = (ck.to_str().unwrap(), hf.to_str().unwrap());
+    let small = [
+        "--d-model",
+        "32",
+        "--layers",
+        "2",
+        "--heads",
+        "4",
+        "--seq-len",
+        "16",
+    ];
+    let train = [
+        "train",
+        "--steps",
+        "2",
+        "--eval-batches",
+        "1",
+        "--checkpoint-dir",
+        ck,
+    ];
+    ok(&[&train[..], &small[..]].concat());
+    let said = ok(&["export", "--checkpoint-dir", ck, "--out", hf_s]);
+    assert!(said.contains("gpt model"), "{said}");
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["model_type"], "pipewright_gpt");
+    let code = config["auto_map"]["AutoModelForCausalLM"].as_str().unwrap();
+    let file = format!("{}.py", code.split('.').next().unwrap());
+    let text = std::fs::read_to_string(hf.join(&file)).unwrap();
+    assert!(text.contains("class PipewrightGptForCausalLM"), "{file}");
+    assert!(hf.join("configuration_pipewright_gpt.py").is_file());
+    assert!(hf.join("generation_config.json").is_file());
+    let ids = ids_file(&dir, 256);
+    let ids = ids.to_str().unwrap();
+    let (a, b) = (dir.join("a.safetensors"), dir.join("b.safetensors"));
+    let (a_s, b_s) = (a.to_str().unwrap(), b.to_str().unwrap());
+    ok(&[
+        "forward",
+        "--checkpoint-dir",
+        ck,
+        "--input-ids",
+        ids,
+        "--out",
+        a_s,
+    ]);
+    ok(&["forward", "--model", hf_s, "--input-ids", ids, "--out", b_s]);
+    let d = max_diff(&f32s(&read(&a), "logits"), &f32s(&read(&b), "logits"));
+    assert!(
+        d < 1e-5,
+        "logits of the checkpoint and its export differ by {d}"
+    );
+}
+
 #[test]
 fn trained_llama_exports_and_runs_the_same_from_the_export_and_the_checkpoint() {
     let dir = fresh_dir("models-roundtrip");

@@ -5,7 +5,7 @@
 use super::error::Error;
 use super::hf_json::kind_of;
 use super::registry;
-use super::{Family, ModelConfig};
+use super::ModelConfig;
 use serde_json::Value;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -66,6 +66,11 @@ pub fn initializer_range(text: &str, what: &str) -> Result<f64, Error> {
 /// The Hugging Face `config.json` of a model (what `from_pretrained` needs).
 pub fn config_to_hf(cfg: &ModelConfig) -> Result<Value, Error> {
     (registry::spec(cfg.family).to_hf)(cfg)
+}
+
+/// The Python files a model's directory carries for transformers (`trust_remote_code`).
+pub fn code_files(cfg: &ModelConfig) -> &'static [(&'static str, &'static str)] {
+    registry::spec(cfg.family).code
 }
 
 /// A checkpoint name (`embed.x`, `block.N.x`, `head.x`) as the family's Hugging Face name.
@@ -346,9 +351,6 @@ pub fn to_hf(
     params: Vec<(String, Vec<usize>, Vec<f32>)>,
     sum_tied: bool,
 ) -> Vec<(String, Vec<usize>, Vec<f32>)> {
-    if cfg.family == Family::Gpt {
-        return params; // pipewright's own: its checkpoint names and layout
-    }
     let mut out: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
     for (name, shape, values) in params {
         let key = hf_name(cfg, &name);

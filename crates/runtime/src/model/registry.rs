@@ -51,8 +51,15 @@ mod tests {
             assert_eq!(n, 1, "{f:?} registered {n} times");
             assert_eq!(spec(f).family, f);
         }
-        assert_eq!(hf_types(), ["llama", "gpt2", "bert", "vit"]);
+        assert_eq!(
+            hf_types(),
+            ["pipewright_gpt", "llama", "gpt2", "bert", "vit"]
+        );
         assert_eq!(by_hf_type("bert").map(|s| s.family), Some(Family::Bert));
+        assert_eq!(
+            by_hf_type("pipewright_gpt").map(|s| s.family),
+            Some(Family::Gpt)
+        );
         assert!(by_hf_type("gpt").is_none());
     }
 }

@@ -22,7 +22,7 @@ pub const NORMS: [(&str, &str); 2] = [(".gamma", ".weight"), (".beta", ".bias")]
 /// A family's entry in the registry.
 pub struct Spec {
     pub family: Family,
-    /// Its Hugging Face `model_type`; none: pipewright's own (gpt), with no Hugging Face form.
+    /// Its Hugging Face `model_type`.
     pub hf_type: Option<&'static str>,
     /// The model a Hugging Face `config.json` (parsed) describes; errors name the key.
     pub from_hf: fn(&Value) -> Result<ModelConfig, Error>,
@@ -42,4 +42,7 @@ pub struct Spec {
     /// The family has no LM head: it is trained for a task only, and its bare encoder
     /// (`BertModel`, `ViTModel`) gets the task's head fresh.
     pub task_only: bool,
+    /// Python files (name, text) written beside the model for transformers to load it with
+    /// `trust_remote_code=True`: for a family no transformers class computes.
+    pub code: &'static [(&'static str, &'static str)],
 }

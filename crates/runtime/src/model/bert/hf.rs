@@ -30,6 +30,7 @@ pub const SPEC: Spec = Spec {
     },
     embedding: "model.embed_tokens.weight",
     task_only: true,
+    code: &[],
 };
 
 /// BERT's task head from `architectures`: sequence classification (`num_labels`, or the size

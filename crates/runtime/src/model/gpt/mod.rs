@@ -1,4 +1,4 @@
-//! pipewright's GPT family: its layer blocks, rules and costs (no Hugging Face form).
+//! pipewright's GPT family: its layer blocks, rules and costs, and its Hugging Face form (with its own PyTorch code).
 
 mod blocks;
 mod costs;

@@ -25,6 +25,7 @@ pub const SPEC: Spec = Spec {
     },
     embedding: "transformer.wte.weight",
     task_only: false,
+    code: &[],
 };
 
 fn gpt2_config(v: &Value) -> Result<ModelConfig, Error> {

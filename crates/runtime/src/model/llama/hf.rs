@@ -19,6 +19,7 @@ pub const SPEC: Spec = Spec {
     layout: LAYOUT,
     embedding: EMBEDDING,
     task_only: false,
+    code: &[],
 };
 
 /// `LlamaForCausalLM`'s names (pipewright's GPT keeps them too).

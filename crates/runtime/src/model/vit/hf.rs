@@ -25,6 +25,7 @@ pub const SPEC: Spec = Spec {
     },
     embedding: "model.embed_tokens.weight",
     task_only: true,
+    code: &[],
 };
 
 fn vit_config(v: &Value) -> Result<ModelConfig, Error> {
