@@ -6,7 +6,7 @@ use crate::BadInput;
 use anyhow::Result;
 use clap::Args;
 use pipewright_core::cluster::Cluster;
-use pipewright_core::job::planner::{search, Candidate};
+use pipewright_core::job::planner::{search_depth, Candidate};
 use pipewright_core::profile::{Profile, StageCost};
 use pipewright_core::schedule::{generate, ScheduleKind};
 use pipewright_core::search::partition::{partition, Assignment, Objective, PartitionProblem};
@@ -60,6 +60,10 @@ pub struct PlanArgs {
     /// Micro-batches per iteration over all replicas (profile micro-batch units).
     #[arg(long, default_value_t = 64)]
     global_batch: usize,
+    /// Only plans of this many pipeline stages (default: every depth, 1 to the cluster's
+    /// devices; the fastest wins, which may be data parallelism alone).
+    #[arg(long)]
+    stages: Option<usize>,
     /// Rows to print.
     #[arg(long, default_value_t = 8)]
     top: usize,
@@ -93,7 +97,7 @@ pub fn cmd_plan(a: PlanArgs) -> Result<()> {
     let profile = plan_profile(&a)?;
     let cluster = Cluster::load(&a.cluster)?;
     let t0 = std::time::Instant::now();
-    let cands = search(&profile, &cluster, a.global_batch)?;
+    let cands = search_depth(&profile, &cluster, a.global_batch, a.stages)?;
     let secs = t0.elapsed().as_secs_f64();
     let best = cands.first().filter(|c| c.iteration_time.is_some());
     if let Some(w) = best {

@@ -61,7 +61,25 @@ impl Layout {
 /// Every (depth, replicas, micro-batches, schedule, layout) for `global_batch` micro-batches
 /// per iteration over all replicas, simulated and sorted best first.
 pub fn search(profile: &Profile, cluster: &Cluster, global_batch: usize) -> Result<Vec<Candidate>> {
+    search_depth(profile, cluster, global_batch, None)
+}
+
+/// [`search`], with the pipeline depth fixed to `depth` when given (a user who wants a
+/// pipeline of that many stages, whatever else would be faster).
+pub fn search_depth(
+    profile: &Profile,
+    cluster: &Cluster,
+    global_batch: usize,
+    depth: Option<usize>,
+) -> Result<Vec<Candidate>> {
     let d = cluster.len();
+    if let Some(p) = depth.filter(|&p| p == 0 || p > d) {
+        return Err(Error::shape(
+            Field::Depth,
+            p,
+            format!("expected a pipeline depth from 1 to the cluster's {d} devices"),
+        ));
+    }
     let n = profile.layers.len();
     if global_batch == 0 {
         return Err(Error::shape(
@@ -89,7 +107,7 @@ pub fn search(profile: &Profile, cluster: &Cluster, global_batch: usize) -> Resu
             _ => {}
         }
     };
-    for depth in 1..=d {
+    for depth in depth.map_or(1..=d, |p| p..=p) {
         let replicas = d / depth;
         if !global_batch.is_multiple_of(replicas) {
             continue;
@@ -120,7 +138,12 @@ pub fn search(profile: &Profile, cluster: &Cluster, global_batch: usize) -> Resu
         }
     }
     if out.is_empty() {
-        return Err(Error::Infeasible(format!("no (depth, replicas) divides a global batch of {global_batch} micro-batches over {d} devices")));
+        let depths = depth.map_or("(depth, replicas)".to_string(), |p| {
+            format!("depth {p} (with {} replicas)", d / p)
+        });
+        return Err(Error::Infeasible(format!(
+            "no {depths} divides a global batch of {global_batch} micro-batches over {d} devices"
+        )));
     }
     out.sort_by(|a, b| match (a.iteration_time, b.iteration_time) {
         (Some(x), Some(y)) => x.total_cmp(&y),
@@ -253,5 +276,39 @@ fn explain(cands: &mut [Candidate]) {
         } else {
             format!("{what} (+{delta:.4} s)")
         };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn profile(n: usize) -> Profile {
+        let mut toml = String::from("[model]\nname = \"m\"\n");
+        for i in 0..n {
+            toml += &format!("[[layers]]\nname = \"l{i}\"\nforward = 1\nbackward = 2\nparams = 4000\nactivation = 1000\n");
+        }
+        Profile::parse("m.toml", &toml).unwrap()
+    }
+
+    #[test]
+    fn a_fixed_depth_keeps_only_its_plans_and_their_best() {
+        let (prof, cl) = (profile(8), Cluster::uniform(4));
+        let all = search(&prof, &cl, 8).unwrap();
+        for p in [1, 2, 4] {
+            let at = search_depth(&prof, &cl, 8, Some(p)).unwrap();
+            assert!(at.iter().all(|c| c.depth == p && c.replicas == 4 / p));
+            let best = all.iter().find(|c| c.depth == p).unwrap();
+            assert_eq!(at[0].iteration_time, best.iteration_time, "depth {p}");
+            assert!(at[0].plan.is_some(), "depth {p}: the winner keeps its plan");
+        }
+        // 3 stages: one replica, and one of the 4 devices left idle.
+        assert!(search_depth(&prof, &cl, 8, Some(3)).is_ok());
+        for bad in [0, 5] {
+            let e = search_depth(&prof, &cl, 8, Some(bad))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(&format!("stages {bad}")), "{e}");
+        }
     }
 }
