@@ -153,7 +153,7 @@ pub fn cmd_plan(a: PlanArgs) -> Result<()> {
 /// The best `top` candidates as a table, each with why it lost to the winner.
 fn print_candidates(cands: &[Candidate], top: usize) {
     println!(
-        "{:>4} {:>5} {:>4} {:>4} {:>11} {:>14} {:>12} {:>7} {:>10}  lost because",
+        "{:>4} {:>5} {:>4} {:>4} {:>14} {:>14} {:>12} {:>7} {:>10}  lost because",
         "rank", "depth", "dp", "M", "schedule", "layout", "iteration s", "bubble", "peak GiB"
     );
     for (i, c) in cands.iter().take(top).enumerate() {
@@ -161,7 +161,7 @@ fn print_candidates(cands: &[Candidate], top: usize) {
             .iteration_time
             .map_or("-".to_string(), |t| format!("{t:.4}"));
         println!(
-            "{:>4} {:>5} {:>4} {:>4} {:>11} {:>14} {:>12} {:>6.1}% {:>10.2}  {}",
+            "{:>4} {:>5} {:>4} {:>4} {:>14} {:>14} {:>12} {:>6.1}% {:>10.2}  {}",
             i + 1,
             c.depth,
             c.replicas,

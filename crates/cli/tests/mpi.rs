@@ -142,6 +142,18 @@ fn four_ranks_two_stages_two_replicas_equal_single_worker_training() {
     );
 }
 
+/// torch's looped BFS and interleaved zero bubble (2 chunks a rank) over 2 processes.
+#[test]
+fn two_ranks_looped_bfs_and_interleaved_zb_equal_single_worker_training() {
+    let _one = one_at_a_time();
+    for schedule in ["looped-bfs", "interleaved-zb"] {
+        exact_under_mpi(
+            2,
+            &["--schedule", schedule, "--stages", "2", "--chunks", "2"],
+        );
+    }
+}
+
 /// Two ranks on the wgpu device (in CI Mesa's lavapipe), activations and gradients staged
 /// through host memory: the CPU's single-worker training within 1e-4.
 #[test]

@@ -9,12 +9,19 @@ use pipewright_core::sim::{simulate, SimResult, SimSetup};
 use proptest::prelude::*;
 
 fn arb_plan() -> impl Strategy<Value = Plan> {
-    (0usize..5, 1usize..7, 1usize..13, 1usize..4, 1usize..4).prop_filter_map(
-        "valid combination",
-        |(k, p, m, v, d)| {
+    (
+        0..ScheduleKind::ALL.len(),
+        1usize..7,
+        1usize..13,
+        1usize..4,
+        1usize..4,
+    )
+        .prop_filter_map("valid combination", |(k, p, m, v, d)| {
             let kind = ScheduleKind::ALL[k];
             let v = match kind {
-                ScheduleKind::Interleaved => v,
+                ScheduleKind::Interleaved
+                | ScheduleKind::LoopedBfs
+                | ScheduleKind::InterleavedZb => v,
                 ScheduleKind::ZbV => 2,
                 _ => 1,
             };
@@ -24,8 +31,7 @@ fn arb_plan() -> impl Strategy<Value = Plan> {
                 m
             };
             generate(kind, p, m, v).ok()?.replicate(d).ok()
-        },
-    )
+        })
 }
 
 fn run(plan: &Plan, f: f64, b: f64, w: f64, link: Option<Link>) -> SimResult {
@@ -112,21 +118,33 @@ fn zb_h1_closed_form_when_w_fits() {
 }
 
 #[test]
-fn interleaved_bubble_shrinks_by_v() {
+fn interleaved_and_looped_bfs_bubbles_shrink_by_v() {
     // Megatron-LM: bubble time (P - 1)(f + b) per chunk, with chunks costing 1/V of a stage.
-    for (p, m, v) in [(2, 4, 2), (4, 8, 2), (4, 8, 4), (4, 12, 3)] {
-        let r = run(
-            &generate(ScheduleKind::Interleaved, p, m, v).unwrap(),
-            1.0,
-            1.0,
-            1.0,
-            None,
-        );
-        assert_eq!(
-            r.makespan,
-            (3 * m * v + 3 * (p - 1)) as f64,
-            "P={p} M={m} V={v}"
-        );
+    // Looped BFS reaches the same when M >= P (no loop waits for the previous one), but every
+    // worker holds all V M micro-batches' activations at the turn, where interleaved holds
+    // fewer.
+    for kind in [ScheduleKind::Interleaved, ScheduleKind::LoopedBfs] {
+        for (p, m, v) in [(2, 4, 2), (4, 8, 2), (4, 8, 4), (4, 12, 3), (8, 16, 2)] {
+            let r = run(&generate(kind, p, m, v).unwrap(), 1.0, 1.0, 1.0, None);
+            let what = format!("{kind} P={p} M={m} V={v}");
+            assert_eq!(r.makespan, (3 * m * v + 3 * (p - 1)) as f64, "{what}");
+            if kind == ScheduleKind::LoopedBfs {
+                assert_eq!(r.peak_activations, vec![m * v; p], "{what}");
+            }
+        }
+    }
+}
+
+#[test]
+fn interleaved_zero_bubble_of_one_chunk_is_zb_h1() {
+    for p in 1..7 {
+        for m in 1..13 {
+            let Ok(one) = generate(ScheduleKind::InterleavedZb, p, m, 1) else {
+                continue;
+            };
+            let h1 = generate(ScheduleKind::ZbH1, p, m, 1).unwrap();
+            assert_eq!(one.workers, h1.workers, "P={p} M={m}");
+        }
     }
 }
 

@@ -20,11 +20,9 @@ fn tiny(schedule: &str, p: usize, d: usize, m: usize) -> TrainConfig {
         },
         schedule: schedule.parse().unwrap(),
         stages: p,
-        chunks: if schedule == "interleaved" || schedule == "zbv" {
-            2
-        } else {
-            1
-        },
+        chunks: schedule
+            .parse::<ScheduleKind>()
+            .map_or(1, ScheduleKind::default_chunks),
         replicas: d,
         microbatches: m,
         rows: 2,
@@ -40,7 +38,7 @@ fn tiny(schedule: &str, p: usize, d: usize, m: usize) -> TrainConfig {
 #[test]
 fn pipelined_equals_plain_training() {
     let mut checked = 0;
-    for schedule in ["gpipe", "1f1b", "interleaved", "zbh1", "zbv"] {
+    for schedule in ScheduleKind::ALL.map(ScheduleKind::name) {
         for p in [1, 2, 4] {
             for d in [1, 2] {
                 for m in [1, 4, 8] {
@@ -58,7 +56,7 @@ fn pipelined_equals_plain_training() {
             }
         }
     }
-    assert!(checked >= 80, "only {checked} combinations ran");
+    assert!(checked >= 110, "only {checked} combinations ran");
 }
 
 /// Train `plan` and the plain reference 3 steps; losses and parameters agree within 1e-5.
@@ -528,7 +526,8 @@ fn weight_only_frozen_blocks_stay_exact_on_every_schedule() {
         _ => vec![0, 1, 2, 3],
     });
     let mut cases: Vec<(String, TrainConfig, PlanIn)> = Vec::new();
-    for schedule in ["gpipe", "1f1b", "interleaved", "zbh1", "zbv", "zb-auto"] {
+    let kinds = ScheduleKind::ALL.into_iter().chain([ScheduleKind::ZbAuto]);
+    for schedule in kinds.map(ScheduleKind::name) {
         for (p, d) in [(2, 1), (4, 1), (2, 2)] {
             let cfg = tiny(schedule, p, d, 4);
             let plan = cfg.plan().unwrap();

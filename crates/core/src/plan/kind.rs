@@ -20,6 +20,14 @@ pub enum ScheduleKind {
     ZbH1,
     #[cfg_attr(feature = "clap", value(name = "zbv"))]
     ZbV,
+    /// Breadth-first: every micro-batch through a worker's first stage, then its next.
+    #[serde(rename = "looped-bfs")]
+    #[cfg_attr(feature = "clap", value(name = "looped-bfs"))]
+    LoopedBfs,
+    /// Interleaved 1F1B with the backward split into B and W (ZB-1P over chunks).
+    #[serde(rename = "interleaved-zb")]
+    #[cfg_attr(feature = "clap", value(name = "interleaved-zb"))]
+    InterleavedZb,
     /// Zero-bubble order searched for the stages' real F, B, W costs under a memory cap.
     #[serde(rename = "zb-auto")]
     #[cfg_attr(feature = "clap", value(name = "zb-auto"))]
@@ -29,12 +37,15 @@ pub enum ScheduleKind {
 }
 
 impl ScheduleKind {
-    pub const ALL: [ScheduleKind; 5] = [
+    /// Every generator (zb-auto is searched for real costs, not generated).
+    pub const ALL: [ScheduleKind; 7] = [
         Self::GPipe,
         Self::OneFOneB,
         Self::Interleaved,
         Self::ZbH1,
         Self::ZbV,
+        Self::LoopedBfs,
+        Self::InterleavedZb,
     ];
 
     pub fn name(self) -> &'static str {
@@ -44,6 +55,8 @@ impl ScheduleKind {
             Self::Interleaved => "interleaved",
             Self::ZbH1 => "zbh1",
             Self::ZbV => "zbv",
+            Self::LoopedBfs => "looped-bfs",
+            Self::InterleavedZb => "interleaved-zb",
             Self::ZbAuto => "zb-auto",
             Self::Custom => "custom",
         }
@@ -51,13 +64,16 @@ impl ScheduleKind {
     /// Chunks (stages) per worker when the user does not say.
     pub fn default_chunks(self) -> usize {
         match self {
-            Self::Interleaved | Self::ZbV => 2,
+            Self::Interleaved | Self::ZbV | Self::LoopedBfs | Self::InterleavedZb => 2,
             _ => 1,
         }
     }
     /// Does the schedule split the backward into `B` and `W`?
     pub fn splits_backward(self) -> bool {
-        matches!(self, Self::ZbH1 | Self::ZbV | Self::ZbAuto)
+        matches!(
+            self,
+            Self::ZbH1 | Self::ZbV | Self::ZbAuto | Self::InterleavedZb
+        )
     }
 }
 
@@ -75,8 +91,14 @@ impl FromStr for ScheduleKind {
             .chain([Self::ZbAuto, Self::Custom])
             .find(|k| k.name() == s.to_ascii_lowercase())
             .ok_or_else(|| {
+                let names: Vec<&str> = Self::ALL
+                    .iter()
+                    .chain([&Self::ZbAuto])
+                    .map(|k| k.name())
+                    .collect();
                 Error::Schedule(format!(
-                    "unknown schedule {s:?} (expected one of gpipe, 1f1b, interleaved, zbh1, zbv, zb-auto)"
+                    "unknown schedule {s:?} (expected one of {})",
+                    names.join(", ")
                 ))
             })
     }

@@ -1,10 +1,14 @@
-//! Schedule generators: GPipe, 1F1B, interleaved 1F1B, ZB-H1 and ZB-V, each producing a [`Plan`].
+//! Schedule generators: GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V, looped BFS and interleaved
+//! zero bubble, each producing a [`Plan`].
 //!
 //! GPipe, 1F1B and interleaved 1F1B are the closed-form orders of their papers (Huang et al.
 //! 2019; Narayanan et al. 2019/2021). The zero-bubble orders (Qi et al. 2024) are produced the way
 //! that paper's automatic scheduler does it in spirit: a greedy list schedule on unit costs that
 //! runs `B` first (it is on the critical path), then `F` while memory allows, and fills the
 //! remaining idle time with deferred `W`s.
+
+mod interleaved_zb;
+mod looped_bfs;
 
 use crate::error::{Error, Field, Result};
 use crate::plan::deps::{need_count, unblocks, Pending, Waiter};
@@ -29,6 +33,12 @@ pub fn generate(
         ScheduleKind::Interleaved => Ok(interleaved(workers, microbatches, chunks, kind)),
         ScheduleKind::ZbH1 => Ok(zb_h1(workers, microbatches)),
         ScheduleKind::ZbV => zb_v(workers, microbatches),
+        ScheduleKind::LoopedBfs => Ok(looped_bfs::looped_bfs(workers, microbatches, chunks)),
+        ScheduleKind::InterleavedZb => Ok(interleaved_zb::interleaved_zb(
+            workers,
+            microbatches,
+            chunks,
+        )),
         // Its order depends on the stages' costs: `job::build` searches it (search::zbauto).
         ScheduleKind::ZbAuto => Err(Error::Schedule(
             "zb-auto is searched for the stages' costs, not generated: build it as a job (job::build)".into(),
@@ -71,6 +81,17 @@ pub fn check_request(
             microbatches,
             format!("needs the micro-batches to be a multiple of the stages (they go round in groups of P = {workers})"),
         ),
+        ScheduleKind::InterleavedZb => {
+            let (rounds, _) = interleaved_zb::rounds(workers, microbatches);
+            match microbatches.is_multiple_of(rounds) {
+                true => Ok(()),
+                false => shape(
+                    Field::Microbatches,
+                    microbatches,
+                    format!("needs the micro-batches to be a multiple of their rounds, max(1, M / P) = {rounds}"),
+                ),
+            }
+        }
         _ => Ok(()),
     }
 }
