@@ -142,11 +142,12 @@ fn four_ranks_two_stages_two_replicas_equal_single_worker_training() {
     );
 }
 
-/// torch's looped BFS and interleaved zero bubble (2 chunks a rank) over 2 processes.
+/// torch's looped BFS, interleaved zero bubble and DualPipeV (2 chunks a rank; DualPipeV with
+/// its overlapped pairs) over 2 processes.
 #[test]
-fn two_ranks_looped_bfs_and_interleaved_zb_equal_single_worker_training() {
+fn two_ranks_looped_bfs_interleaved_zb_and_dualpipev_equal_single_worker_training() {
     let _one = one_at_a_time();
-    for schedule in ["looped-bfs", "interleaved-zb"] {
+    for schedule in ["looped-bfs", "interleaved-zb", "dualpipev"] {
         exact_under_mpi(
             2,
             &["--schedule", schedule, "--stages", "2", "--chunks", "2"],

@@ -22,7 +22,7 @@ fn arb_plan() -> impl Strategy<Value = Plan> {
                 ScheduleKind::Interleaved
                 | ScheduleKind::LoopedBfs
                 | ScheduleKind::InterleavedZb => v,
-                ScheduleKind::ZbV => 2,
+                ScheduleKind::ZbV | ScheduleKind::DualPipeV => 2,
                 _ => 1,
             };
             let m = if kind == ScheduleKind::Interleaved {

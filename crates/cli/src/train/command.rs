@@ -202,11 +202,30 @@ fn config(a: &TrainArgs) -> Result<TrainConfig> {
     if a.chunks.is_none() && a.schedule.is_some() {
         cfg.chunks = cfg.schedule.default_chunks();
     }
+    if unsized_model && a.layers.is_none() && a.run.plan.is_none() {
+        grow_to_the_plan(&mut cfg);
+    }
     if a.run.eval_every == 0 || a.run.eval_batches == 0 {
         return Err(BadInput("--eval-every and --eval-batches must be at least 1".into()).into());
     }
     as_trained(&cfg)?.check()?;
     Ok(cfg)
+}
+
+/// The built-in model, sized by nobody, grows to give each stage of a generated plan a layer
+/// block: DualPipeV or ZB-V on 4 workers cut 8 stages, the built-in model has 6 blocks. Up to
+/// 64 transformer blocks; past that the plan's own check names the shortfall.
+fn grow_to_the_plan(cfg: &mut TrainConfig) {
+    let stages = cfg.stages.saturating_mul(cfg.chunks);
+    if stages <= cfg.model.num_blocks() || stages > 66 {
+        return;
+    }
+    eprintln!(
+        "the built-in model: {} transformer blocks instead of {}, so that each of the plan's {stages} stages holds a layer block (--layers sets them)",
+        stages - 2,
+        cfg.model.layers
+    );
+    cfg.model.layers = stages - 2;
 }
 
 /// How steps draw their data: `--sampling` (checked against the task and the cache) and

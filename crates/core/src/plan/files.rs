@@ -34,7 +34,8 @@ impl Plan {
         serde_json::from_str(text).map_err(at)
     }
 
-    /// CSV, one record per row: `record,worker,step,op,stage,microbatch`. A `plan` row carries
+    /// CSV, one record per row: `record,worker,step,op,stage,microbatch` (op `F+`: a forward
+    /// overlapped with the worker's next action). A `plan` row carries
     /// the kind and counts (worker = workers, step = stages); `stage` rows a host of a stage
     /// (step = its layers); `route` rows the hops (step = position); `action` rows the actions.
     pub fn to_csv(&self) -> String {
@@ -78,7 +79,8 @@ impl Plan {
                     record: "action".into(),
                     worker: wk,
                     step: i,
-                    op: a.op.as_str().into(),
+                    // `F+`: a forward overlapped with the next action (the grid's mark).
+                    op: format!("{}{}", a.op.as_str(), if a.overlap { "+" } else { "" }),
                     stage: a.stage,
                     microbatch: a.mb,
                 });
@@ -166,8 +168,15 @@ impl Plan {
                     });
                 }
                 ("action", Some(p)) => {
-                    let op = Op::parse(&r.op).ok_or_else(|| {
-                        bad(format!("unknown op {:?} (expected F, B, W or BW)", r.op))
+                    let (name, overlap) = match r.op.strip_suffix('+') {
+                        Some(f) => (f, true),
+                        None => (r.op.as_str(), false),
+                    };
+                    let op = Op::parse(name).ok_or_else(|| {
+                        bad(format!(
+                            "unknown op {:?} (expected F, B, W or BW, or F+ for an overlapped forward)",
+                            r.op
+                        ))
                     })?;
                     let acts = p
                         .workers
@@ -180,7 +189,8 @@ impl Plan {
                             acts.len()
                         )));
                     }
-                    acts.push(Action::new(op, r.stage, r.microbatch));
+                    let a = Action::new(op, r.stage, r.microbatch);
+                    acts.push(if overlap { a.overlapped() } else { a });
                 }
                 (other, _) => {
                     return Err(bad(format!(

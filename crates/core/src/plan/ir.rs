@@ -64,11 +64,29 @@ pub struct Action {
     pub op: Op,
     pub stage: usize,
     pub mb: usize,
+    /// This forward and the worker's next action (a backward of another micro-batch) are one
+    /// overlapped pair, torch's `OVERLAP_F_B` (DualPipe's F&B overlap). The pair computes one
+    /// half after the other; what the point of the pair is, is that each half's transfers
+    /// travel while the other half computes (`validate` checks the pair's form).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub overlap: bool,
 }
 
 impl Action {
     pub fn new(op: Op, stage: usize, mb: usize) -> Self {
-        Action { op, stage, mb }
+        Action {
+            op,
+            stage,
+            mb,
+            overlap: false,
+        }
+    }
+    /// This forward, overlapped with the action that follows it on its worker.
+    pub fn overlapped(self) -> Self {
+        Action {
+            overlap: true,
+            ..self
+        }
     }
 }
 
@@ -323,7 +341,10 @@ impl Plan {
         for r in 0..d {
             out.workers.extend(self.workers.iter().map(|acts| {
                 acts.iter()
-                    .map(|a| Action::new(a.op, a.stage, r * m + a.mb))
+                    .map(|a| Action {
+                        mb: r * m + a.mb,
+                        ..*a
+                    })
                     .collect::<Vec<_>>()
             }));
         }
@@ -415,11 +436,13 @@ impl Plan {
     /// worker holds several stages.
     pub fn grid(&self) -> String {
         let multi = self.multi_stage();
+        // An overlapped forward is marked `+`: it and the next cell are one pair.
         let cell = |a: &Action| {
+            let pair = if a.overlap { "+" } else { "" };
             if multi {
-                format!("{}{}s{}", a.op.as_str(), a.mb, a.stage)
+                format!("{}{}s{}{pair}", a.op.as_str(), a.mb, a.stage)
             } else {
-                format!("{}{}", a.op.as_str(), a.mb)
+                format!("{}{}{pair}", a.op.as_str(), a.mb)
             }
         };
         let steps = self.workers.iter().map(Vec::len).max().unwrap_or(0);

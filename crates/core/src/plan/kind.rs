@@ -28,6 +28,9 @@ pub enum ScheduleKind {
     #[serde(rename = "interleaved-zb")]
     #[cfg_attr(feature = "clap", value(name = "interleaved-zb"))]
     InterleavedZb,
+    /// DualPipe cut in half: two stages a worker in a V, forwards overlapped with backwards.
+    #[cfg_attr(feature = "clap", value(name = "dualpipev"))]
+    DualPipeV,
     /// Zero-bubble order searched for the stages' real F, B, W costs under a memory cap.
     #[serde(rename = "zb-auto")]
     #[cfg_attr(feature = "clap", value(name = "zb-auto"))]
@@ -38,7 +41,7 @@ pub enum ScheduleKind {
 
 impl ScheduleKind {
     /// Every generator (zb-auto is searched for real costs, not generated).
-    pub const ALL: [ScheduleKind; 7] = [
+    pub const ALL: [ScheduleKind; 8] = [
         Self::GPipe,
         Self::OneFOneB,
         Self::Interleaved,
@@ -46,6 +49,7 @@ impl ScheduleKind {
         Self::ZbV,
         Self::LoopedBfs,
         Self::InterleavedZb,
+        Self::DualPipeV,
     ];
 
     pub fn name(self) -> &'static str {
@@ -57,6 +61,7 @@ impl ScheduleKind {
             Self::ZbV => "zbv",
             Self::LoopedBfs => "looped-bfs",
             Self::InterleavedZb => "interleaved-zb",
+            Self::DualPipeV => "dualpipev",
             Self::ZbAuto => "zb-auto",
             Self::Custom => "custom",
         }
@@ -64,7 +69,11 @@ impl ScheduleKind {
     /// Chunks (stages) per worker when the user does not say.
     pub fn default_chunks(self) -> usize {
         match self {
-            Self::Interleaved | Self::ZbV | Self::LoopedBfs | Self::InterleavedZb => 2,
+            Self::Interleaved
+            | Self::ZbV
+            | Self::LoopedBfs
+            | Self::InterleavedZb
+            | Self::DualPipeV => 2,
             _ => 1,
         }
     }
@@ -72,7 +81,7 @@ impl ScheduleKind {
     pub fn splits_backward(self) -> bool {
         matches!(
             self,
-            Self::ZbH1 | Self::ZbV | Self::ZbAuto | Self::InterleavedZb
+            Self::ZbH1 | Self::ZbV | Self::ZbAuto | Self::InterleavedZb | Self::DualPipeV
         )
     }
 }

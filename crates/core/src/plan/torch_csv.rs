@@ -1,7 +1,8 @@
 //! The per-rank action CSV of `torch.distributed.pipelining` (what its schedule runtime's
 //! `_load_csv` reads): one row per rank, one cell per action, `{stage}{type}{micro-batch}` with
 //! type `F` (forward), `I` (input gradient), `W` (weight gradient) or `B` (full backward),
-//! e.g. `2F0`, `1I3`, `0W1`, `0B2`. Empty cells are idle slots.
+//! e.g. `2F0`, `1I3`, `0W1`, `0B2`. Empty cells are idle slots. An overlapped pair is one cell,
+//! `(0F3;3B1)OVERLAP_F_B`: the forward, then the backward it overlaps (DualPipeV's).
 //!
 //! torch's format has no routes or replica groups: a plan exports only if every micro-batch
 //! visits every stage in model order and every stage has one host.
@@ -56,16 +57,44 @@ pub fn to_torch_csv(plan: &Plan) -> Result<String> {
     if let Some(why) = unsupported(plan) {
         return Err(Error::Invalid(format!("cannot export as torch-csv: {why}")));
     }
+    let one = |a: &Action| format!("{}{}{}", a.stage, letter(a.op), a.mb);
     let mut out = String::new();
     for acts in &plan.workers {
-        let cells: Vec<String> = acts
-            .iter()
-            .map(|a| format!("{}{}{}", a.stage, letter(a.op), a.mb))
-            .collect();
+        let mut cells: Vec<String> = Vec::with_capacity(acts.len());
+        let mut i = 0;
+        while i < acts.len() {
+            match acts.get(i + 1).filter(|_| acts[i].overlap) {
+                Some(b) => {
+                    cells.push(format!("({};{}){OVERLAP}", one(&acts[i]), one(b)));
+                    i += 2;
+                }
+                None => {
+                    cells.push(one(&acts[i]));
+                    i += 1;
+                }
+            }
+        }
         out.push_str(&cells.join(","));
         out.push('\n');
     }
     Ok(out)
+}
+
+/// torch's name for an overlapped forward-backward pair (`_ComputationType.OVERLAP_F_B`).
+const OVERLAP: &str = "OVERLAP_F_B";
+
+/// One cell: an action, or an overlapped pair (a forward, then a backward).
+fn parse_cells(cell: &str) -> Option<Vec<Action>> {
+    let Some(inner) = cell
+        .strip_prefix('(')
+        .and_then(|c| c.strip_suffix(OVERLAP))
+        .and_then(|c| c.strip_suffix(')'))
+    else {
+        return Some(vec![parse_cell(cell)?]);
+    };
+    let (f, b) = inner.split_once(';')?;
+    let (f, b) = (parse_cell(f.trim())?, parse_cell(b.trim())?);
+    (f.op == Op::F && b.op.sends_grad()).then(|| vec![f.overlapped(), b])
 }
 
 /// Does `text` look like torch's format (rather than pipewright's CSV, whose first line is a
@@ -85,11 +114,11 @@ fn parse_cell(cell: &str) -> Option<Action> {
     if n == 0 || mb.is_empty() || digits(mb) != mb.len() {
         return None;
     }
-    Some(Action {
-        op: op_of(kind)?,
-        stage: cell[..n].parse().ok()?,
-        mb: mb.parse().ok()?,
-    })
+    Some(Action::new(
+        op_of(kind)?,
+        cell[..n].parse().ok()?,
+        mb.parse().ok()?,
+    ))
 }
 
 /// Read torch's per-rank CSV into a plan: rank r is worker r, each stage hosted by the rank
@@ -99,16 +128,16 @@ pub fn from_torch_csv(file: &str, text: &str) -> Result<Plan> {
     for (i, line) in text.lines().enumerate() {
         let mut acts = Vec::new();
         for cell in line.split(',').map(str::trim).filter(|c| !c.is_empty()) {
-            let a = parse_cell(cell).ok_or_else(|| {
+            let a = parse_cells(cell).ok_or_else(|| {
                 Error::input(
                     file,
                     format!(
-                        "line {}: {cell:?} is not a torch action (e.g. 0F1, 1I0, 0W2, 2B1)",
+                        "line {}: {cell:?} is not a torch action (e.g. 0F1, 1I0, 0W2, 2B1, (0F3;3B1)OVERLAP_F_B)",
                         i + 1
                     ),
                 )
             })?;
-            acts.push(a);
+            acts.extend(a);
         }
         workers.push(acts);
     }
@@ -172,14 +201,7 @@ mod tests {
         validate(&p).unwrap();
         assert_eq!(p.num_workers(), 2);
         assert_eq!(p.num_microbatches, 2);
-        assert_eq!(
-            p.workers[1][1],
-            Action {
-                op: Op::BW,
-                stage: 1,
-                mb: 0
-            }
-        );
+        assert_eq!(p.workers[1][1], Action::new(Op::BW, 1, 0));
         assert_eq!(
             to_torch_csv(&p).unwrap(),
             "0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n"
@@ -225,6 +247,30 @@ mod tests {
         assert!(from_torch_csv("t.csv", "F0\n").is_err());
         assert!(from_torch_csv("t.csv", "0F\n").is_err());
         assert!(from_torch_csv("t.csv", "18446744073709551615F0\n").is_err());
+    }
+
+    #[test]
+    fn overlapped_pairs_read_and_write_as_one_cell() {
+        // 2 stages on 2 ranks; rank 0 pairs micro-batch 2's forward with micro-batch 0's
+        // backward.
+        let csv = "0F0,0F1,(0F2;0B0)OVERLAP_F_B,0B1,0B2\n1F0,1B0,1F1,1B1,1F2,1B2\n";
+        let p = from_torch_csv("t.csv", csv).unwrap();
+        assert_eq!(p.workers[0][2], Action::new(Op::F, 0, 2).overlapped());
+        assert_eq!(p.workers[0][3], Action::new(Op::BW, 0, 0));
+        validate(&p).unwrap();
+        assert_eq!(to_torch_csv(&p).unwrap(), csv);
+        for bad in [
+            "(0B0;0F2)OVERLAP_F_B",
+            "(0F2;0W0)OVERLAP_F_B",
+            "(0F2)OVERLAP_F_B",
+            "(0F2;0B0)",
+        ] {
+            let e = from_torch_csv("t.csv", &format!("0F0,0F1,{bad}\n")).unwrap_err();
+            assert!(
+                e.to_string().contains("is not a torch action"),
+                "{bad}: {e}"
+            );
+        }
     }
 
     #[test]

@@ -35,6 +35,9 @@ pub mod rules {
     pub const ACTIONS: &str = "actions";
     /// The per-worker orders run to completion.
     pub const DEADLOCK: &str = "deadlock";
+    /// An overlapped pair is a forward followed, on its worker, by a backward (B or BW) of
+    /// another micro-batch.
+    pub const OVERLAP: &str = "overlap";
 }
 
 /// A plan [`validate`] accepted: the simulator and the runtime take it as it is, without
@@ -66,7 +69,35 @@ impl std::ops::Deref for ValidPlan {
 pub fn validate(plan: &Plan) -> Result<()> {
     check_structure(plan)?;
     let sites = check_complete(plan)?;
+    check_overlaps(plan)?;
     check_runs(plan, &sites)
+}
+
+/// Each overlapped pair's form. Its two halves' dependencies are those of two actions in a
+/// row, which `check_runs` follows: the pair computes one half after the other.
+fn check_overlaps(plan: &Plan) -> Result<()> {
+    for (w, acts) in plan.workers.iter().enumerate() {
+        for (i, a) in acts.iter().enumerate().filter(|(_, a)| a.overlap) {
+            let why = match acts.get(i + 1) {
+                _ if a.op != Op::F => {
+                    format!("{a} is marked overlapped, but only a forward opens a pair")
+                }
+                None => format!("{a} opens an overlapped pair, but is the worker's last action"),
+                Some(b) if !b.op.sends_grad() => {
+                    format!("{a} is overlapped with {b}, which is not a backward (B or BW) ending the pair")
+                }
+                Some(b) if b.mb == a.mb => {
+                    format!("{a} is overlapped with {b}: a pair joins two micro-batches")
+                }
+                Some(_) => continue,
+            };
+            return Err(broke(
+                rules::OVERLAP,
+                format!("worker {w}, step {i}: {why}"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn bad(msg: String) -> Error {

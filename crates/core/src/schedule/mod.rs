@@ -1,5 +1,5 @@
-//! Schedule generators: GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V, looped BFS and interleaved
-//! zero bubble, each producing a [`Plan`].
+//! Schedule generators: GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V, looped BFS, interleaved
+//! zero bubble and DualPipeV, each producing a [`Plan`].
 //!
 //! GPipe, 1F1B and interleaved 1F1B are the closed-form orders of their papers (Huang et al.
 //! 2019; Narayanan et al. 2019/2021). The zero-bubble orders (Qi et al. 2024) are produced the way
@@ -7,6 +7,7 @@
 //! runs `B` first (it is on the critical path), then `F` while memory allows, and fills the
 //! remaining idle time with deferred `W`s.
 
+mod dualpipev;
 mod interleaved_zb;
 mod looped_bfs;
 
@@ -39,6 +40,7 @@ pub fn generate(
             microbatches,
             chunks,
         )),
+        ScheduleKind::DualPipeV => Ok(dualpipev::dualpipev(workers, microbatches)),
         // Its order depends on the stages' costs: `job::build` searches it (search::zbauto).
         ScheduleKind::ZbAuto => Err(Error::Schedule(
             "zb-auto is searched for the stages' costs, not generated: build it as a job (job::build)".into(),
@@ -75,7 +77,12 @@ pub fn check_request(
         ScheduleKind::GPipe | ScheduleKind::OneFOneB | ScheduleKind::ZbH1 | ScheduleKind::ZbAuto if chunks != 1 => {
             shape(Field::Chunks, chunks, "places one stage per worker; more chunks need interleaved or zbv".into())
         }
-        ScheduleKind::ZbV if chunks != 2 => shape(Field::Chunks, chunks, "places exactly 2 chunks per worker in a V".into()),
+        ScheduleKind::ZbV | ScheduleKind::DualPipeV if chunks != 2 => shape(Field::Chunks, chunks, "places exactly 2 chunks per worker in a V".into()),
+        ScheduleKind::DualPipeV if microbatches < 2 * workers => shape(
+            Field::Microbatches,
+            microbatches,
+            format!("needs at least as many micro-batches as stages, 2P = {}", 2 * workers),
+        ),
         ScheduleKind::Interleaved if !microbatches.is_multiple_of(workers) => shape(
             Field::Microbatches,
             microbatches,

@@ -216,13 +216,20 @@ impl Timeline {
             )?;
         }
         for a in &self.actions {
+            // An overlapped forward is named `F3+`, as in the plan's grid.
+            let pair = if a.action.overlap { "+" } else { "" };
+            let mut args =
+                json!({"op": a.action.op.as_str(), "stage": a.action.stage, "mb": a.action.mb});
+            if a.action.overlap {
+                args["overlap"] = true.into();
+            }
             event(
                 w,
                 json!({
                     "ph": "X", "pid": 0, "tid": a.worker, "cat": a.action.op.as_str(),
-                    "name": format!("{}{}", a.action.op.as_str(), a.action.mb),
+                    "name": format!("{}{}{pair}", a.action.op.as_str(), a.action.mb),
                     "ts": a.start * US, "dur": (a.end - a.start) * US,
-                    "args": {"op": a.action.op.as_str(), "stage": a.action.stage, "mb": a.action.mb},
+                    "args": args,
                 }),
             )?;
         }
@@ -320,7 +327,8 @@ impl Timeline {
                 .and_then(Value::as_str)
                 .and_then(Op::parse)
                 .ok_or_else(|| bad(format!("traceEvents[{i}]: args.op missing or unknown")))?;
-            let action = Action::new(op, num("stage")? as usize, num("mb")? as usize);
+            let mut action = Action::new(op, num("stage")? as usize, num("mb")? as usize);
+            action.overlap = args.get("overlap").and_then(Value::as_bool) == Some(true);
             let start = e.get("ts").and_then(Value::as_f64).unwrap_or(0.0) / US;
             let end = start + e.get("dur").and_then(Value::as_f64).unwrap_or(0.0) / US;
             if pid == 0 {
@@ -511,9 +519,15 @@ impl Timeline {
             let y = top + a.worker as f64 * row_h + 2.0;
             let (x0, x1) = (x(a.start), x(a.end));
             let w = (x1 - x0).max(0.5);
+            // An overlapped forward is outlined in black and labelled `+`: it and the backward
+            // after it are one pair.
+            let (edge, pair, note) = match a.action.overlap {
+                true => ("black", "+", " (overlapped with the next backward)"),
+                false => ("white", "", ""),
+            };
             let _ = write!(
                 s,
-                r#"<rect x="{x0:.2}" y="{y:.1}" width="{w:.2}" height="{bar_h}" fill="{}" stroke="white" stroke-width="0.6"><title>{} stage {} mb {}: {:.6} - {:.6}</title></rect>"#,
+                r#"<rect x="{x0:.2}" y="{y:.1}" width="{w:.2}" height="{bar_h}" fill="{}" stroke="{edge}" stroke-width="0.6"><title>{} stage {} mb {}{note}: {:.6} - {:.6}</title></rect>"#,
                 colour(a.action.op),
                 a.action.op.as_str(),
                 a.action.stage,
@@ -522,8 +536,13 @@ impl Timeline {
                 a.end
             );
             let label = match stages_of.get(a.worker).is_some_and(|set| set.len() > 1) {
-                true => format!("{}{}s{}", a.action.op.as_str(), a.action.mb, a.action.stage),
-                false => a.action.mb.to_string(),
+                true => format!(
+                    "{}{}s{}{pair}",
+                    a.action.op.as_str(),
+                    a.action.mb,
+                    a.action.stage
+                ),
+                false => format!("{}{pair}", a.action.mb),
             };
             let fs = 10.0f64.min(bar_h * 0.6);
             if w >= fs * 0.62 * label.len() as f64 + 2.0 {
