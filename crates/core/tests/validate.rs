@@ -210,3 +210,32 @@ fn each_route_rule_is_named() {
     p.workers[1].splice(0..0, two);
     assert!(e(&p).contains("(rule deadlock)"), "{}", e(&p));
 }
+
+#[test]
+fn overlapped_pairs_keep_their_form() {
+    // 1F1B on 2 workers, 2 micro-batches: worker 0 runs F0 F1 BW0 BW1, worker 1 F0 BW0 F1 BW1.
+    let cases: [(usize, usize, &str); 4] = [
+        (0, 1, "worker 0, step 1: F(stage 0, mb 1) is overlapped with BW(stage 0, mb 0)"),
+        (0, 2, "worker 0, step 2: BW(stage 0, mb 0) is marked overlapped, but only a forward opens a pair"),
+        (0, 3, "worker 0, step 3: BW(stage 0, mb 1) is marked overlapped"),
+        (1, 0, "worker 1, step 0: F(stage 1, mb 0) is overlapped with BW(stage 1, mb 0): a pair joins two micro-batches"),
+    ];
+    for (w, i, want) in cases {
+        let mut p = plan();
+        p.workers[w][i] = p.workers[w][i].overlapped();
+        match validate(&p) {
+            // Worker 0's F1 with BW0 is a proper pair.
+            Ok(()) if (w, i) == (0, 1) => {}
+            Ok(()) => panic!("{w} {i}: accepted"),
+            Err(e) => {
+                let e = e.to_string();
+                assert!(e.starts_with(want) && e.ends_with("(rule overlap)"), "{e}");
+            }
+        }
+    }
+    let mut p = plan();
+    p.workers[1].swap(2, 3);
+    p.workers[1][3] = p.workers[1][3].overlapped();
+    let e = validate(&p).unwrap_err().to_string();
+    assert_eq!(e, "worker 1, step 3: F(stage 1, mb 1) opens an overlapped pair, but is the worker's last action (rule overlap)");
+}
