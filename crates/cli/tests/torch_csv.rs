@@ -17,7 +17,7 @@ import csv, sys
 from torch.distributed.pipelining.schedules import _Action, _validate_schedule
 rows = [r for r in csv.reader(open(sys.argv[1])) if r]
 actions = {rank: [_Action.from_str(c) for c in row] for rank, row in enumerate(rows)}
-print(_validate_schedule(actions, len(rows), int(sys.argv[2]), int(sys.argv[3])))
+print(dict(sorted(_validate_schedule(actions, len(rows), int(sys.argv[2]), int(sys.argv[3])).items())))
 "#;
 
 fn torch() -> Option<String> {
@@ -64,6 +64,41 @@ fn torch_accepts_1f1b_and_zbh1_exports() {
         );
         // Stage s on rank s.
         assert_eq!(out.trim(), "{0: 0, 1: 1, 2: 2, 3: 3}", "{kind}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The multi-stage exports, two stages a rank (DualPipeV's overlapped pairs included), parse
+/// and validate in torch with each stage on the rank pipewright put it on.
+#[test]
+fn torch_accepts_the_multi_stage_exports() {
+    let Some(python) = torch() else {
+        eprintln!("skipped: torch is not importable (set PIPEWRIGHT_TORCH_PYTHON to a Python that has it)");
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("pw-torch-csv-multi-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let looped = "{0: 0, 1: 1, 2: 2, 3: 3, 4: 0, 5: 1, 6: 2, 7: 3}";
+    let v = "{0: 0, 1: 1, 2: 2, 3: 3, 4: 3, 5: 2, 6: 1, 7: 0}";
+    for (kind, want) in [
+        ("interleaved", looped),
+        ("looped-bfs", looped),
+        ("interleaved-zb", looped),
+        ("zbv", v),
+        ("dualpipev", v),
+    ] {
+        let args = ["schedule", "--schedule", kind, "--stages", "4"];
+        let o = pw(&[&args[..], &["--microbatches", "8", "--format", "torch-csv"]].concat());
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let f = dir.join(format!("{kind}.csv"));
+        std::fs::write(&f, &o.stdout).unwrap();
+        let r = Command::new(&python)
+            .args(["-c", CHECK, f.to_str().unwrap(), "8", "8"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert!(r.status.success(), "{kind}: {err}");
+        assert_eq!(String::from_utf8_lossy(&r.stdout).trim(), want, "{kind}");
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
