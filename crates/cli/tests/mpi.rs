@@ -675,7 +675,7 @@ fn a_peer_stopped_after_the_final_checkpoint_cannot_hold_the_job() {
 /// two copies sit on different ranks and sum their gradients through their own group; the
 /// result is the same run as the same plan's worker threads in one process.
 #[test]
-fn tied_llama_over_four_ranks_equals_the_same_plan_in_threads() {
+fn tied_llama_over_mpi_equals_the_same_plan_in_threads_zbh1_and_dualpipev() {
     let _one = one_at_a_time();
     let d = dir("tied");
     let cfg = d.join("config.json");
@@ -686,38 +686,37 @@ fn tied_llama_over_four_ranks_equals_the_same_plan_in_threads() {
             "max_position_embeddings": 32, "tie_word_embeddings": true}"#,
     )
     .unwrap();
-    let ck = d.join("ck");
-    let o = mpirun(4)
-        .args(["train", "--transport", "mpi", "--model-config"])
-        .arg(&cfg)
-        .args([
-            "--seq-len",
-            "16",
-            "--schedule",
-            "zbh1",
-            "--stages",
-            "2",
-            "--replicas",
-            "2",
-        ])
-        .args(SHORT)
-        .arg("--checkpoint-dir")
-        .arg(&ck)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "tied llama over MPI: {}", text(&o));
-    let (cfg, plan, got) = checkpoint_params(&ck);
-    let mut threads = Trainer::new(cfg, plan).unwrap();
-    let corpus = Corpus::builtin();
-    for _ in 0..3 {
-        threads.train_step(&corpus).unwrap();
+    // ZB-H1 with replicas; DualPipeV holds the embedding and the head on rank 0, in a V.
+    for (schedule, replicas, np) in [("zbh1", "2", 4), ("dualpipev", "1", 2)] {
+        let ck = d.join(format!("ck-{schedule}"));
+        let o = mpirun(np)
+            .args(["train", "--transport", "mpi", "--model-config"])
+            .arg(&cfg)
+            .args(["--seq-len", "16", "--schedule", schedule, "--stages", "2"])
+            .args(["--replicas", replicas])
+            .args(SHORT)
+            .arg("--checkpoint-dir")
+            .arg(&ck)
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "tied llama {schedule} over MPI: {}",
+            text(&o)
+        );
+        let (cfg, plan, got) = checkpoint_params(&ck);
+        let mut threads = Trainer::new(cfg, plan).unwrap();
+        let corpus = Corpus::builtin();
+        for _ in 0..3 {
+            threads.train_step(&corpus).unwrap();
+        }
+        let want = threads.flat_params().unwrap();
+        let worst = max_diff(&got, &want);
+        assert!(
+            got.len() == want.len() && worst <= 1e-5,
+            "{schedule}: max |diff| {worst}"
+        );
     }
-    let want = threads.flat_params().unwrap();
-    let worst = max_diff(&got, &want);
-    assert!(
-        got.len() == want.len() && worst <= 1e-5,
-        "max |diff| {worst}"
-    );
 }
 
 /// A measured trace over MPI shows where time goes besides compute: each rank's sends, its
