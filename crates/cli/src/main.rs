@@ -511,7 +511,7 @@ mod vocabulary {
             "# Flags\n\nEvery flag of every command, with its default (`-`: none, the flag is \
              required or its default follows from other inputs, as `--help` says). One name and one \
              default for one thing: a test (`vocabulary` in crates/cli/src/main.rs) checks it and \
-             writes this table (`PIPEWRIGHT_WRITE_DOCS=1 cargo test -p pipewright-cli --bin \
+             writes this table (`PIPEWRIGHT_WRITE_DOCS=1 cargo test --release -p pipewright-cli --bin \
              pipewright vocabulary`). Old spellings still taken, with a hint: ",
         );
         let old: Vec<String> = OLD_SPELLINGS
@@ -554,7 +554,7 @@ mod vocabulary {
         let have = std::fs::read_to_string(path).unwrap_or_default();
         assert!(
             have == want,
-            "docs/flags.md is stale: PIPEWRIGHT_WRITE_DOCS=1 cargo test -p pipewright-cli --bin pipewright vocabulary"
+            "docs/flags.md is stale: PIPEWRIGHT_WRITE_DOCS=1 cargo test --release -p pipewright-cli --bin pipewright vocabulary"
         );
     }
 

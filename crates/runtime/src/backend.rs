@@ -106,6 +106,16 @@ pub fn start_device() -> Result<(), DeviceError> {
     })
 }
 
+/// The name the chosen device gives itself once started (`llvmpipe (LLVM 15.0.6, 256 bits)` for
+/// Mesa's lavapipe, `NVIDIA H100 80GB HBM3`); none on the CPU.
+pub fn device_name() -> Option<String> {
+    let device = plain_device();
+    let DispatchDevice::Cube(cube) = device.as_dispatch() else {
+        return None;
+    };
+    Some(cube.client().properties().identity.name.clone())
+}
+
 /// Whether tensors on `device` run this project's fused CPU kernels (flex, with or without
 /// autodiff); others take burn's own operations.
 pub fn fused_kernels(device: &Device) -> bool {

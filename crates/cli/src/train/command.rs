@@ -212,19 +212,26 @@ fn config(a: &TrainArgs) -> Result<TrainConfig> {
     Ok(cfg)
 }
 
-/// The built-in model, sized by nobody, grows to give each stage of a generated plan a layer
-/// block: DualPipeV or ZB-V on 4 workers cut 8 stages, the built-in model has 6 blocks. Up to
-/// 64 transformer blocks; past that the plan's own check names the shortfall.
+/// The built-in model, sized by nobody, grows to give each chunk of a generated plan a layer
+/// block: DualPipeV or ZB-V on 4 workers cut 8 stages, the built-in model has 6 blocks. Only
+/// for the chunks: more workers than blocks stays an error, as does a model past 64 blocks.
+/// Said once, by the process that speaks for the job.
 fn grow_to_the_plan(cfg: &mut TrainConfig) {
     let stages = cfg.stages.saturating_mul(cfg.chunks);
-    if stages <= cfg.model.num_blocks() || stages > 66 {
+    let blocks = cfg.model.num_blocks();
+    if stages <= blocks || cfg.stages > blocks || stages > 66 {
         return;
     }
-    eprintln!(
-        "the built-in model: {} transformer blocks instead of {}, so that each of the plan's {stages} stages holds a layer block (--layers sets them)",
-        stages - 2,
-        cfg.model.layers
-    );
+    let speaks = !crate::launch::launched() && crate::ranks::RANK.get().is_none_or(|&r| r == 0);
+    if speaks {
+        eprintln!(
+            "the built-in model: {} transformer blocks instead of {}, so that each of the plan's {stages} stages ({} chunks on each of {} workers) holds a layer block (--layers sets them)",
+            stages - 2,
+            cfg.model.layers,
+            cfg.chunks,
+            cfg.stages
+        );
+    }
     cfg.model.layers = stages - 2;
 }
 
@@ -306,6 +313,14 @@ pub(crate) fn progress_bar(len: u64, what: &str) -> indicatif::ProgressBar {
 type Procs = Option<Arc<pipewright_runtime::transport::mpi::Mpi>>;
 #[cfg(not(feature = "mpi"))]
 type Procs = Option<std::convert::Infallible>;
+
+/// Is this process the job's root: no MPI, or MPI's rank 0?
+fn is_root(procs: &Procs) -> bool {
+    #[cfg(feature = "mpi")]
+    return procs.as_ref().is_none_or(|m| m.world().rank == 0);
+    #[cfg(not(feature = "mpi"))]
+    return procs.is_none();
+}
 
 /// Start MPI if asked (before anything that may fail, so errors can be printed by rank 0 only).
 fn start_transport(a: &TrainArgs) -> Result<Procs> {
@@ -456,7 +471,7 @@ fn train(a: TrainArgs) -> Result<()> {
     }
     // After the relaunch, so that a launcher process holds no GPU context while its workers
     // train; the ranks agree on a failure with the plan's checks (none waits for a peer).
-    let started = start_device(&a);
+    let started = start_device(&a, is_root(&procs));
     let data = a.data.resolve(cfg.data.as_ref());
     let corpus = crate::data::corpus(&data, &mut cfg)?;
     let checked = started
@@ -483,6 +498,17 @@ fn train(a: TrainArgs) -> Result<()> {
     if let Some(m) = procs.as_ref().filter(|_| run.trainer.is_root()) {
         sink.placement = Some(crate::launch::placement_note(m.world().size));
     }
+    if let Some(name) = pipewright_runtime::backend::device_name().filter(|_| run.trainer.is_root())
+    {
+        // In-process workers' CPU threading says nothing of a GPU run: the device line
+        // replaces it; worker processes keep their placement line above it.
+        let (line, first) = device_lines(&name);
+        sink.placement = Some(match (sink.placement.take(), procs.is_some()) {
+            (Some(workers), true) => format!("{workers}\n{line}"),
+            _ => line,
+        });
+        sink.first_step = Some(first);
+    }
     let summary = run.run(&mut sink)?;
     // The root reports before MPI finishes: the run is done and checkpointed, and a peer that
     // never finishes must not hold its summary back.
@@ -495,6 +521,22 @@ fn train(a: TrainArgs) -> Result<()> {
         crate::ranks::finish_within(m, Duration::from_secs_f64(a.run.peer_timeout));
     }
     reported
+}
+
+/// The run header's line for a wgpu device, and what its first step does (Mesa's lavapipe, a
+/// Vulkan device on the CPU, names itself `llvmpipe`).
+fn device_lines(name: &str) -> (String, String) {
+    let lavapipe = name.contains("llvmpipe");
+    let what = match lavapipe {
+        true => "Mesa's lavapipe, a Vulkan device on the CPU: a correctness target, not a fast one",
+        false => "through wgpu",
+    };
+    let line = format!("device: {name} ({what}); the model's operations run there, step 1 first compiles its shaders");
+    let first = match lavapipe {
+        true => "compiling shaders (about 100 s on lavapipe)",
+        false => "compiling shaders",
+    };
+    (line, first.to_string())
 }
 
 /// A generated plan's step fits the data, checked before any collective: every rank finds the
@@ -517,9 +559,14 @@ fn fits_a_step(
 }
 
 /// Starts `--device wgpu`'s device (the CPU needs no start), or says plainly why it did not.
-fn start_device(a: &TrainArgs) -> Result<()> {
+/// Without a desktop session Mesa's Vulkan drivers print `error: XDG_RUNTIME_DIR is invalid or
+/// not set` as the device starts: the root says first that it is harmless.
+fn start_device(a: &TrainArgs, root: bool) -> Result<()> {
     if a.run.device != DeviceKind::Wgpu {
         return Ok(());
+    }
+    if root && std::env::var_os("XDG_RUNTIME_DIR").is_none() {
+        eprintln!("starting the wgpu device: with no desktop session Mesa's Vulkan drivers print \"error: XDG_RUNTIME_DIR is invalid or not set\"; harmless, training opens no window");
     }
     pipewright_runtime::backend::start_device().map_err(|e| {
         BadInput(format!(

@@ -6,6 +6,9 @@ use pipewright_runtime::train::{Fanout, MetricsFile, RunSink, RunStart, StepRow,
 
 /// The CLI's sink: the log on stderr, a progress bar on a terminal, and the metrics writers
 /// the flags ask for (the runtime's, which a library user plugs in the same way).
+/// The progress bar's look once steps are running.
+const BAR: &str = "{bar:30} {pos}/{len} {msg} ETA {eta}";
+
 pub(super) struct Progress {
     bar: indicatif::ProgressBar,
     /// `--metrics` and `--tensorboard` (the root only).
@@ -17,6 +20,9 @@ pub(super) struct Progress {
     pub(super) placement: Option<String>,
     /// How the plan was made, where a search made it (the root only).
     pub(super) plan_note: Option<String>,
+    /// What the first step does besides training, shown with a spinner until it ends (a GPU
+    /// compiling its shaders: a minute or more of nothing otherwise).
+    pub(super) first_step: Option<String>,
 }
 
 impl Progress {
@@ -35,10 +41,7 @@ impl Progress {
             }
             (true, _) => indicatif::ProgressBar::new(0),
         };
-        bar.set_style(
-            indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} ETA {eta}")
-                .expect("template"),
-        );
+        bar.set_style(indicatif::ProgressStyle::with_template(BAR).expect("template"));
         let mut files = Fanout::default();
         if root {
             if let Some(f) = &a.run.metrics {
@@ -54,6 +57,7 @@ impl Progress {
             log_every: (root && !terminal).then_some(a.run.log_every),
             placement: None,
             plan_note: None,
+            first_step: None,
         }
     }
 }
@@ -67,6 +71,15 @@ impl RunSink for Progress {
         self.files.start(s)?;
         self.bar.set_length(s.steps);
         self.bar.set_position(s.step);
+        if let Some(what) = &self.first_step {
+            self.bar.set_style(
+                indicatif::ProgressStyle::with_template("{spinner} {pos}/{len} {msg} {elapsed}")
+                    .expect("template"),
+            );
+            self.bar.set_message(what.clone());
+            self.bar
+                .enable_steady_tick(std::time::Duration::from_millis(200));
+        }
         Ok(())
     }
 
@@ -80,6 +93,11 @@ impl RunSink for Progress {
 
     fn step(&mut self, row: &StepRow) -> pipewright_runtime::error::Result<()> {
         self.files.step(row)?;
+        if self.first_step.take().is_some() {
+            self.bar.disable_steady_tick();
+            self.bar
+                .set_style(indicatif::ProgressStyle::with_template(BAR).expect("template"));
+        }
         let acc = row
             .last_accuracy
             .map_or(String::new(), |a| format!(" acc {a:.3}"));
