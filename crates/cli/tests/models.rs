@@ -1352,3 +1352,45 @@ fn profile_ops_breaks_down_a_llama_block() {
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("gpt and llama"), "{err}");
 }
+
+/// `profile` (and `plan --model`) measure a bare encoder, a `BertModel` directory with no task
+/// head, with a 2-class classifier, and say so; they refused the directory before.
+#[test]
+fn profile_measures_a_bare_encoder_with_a_classifier() {
+    let src =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../runtime/tests/fixtures/hf/bert-classify");
+    let dir = fresh_dir("models-bare-bert");
+    let bare = dir.join("bare");
+    std::fs::create_dir_all(&bare).unwrap();
+    let tensors: Tensors = read(&src.join("model.safetensors"))
+        .into_iter()
+        .filter(|(n, _)| !n.starts_with("classifier."))
+        .map(|(n, t)| (n.strip_prefix("bert.").unwrap_or(&n).to_string(), t))
+        .collect();
+    write(&bare.join("model.safetensors"), &tensors);
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    config["architectures"] = serde_json::json!(["BertModel"]);
+    std::fs::write(bare.join("config.json"), config.to_string()).unwrap();
+    let out = dir.join("p.toml");
+    let args = [
+        "profile",
+        "--model",
+        bare.to_str().unwrap(),
+        "--seq-len",
+        "8",
+    ];
+    let o = pw(&[
+        &args[..],
+        &["--repeats", "1", "--out", out.to_str().unwrap()],
+    ]
+    .concat());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("a bare bert encoder: measured with a 2-class classification head"),
+        "{err}"
+    );
+    let profile = std::fs::read_to_string(&out).unwrap();
+    assert_eq!(profile.matches("[[layers]]").count(), 5, "{profile}");
+}

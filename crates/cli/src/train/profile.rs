@@ -43,6 +43,7 @@ pub fn model_to_measure(
     if let Some(t) = seq_len {
         model.seq_len = t;
     }
+    model = with_a_head(model);
     model.check()?;
     if rows == 0 || repeats == 0 || repeats > 1000 {
         return Err(BadInput(format!(
@@ -58,6 +59,20 @@ pub fn model_to_measure(
     .check()
     .map_err(|e| BadInput(format!("--rows {rows}: {e}")))?;
     Ok(model)
+}
+
+/// A bare encoder (a `BertModel` or `ViTModel` directory) has no head until a task gives it
+/// one: it is measured with a 2-class classifier, whose cost is small beside the blocks'.
+fn with_a_head(model: ModelConfig) -> ModelConfig {
+    use pipewright_runtime::model::{registry, TaskHead};
+    if model.head.is_some() || !registry::spec(model.family).task_only {
+        return model;
+    }
+    eprintln!(
+        "a bare {} encoder: measured with a 2-class classification head (fine-tuning gives it its task's)",
+        model.family.name()
+    );
+    model.with_head(Some(TaskHead::Classify { classes: 2 }))
 }
 
 pub fn cmd_profile(a: ProfileArgs) -> Result<()> {
