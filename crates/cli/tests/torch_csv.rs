@@ -29,41 +29,43 @@ fn torch() -> Option<String> {
     ok.then_some(python)
 }
 
-#[test]
-fn torch_accepts_1f1b_and_zbh1_exports() {
+/// `kind` on 4 ranks and 8 micro-batches exported as torch-csv, then read and validated by
+/// torch with `stages` stages: torch's stage -> rank map, or a failure naming `kind`.
+fn torch_reads(python: &str, dir: &std::path::Path, kind: &str, stages: usize) -> String {
+    let args = ["schedule", "--schedule", kind, "--stages", "4"];
+    let o = pw(&[&args[..], &["--microbatches", "8", "--format", "torch-csv"]].concat());
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let f = dir.join(format!("{kind}.csv"));
+    std::fs::write(&f, &o.stdout).unwrap();
+    let r = Command::new(python)
+        .args(["-c", CHECK, f.to_str().unwrap(), &stages.to_string(), "8"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert!(r.status.success(), "{kind}: {err}");
+    String::from_utf8_lossy(&r.stdout).trim().to_string()
+}
+
+/// A fresh directory for the exports, or None (said) where torch is not importable.
+fn setup(tag: &str) -> Option<(String, std::path::PathBuf)> {
     let Some(python) = torch() else {
         eprintln!("skipped: torch is not importable (set PIPEWRIGHT_TORCH_PYTHON to a Python that has it)");
+        return None;
+    };
+    let dir = std::env::temp_dir().join(format!("pw-torch-csv-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    Some((python, dir))
+}
+
+#[test]
+fn torch_accepts_1f1b_and_zbh1_exports() {
+    let Some((python, dir)) = setup("single") else {
         return;
     };
-    let dir = std::env::temp_dir().join(format!("pw-torch-csv-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
     for kind in ["1f1b", "zbh1", "gpipe"] {
-        let o = pw(&[
-            "schedule",
-            "--schedule",
-            kind,
-            "--stages",
-            "4",
-            "--microbatches",
-            "8",
-            "--format",
-            "torch-csv",
-        ]);
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        let f = dir.join(format!("{kind}.csv"));
-        std::fs::write(&f, &o.stdout).unwrap();
-        let r = Command::new(&python)
-            .args(["-c", CHECK, f.to_str().unwrap(), "4", "8"])
-            .output()
-            .unwrap();
-        let out = String::from_utf8_lossy(&r.stdout);
-        assert!(
-            r.status.success(),
-            "{kind}: {}",
-            String::from_utf8_lossy(&r.stderr)
-        );
         // Stage s on rank s.
-        assert_eq!(out.trim(), "{0: 0, 1: 1, 2: 2, 3: 3}", "{kind}");
+        let map = torch_reads(&python, &dir, kind, 4);
+        assert_eq!(map, "{0: 0, 1: 1, 2: 2, 3: 3}", "{kind}");
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -72,12 +74,9 @@ fn torch_accepts_1f1b_and_zbh1_exports() {
 /// and validate in torch with each stage on the rank pipewright put it on.
 #[test]
 fn torch_accepts_the_multi_stage_exports() {
-    let Some(python) = torch() else {
-        eprintln!("skipped: torch is not importable (set PIPEWRIGHT_TORCH_PYTHON to a Python that has it)");
+    let Some((python, dir)) = setup("multi") else {
         return;
     };
-    let dir = std::env::temp_dir().join(format!("pw-torch-csv-multi-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
     let looped = "{0: 0, 1: 1, 2: 2, 3: 3, 4: 0, 5: 1, 6: 2, 7: 3}";
     let v = "{0: 0, 1: 1, 2: 2, 3: 3, 4: 3, 5: 2, 6: 1, 7: 0}";
     for (kind, want) in [
@@ -87,18 +86,7 @@ fn torch_accepts_the_multi_stage_exports() {
         ("zbv", v),
         ("dualpipev", v),
     ] {
-        let args = ["schedule", "--schedule", kind, "--stages", "4"];
-        let o = pw(&[&args[..], &["--microbatches", "8", "--format", "torch-csv"]].concat());
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        let f = dir.join(format!("{kind}.csv"));
-        std::fs::write(&f, &o.stdout).unwrap();
-        let r = Command::new(&python)
-            .args(["-c", CHECK, f.to_str().unwrap(), "8", "8"])
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&r.stderr);
-        assert!(r.status.success(), "{kind}: {err}");
-        assert_eq!(String::from_utf8_lossy(&r.stdout).trim(), want, "{kind}");
+        assert_eq!(torch_reads(&python, &dir, kind, 8), want, "{kind}");
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

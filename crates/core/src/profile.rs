@@ -315,3 +315,14 @@ activation = 8
         assert!(!e.contains('\n'));
     }
 }
+
+/// `n` layers of forward 1 and backward 2, `params` bytes of weights and `activation` bytes kept
+/// each: the planners' tests' model.
+#[cfg(test)]
+pub(crate) fn uniform_layers(n: usize, params: u64, activation: u64) -> Profile {
+    let mut toml = String::from("[model]\nname = \"m\"\n");
+    for i in 0..n {
+        toml += &format!("[[layers]]\nname = \"l{i}\"\nforward = 1\nbackward = 2\nparams = {params}\nactivation = {activation}\n");
+    }
+    Profile::parse("m.toml", &toml).unwrap()
+}

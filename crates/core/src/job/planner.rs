@@ -283,17 +283,12 @@ fn explain(cands: &mut [Candidate]) {
 mod tests {
     use super::*;
 
-    fn profile(n: usize) -> Profile {
-        let mut toml = String::from("[model]\nname = \"m\"\n");
-        for i in 0..n {
-            toml += &format!("[[layers]]\nname = \"l{i}\"\nforward = 1\nbackward = 2\nparams = 4000\nactivation = 1000\n");
-        }
-        Profile::parse("m.toml", &toml).unwrap()
-    }
-
     #[test]
     fn a_fixed_depth_keeps_only_its_plans_and_their_best() {
-        let (prof, cl) = (profile(8), Cluster::uniform(4));
+        let (prof, cl) = (
+            crate::profile::uniform_layers(8, 4000, 1000),
+            Cluster::uniform(4),
+        );
         let all = search(&prof, &cl, 8).unwrap();
         for p in [1, 2, 4] {
             let at = search_depth(&prof, &cl, 8, Some(p)).unwrap();

@@ -66,8 +66,8 @@ pub struct Action {
     pub mb: usize,
     /// This forward and the worker's next action (a backward of another micro-batch) are one
     /// overlapped pair, torch's `OVERLAP_F_B` (DualPipe's F&B overlap). The pair computes one
-    /// half after the other; what the point of the pair is, is that each half's transfers
-    /// travel while the other half computes (`validate` checks the pair's form).
+    /// half after the other; each half's transfers travel while the other half computes
+    /// (`validate` checks the pair's form).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub overlap: bool,
 }
@@ -79,6 +79,15 @@ impl Action {
             stage,
             mb,
             overlap: false,
+        }
+    }
+    /// A grid cell or timeline label: `F3`, or `F3s5` with the stage; an overlapped forward
+    /// ends in `+` (it and the next cell are one pair).
+    pub fn cell(&self, with_stage: bool) -> String {
+        let pair = if self.overlap { "+" } else { "" };
+        match with_stage {
+            true => format!("{}{}s{}{pair}", self.op.as_str(), self.mb, self.stage),
+            false => format!("{}{}{pair}", self.op.as_str(), self.mb),
         }
     }
     /// This forward, overlapped with the action that follows it on its worker.
@@ -436,15 +445,7 @@ impl Plan {
     /// worker holds several stages.
     pub fn grid(&self) -> String {
         let multi = self.multi_stage();
-        // An overlapped forward is marked `+`: it and the next cell are one pair.
-        let cell = |a: &Action| {
-            let pair = if a.overlap { "+" } else { "" };
-            if multi {
-                format!("{}{}s{}{pair}", a.op.as_str(), a.mb, a.stage)
-            } else {
-                format!("{}{}{pair}", a.op.as_str(), a.mb)
-            }
-        };
+        let cell = |a: &Action| a.cell(multi);
         let steps = self.workers.iter().map(Vec::len).max().unwrap_or(0);
         let width = self
             .workers

@@ -475,11 +475,7 @@ mod tests {
     use crate::plan::validate::validate;
 
     fn profile(n: usize) -> Profile {
-        let mut toml = String::from("[model]\nname = \"m\"\n");
-        for i in 0..n {
-            toml += &format!("[[layers]]\nname = \"l{i}\"\nforward = 1\nbackward = 2\nparams = 4000000\nactivation = 100000\n");
-        }
-        Profile::parse("m.toml", &toml).unwrap()
+        crate::profile::uniform_layers(n, 4_000_000, 100_000)
     }
 
     #[test]

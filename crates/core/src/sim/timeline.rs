@@ -216,8 +216,6 @@ impl Timeline {
             )?;
         }
         for a in &self.actions {
-            // An overlapped forward is named `F3+`, as in the plan's grid.
-            let pair = if a.action.overlap { "+" } else { "" };
             let mut args =
                 json!({"op": a.action.op.as_str(), "stage": a.action.stage, "mb": a.action.mb});
             if a.action.overlap {
@@ -227,7 +225,7 @@ impl Timeline {
                 w,
                 json!({
                     "ph": "X", "pid": 0, "tid": a.worker, "cat": a.action.op.as_str(),
-                    "name": format!("{}{}{pair}", a.action.op.as_str(), a.action.mb),
+                    "name": a.action.cell(false),
                     "ts": a.start * US, "dur": (a.end - a.start) * US,
                     "args": args,
                 }),
@@ -536,12 +534,7 @@ impl Timeline {
                 a.end
             );
             let label = match stages_of.get(a.worker).is_some_and(|set| set.len() > 1) {
-                true => format!(
-                    "{}{}s{}{pair}",
-                    a.action.op.as_str(),
-                    a.action.mb,
-                    a.action.stage
-                ),
+                true => a.action.cell(true),
                 false => format!("{}{pair}", a.action.mb),
             };
             let fs = 10.0f64.min(bar_h * 0.6);
