@@ -225,6 +225,17 @@ impl Profile {
     }
 }
 
+/// `n` layers of forward 1 and backward 2, `params` bytes of weights and `activation` bytes kept
+/// each: the planners' tests' model.
+#[cfg(test)]
+pub(crate) fn uniform_layers(n: usize, params: u64, activation: u64) -> Profile {
+    let mut toml = String::from("[model]\nname = \"m\"\n");
+    for i in 0..n {
+        toml += &format!("[[layers]]\nname = \"l{i}\"\nforward = 1\nbackward = 2\nparams = {params}\nactivation = {activation}\n");
+    }
+    Profile::parse("m.toml", &toml).unwrap()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -314,15 +325,4 @@ activation = 8
         assert!(e.starts_with("p.toml: line 1"), "{e}");
         assert!(!e.contains('\n'));
     }
-}
-
-/// `n` layers of forward 1 and backward 2, `params` bytes of weights and `activation` bytes kept
-/// each: the planners' tests' model.
-#[cfg(test)]
-pub(crate) fn uniform_layers(n: usize, params: u64, activation: u64) -> Profile {
-    let mut toml = String::from("[model]\nname = \"m\"\n");
-    for i in 0..n {
-        toml += &format!("[[layers]]\nname = \"l{i}\"\nforward = 1\nbackward = 2\nparams = {params}\nactivation = {activation}\n");
-    }
-    Profile::parse("m.toml", &toml).unwrap()
 }
